@@ -1,0 +1,1 @@
+"""Profiles shipped with specchat (TOML files in this folder, installed as `specchat.profiles`)."""

@@ -1,0 +1,110 @@
+"""Conversations as text on one side and token ids on the other.
+
+The engine sees only token ids. This module turns a list of chat messages into the prompt ids
+through the model's own chat template, names the tokens that end a turn, and turns generated
+ids back into text incrementally for streaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Special tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Phi,
+# Gemma, plain EOS). Only those present in a tokenizer's vocabulary are used.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>", "</s>",
+)
+
+
+class TemplateError(ValueError):
+    """The tokenizer cannot format a conversation."""
+
+
+@dataclass
+class Conversation:
+    """The messages of one chat, oldest first, as `{"role", "content"}` dicts."""
+
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+
+    def as_messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def add_user(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+
+    def add_assistant(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+
+
+class ChatFormat:
+    """The chat template and end-of-turn tokens of one tokenizer."""
+
+    def __init__(self, tokenizer, extra_stop_ids: tuple[int, ...] = ()):
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError(
+                "the model's tokenizer has no chat template; specchat needs an instruct/chat model"
+            )
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        stop = {vocab[name] for name in END_OF_TURN_TOKENS if name in vocab}
+        if tokenizer.eos_token_id is not None:
+            stop.add(tokenizer.eos_token_id)
+        self.stop_ids = frozenset(stop | set(extra_stop_ids))
+        if not self.stop_ids:
+            raise TemplateError("the tokenizer names no end-of-sequence token, so a reply could never end")
+
+    def prompt_ids(self, conversation: Conversation) -> list[int]:
+        """Token ids of the conversation followed by the start of an assistant reply."""
+        return list(
+            self.tokenizer.apply_chat_template(
+                conversation.as_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+
+    def decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self.tokenizer, self.stop_ids)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of generated ids into text pieces, as they become printable.
+
+    Byte-level tokenizers split multi-byte characters across tokens; a piece is held back while
+    it ends in an incomplete character (decoded as U+FFFD) and released once it is whole.
+    """
+
+    # Re-decode at most this many tokens before the unreleased ones, so the cost per token stays flat
+    # while still giving the tokenizer the left context it needs to place spaces correctly.
+    CONTEXT_TOKENS = 6
+
+    def __init__(self, tokenizer, skip_ids: frozenset[int]):
+        self.tokenizer = tokenizer
+        self.skip_ids = skip_ids
+        self.ids: list[int] = []
+        self.released = 0  # ids[:released] have been turned into text already
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.skip_ids], skip_special_tokens=False)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add new ids; return the newly printable text (possibly empty)."""
+        self.ids.extend(token_ids)
+        start = max(0, self.released - self.CONTEXT_TOKENS)
+        before = self._decode(self.ids[start : self.released])
+        after = self._decode(self.ids[start:])
+        if after.endswith("\ufffd") or not after.startswith(before):
+            return ""
+        self.released = len(self.ids)
+        piece = after[len(before) :]
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Release whatever is held back (even an incomplete character); `text` is then exact."""
+        full = self._decode(self.ids)
+        piece = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.released = len(self.ids)
+        self.text = full
+        return piece

@@ -1,0 +1,197 @@
+"""The `specchat` command line: `chat`, `run` and friends.
+
+Exit status: 0 success; 1 a runtime error (a model or head that cannot be loaded, a prompt
+longer than the context, ...); 2 a usage error (bad option, profile or prompt file); 130
+interrupted. Errors are one line on stderr, never a traceback (set SPECCHAT_DEBUG=1 for one).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from specchat import settings as settings_mod
+from specchat.inputs import InputError
+from specchat.settings import FIELDS, ProfileError, Settings
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class CommandError(click.ClickException):
+    """A one-line error with the exit status it should produce."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_RUNTIME):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(f"specchat: error: {self.format_message()}", err=True)
+
+
+def settings_options(command):
+    """Add one option per setting (with its SPECCHAT_* environment variable) plus --profile."""
+    for name in reversed(list(FIELDS)):
+        meta = FIELDS[name].metadata
+        flag = "--" + name.replace("_", "-")
+        kind = settings_mod.field_type(name)
+        if kind is bool:
+            option = click.option(f"{flag}/--no-{flag[2:]}", default=None, envvar=settings_mod.env_name(name),
+                                  help=meta["help"])
+        else:
+            click_type = click.Choice(meta["choices"]) if meta["choices"] else kind
+            option = click.option(flag, type=click_type, default=None, envvar=settings_mod.env_name(name),
+                                  help=meta["help"], show_envvar=False)
+        command = option(command)
+    return click.option("--profile", envvar="SPECCHAT_PROFILE",
+                        help="Profile name or .toml path (default: the 'default' profile).")(command)
+
+
+def resolve_settings(options: dict) -> tuple[Settings, str]:
+    try:
+        return settings_mod.resolve({k: options.get(k) for k in FIELDS}, options.get("profile"))
+    except ProfileError as error:
+        raise CommandError(str(error), EXIT_USAGE) from error
+
+
+def build_session(settings: Settings):
+    """Load the target (and the method's drafter) and open a chat session."""
+    from specchat.chat import ChatFormat, TemplateError
+    from specchat.engine import Engine, GenerationSettings
+    from specchat.sampling import SamplingParams, make_generator
+    from specchat.session import ChatSession
+    from specchat.target import ModelLoadError, ModelSpec, load_target
+
+    if settings.method != "vanilla":
+        raise CommandError(
+            f"--method {settings.method} is not available in this version (it needs a draft head and the "
+            "speculative engine); use --method vanilla", EXIT_USAGE)
+    try:
+        sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
+    except ValueError as error:
+        raise CommandError(str(error), EXIT_USAGE) from error
+    if settings.max_new_tokens < 1:
+        raise CommandError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}", EXIT_USAGE)
+    spec = ModelSpec(model=settings.model, gguf_file=settings.gguf_file, dtype=settings.dtype,
+                     device=settings.device, quantize=settings.quantize,
+                     trust_remote_code=settings.trust_remote_code)
+    try:
+        target = load_target(spec)
+        chat_format = ChatFormat(target.tokenizer)
+    except (ModelLoadError, TemplateError) as error:
+        raise CommandError(str(error)) from error
+    generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
+                                    stop_ids=chat_format.stop_ids)
+    engine = Engine(target)
+    rng = make_generator(settings.seed, target.device)
+    return ChatSession(engine, chat_format, generation, rng, system=settings.system)
+
+
+def stats_line(stats) -> str:
+    parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s", f"τ {stats.tau:.2f}"]
+    if stats.acceptance_rate is not None:
+        parts.append(f"acceptance {stats.acceptance_rate:.0%}")
+    parts.append(f"prefill {stats.prefill_seconds:.2f}s")
+    return " · ".join(parts)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="specchat")
+def cli():
+    """Chat with a local LLM, faster, through lossless speculative decoding."""
+
+
+@cli.command()
+@settings_options
+def chat(**options):
+    """Chat in the terminal; with a pipe on stdin, answer what it holds and exit."""
+    settings, _ = resolve_settings(options)
+    if not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise CommandError("empty prompt (stdin held no text)", EXIT_USAGE)
+        session = build_session(settings)
+        answer_once(session, prompt)
+        return
+    from specchat.repl import run_repl
+
+    run_repl(lambda: build_session(settings), settings.model)
+
+
+def answer_once(session, prompt: str) -> None:
+    from specchat.engine import ContextLengthError
+
+    try:
+        for event in session.reply(prompt):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    except ContextLengthError as error:
+        raise CommandError(str(error)) from error
+    sys.stdout.write("\n")
+    click.echo(stats_line(session.last_stats), err=True)
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default="-",
+              help="Where the records go (default: stdout).")
+@settings_options
+def run(inputs, output, **options):
+    """Answer prompt files (.txt, .jsonl, or - for stdin); one JSON record per line of input."""
+    from specchat.inputs import read_prompts
+
+    settings, _ = resolve_settings(options)
+    try:
+        records = read_prompts(list(inputs) or ["-"])
+    except InputError as error:
+        raise CommandError(str(error), EXIT_USAGE) from error
+    session = build_session(settings)
+    failures = 0
+    with click.open_file(output, "w", encoding="utf-8", atomic=False) as sink:
+        for record in records:
+            result = answer_record(session, record, settings)
+            if result is None:
+                failures += 1
+                continue
+            sink.write(json.dumps(result, ensure_ascii=False) + "\n")
+            sink.flush()  # records are written as they complete, so a failure later loses nothing
+    if failures:
+        raise CommandError(f"{failures} of {len(records)} prompts failed (see above)")
+
+
+def answer_record(session, record, settings: Settings) -> dict | None:
+    """Answer every turn of one prompt record in a fresh conversation; None if it failed."""
+    from specchat.engine import ContextLengthError
+
+    session.conversation.system = record.system if record.system is not None else settings.system
+    session.clear()
+    session.conversation.messages.extend(record.history)
+    turns = []
+    for prompt in record.turns:
+        try:
+            text = "".join(event.text for event in session.reply(prompt))
+        except ContextLengthError as error:
+            click.echo(f"specchat: error: {record.where}: {error}", err=True)
+            return None
+        turns.append({"prompt": prompt, "response": text, **session.last_stats.record()})
+    return {"id": record.id, "category": record.category, "method": settings.method,
+            "model": settings.model, "draft": settings.draft, "turns": turns}
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, standalone_mode=False, prog_name="specchat")
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        click.echo("", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        sys.stderr.close()  # the reader went away (e.g. `| head`); nothing left to say
+        sys.exit(EXIT_RUNTIME)

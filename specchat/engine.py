@@ -1,0 +1,230 @@
+"""The generation engine: token ids in, token ids out. It knows nothing of text or terminals.
+
+Three thin layers, bottom up:
+
+1. `Engine.decode_step` (plain decoding) and `Engine.speculative_step` (one draft → verify →
+   accept → compact cycle) each produce a `StepResult`.
+2. `Engine.generate` streams the `StepResult`s of one reply: prefill, then steps, until an
+   end-of-turn token, the token budget or the context limit.
+3. `specchat.session` adds text, conversations and statistics; the CLI consumes only that.
+
+The engine owns the target's KV cache and the list of token ids it holds (`context_ids`), and
+changes both only through explicit trims and compactions. A new reply reuses the longest cached
+prefix of its prompt, so multi-turn chat does not recompute the conversation, and a reply that was
+interrupted (Ctrl-C) leaves nothing half-done behind: the `finally` in `generate` trims every cache
+back to the committed tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specchat.cache import KVCache
+from specchat.sampling import SamplingParams, sample, target_probs
+from specchat.target import Target
+
+# Long prompts are prefilled in pieces of this many tokens, which bounds the size of the
+# attention mask and scores without changing the result.
+PREFILL_CHUNK = 512
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit in the model's context."""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What one reply may do: how many tokens, how they are drawn, what ends it."""
+
+    max_new_tokens: int = 512
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class StepResult:
+    """What one engine step produced.
+
+    Attributes:
+        tokens: the new token ids, in order (a final end-of-turn token included).
+        drafted: per token, True if it was a draft token the target accepted, False if the target
+            produced it itself (the prefill token, a bonus token or a correction).
+        seconds: wall time of the step.
+        target_forwards: target forward passes spent (one per step; the prefill counts as one).
+        draft_seconds / verify_seconds: the drafting and the verification part of `seconds`.
+        draft_tokens: draft tokens the target verified in this step (the tree size).
+        finish_reason: "stop" (end-of-turn token), "length" (token budget or context full), or
+            None while the reply goes on.
+        prefill: True for the first step of a reply (prompt processing plus the first token).
+        cycle: the draft tree and what was accepted (`specchat.tree.Cycle`), for traces and /tree.
+    """
+
+    tokens: list[int]
+    drafted: list[bool]
+    seconds: float
+    target_forwards: int = 1
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_tokens: int = 0
+    finish_reason: str | None = None
+    prefill: bool = False
+    cycle: object | None = None
+
+
+class Proposer(Protocol):
+    """A source of draft tokens: a draft head, a small draft model, or n-gram lookup.
+
+    The engine tells a proposer which context tokens are committed (`observe`) and when the
+    context shrinks (`rewind`); the proposer keeps whatever state it needs in step with that.
+    """
+
+    #: Hidden-state indices of the target the proposer consumes (see `Target.forward`), or None.
+    feature_layers: tuple[int, ...] | None
+
+    def rewind(self, length: int) -> int:
+        """Forget everything about context positions >= `length`.
+
+        Returns the number of leading positions it can still continue from; the engine re-runs
+        the target from there so the proposer sees those positions' features again.
+        """
+
+    def observe(self, tokens: list[int], features: torch.Tensor | None) -> None:
+        """Newly committed context tokens (and the target's features at their positions)."""
+
+    def propose(self, root: int, settings: GenerationSettings, room: int):
+        """A draft (`specchat.tree.DraftTree`) of at most `room` tokens growing from `root`, the
+        newest token, which is not yet in the context."""
+
+
+class Engine:
+    """Generates replies from a target model, optionally speculating with a proposer."""
+
+    def __init__(self, target: Target, proposer: Proposer | None = None):
+        self.target = target
+        self.proposer = proposer
+        self.cache = KVCache()
+        self.context_ids: list[int] = []  # exactly the tokens whose keys/values `cache` holds
+
+    # -- cache bookkeeping -------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop all cached state (a new conversation)."""
+        self._rewind(0)
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        self.proposer = proposer
+        self._rewind(len(self.context_ids))  # the new proposer has seen nothing of the context yet
+
+    def _rewind(self, length: int) -> int:
+        """Shrink the committed context to at most `length` tokens; return the new length."""
+        length = min(length, len(self.context_ids))
+        if self.proposer is not None:
+            length = min(length, self.proposer.rewind(length))
+        self.cache.trim(min(length, self.cache.length))
+        del self.context_ids[length:]
+        return length
+
+    def _sync(self) -> None:
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+
+    # -- the layers ----------------------------------------------------------------------------
+
+    def generate(
+        self, prompt_ids: list[int], settings: GenerationSettings, rng: torch.Generator | None = None
+    ) -> Iterator[StepResult]:
+        """Stream the steps of one reply to `prompt_ids` (the whole conversation so far).
+
+        Raises:
+            ContextLengthError: the prompt leaves no room for a reply in the model's context.
+        """
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        room = self.target.max_context - len(prompt_ids)
+        if room < 1:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context holds {self.target.max_context}"
+            )
+        budget = min(settings.max_new_tokens, room)
+        try:
+            step = self.prefill(prompt_ids, settings, rng)
+            produced = 0
+            while True:
+                produced += self._finish(step, settings, budget - produced)
+                yield step
+                if step.finish_reason:
+                    return
+                root = step.tokens[-1]
+                if self.proposer is None:
+                    step = self.decode_step(root, settings, rng)
+                else:
+                    room = min(budget - produced, self.target.max_context - len(self.context_ids) - 1)
+                    step = self.speculative_step(root, settings, rng, room)
+        finally:
+            # A consumer that stops early (Ctrl-C) or an error mid-step must not leave half-updated caches.
+            self._rewind(len(self.context_ids))
+
+    @staticmethod
+    def _finish(step: StepResult, settings: GenerationSettings, left: int) -> int:
+        """Cut a step's tokens at the first end-of-turn token or the budget; return how many remain."""
+        for index, token in enumerate(step.tokens[:left]):
+            if token in settings.stop_ids:
+                del step.tokens[index + 1 :], step.drafted[index + 1 :]
+                step.finish_reason = "stop"
+                return len(step.tokens)
+        if len(step.tokens) >= left:
+            del step.tokens[left:], step.drafted[left:]
+            step.finish_reason = "length"
+        return len(step.tokens)
+
+    def prefill(self, prompt_ids: list[int], settings: GenerationSettings, rng) -> StepResult:
+        """Process the uncached part of the prompt and draw the first reply token."""
+        start = time.perf_counter()
+        shared = 0
+        for cached, new in zip(self.context_ids, prompt_ids):
+            if cached != new:
+                break
+            shared += 1
+        # At least one prompt token must run through the target to give the next-token logits.
+        kept = self._rewind(min(shared, len(prompt_ids) - 1))
+        feature_layers = self.proposer.feature_layers if self.proposer else None
+        for chunk_start in range(kept, len(prompt_ids), PREFILL_CHUNK):
+            chunk = prompt_ids[chunk_start : chunk_start + PREFILL_CHUNK]
+            is_last = chunk_start + PREFILL_CHUNK >= len(prompt_ids)
+            out = self.target.forward(
+                torch.tensor([chunk], device=self.target.device), self.cache,
+                logits_for="last" if is_last else "none", feature_layers=feature_layers,
+            )
+            self.context_ids.extend(chunk)
+            if self.proposer is not None:
+                self.proposer.observe(chunk, out.features)
+        first = self._draw(out.logits[-1], settings.sampling, rng)
+        self._sync()
+        return StepResult(tokens=[first], drafted=[False], seconds=time.perf_counter() - start, prefill=True)
+
+    def decode_step(self, root: int, settings: GenerationSettings, rng) -> StepResult:
+        """Plain decoding: append `root` to the context and draw the token after it."""
+        start = time.perf_counter()
+        out = self.target.forward(torch.tensor([[root]], device=self.target.device), self.cache, logits_for="last")
+        self.context_ids.append(root)
+        token = self._draw(out.logits[-1], settings.sampling, rng)
+        self._sync()
+        return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start)
+
+    def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
+        raise NotImplementedError("speculative decoding arrives with the speculative engine")
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, sampling: SamplingParams, rng) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        return sample(target_probs(logits, sampling), rng)

@@ -1,0 +1,157 @@
+"""Every user-facing setting, declared once, and how profiles, environment and flags combine.
+
+Each field of `Settings` carries its profile location (section, key), its help text and its
+choices. From that one declaration come the TOML profile schema, the command-line options
+(`--name`), the environment variables (`SPECCHAT_NAME`) and the man-page coverage test.
+
+Precedence, highest first: command line > environment > profile > the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from specchat.embedded import DEFAULT_MODEL
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_PROFILE = "default"
+ENV_PREFIX = "SPECCHAT_"
+
+
+def _setting(default, section: str, key: str, help: str, choices: tuple[str, ...] | None = None):
+    return field(default=default, metadata={"section": section, "key": key, "help": help, "choices": choices})
+
+
+@dataclass
+class Settings:
+    """The resolved settings of one command."""
+
+    # [model]
+    model: str = _setting(DEFAULT_MODEL, "model", "path",
+                          "Target model: an embedded model name, a .gguf file, a Hugging Face folder or a hub id.")
+    gguf_file: str | None = _setting(None, "model", "gguf_file", "GGUF file inside the --model folder or hub repo.")
+    dtype: str = _setting("auto", "model", "dtype",
+                          "Weights and compute dtype (auto: bf16 on a CPU with bf16 support or on CUDA, else float32).",
+                          ("auto", "bfloat16", "float16", "float32"))
+    device: str = _setting("auto", "model", "device", "Device: auto, cpu, cuda or cuda:N.")
+    quantize: str = _setting("none", "model", "quantize", "Load the target 8-bit or 4-bit with bitsandbytes.",
+                             ("none", "8bit", "4bit"))
+    trust_remote_code: bool = _setting(False, "model", "trust_remote_code",
+                                       "Allow model code from the model's repository to run (off unless asked).")
+    # [draft]
+    draft: str | None = _setting(None, "draft", "path",
+                                 "Draft head folder or hub id (EAGLE, EAGLE-3, Jakiro), or a small draft model for sps.")
+    # [method]
+    method: str = _setting("vanilla", "method", "name", "Decoding method.",
+                           ("vanilla", "eagle", "eagle2", "deagle", "jakiro", "sps", "pld"))
+    # [generation]
+    temperature: float = _setting(0.0, "generation", "temperature", "Sampling temperature; 0 is greedy.")
+    top_p: float = _setting(1.0, "generation", "top_p", "Nucleus sampling: keep the smallest set of tokens with this much mass.")
+    top_k: int = _setting(0, "generation", "top_k", "Sample only among the k most likely tokens (0: no limit).")
+    max_new_tokens: int = _setting(512, "generation", "max_new_tokens", "Most tokens per reply.")
+    seed: int | None = _setting(None, "generation", "seed",
+                                "Seed the random stream once per run (successive prompts continue it).")
+    system: str | None = _setting(None, "generation", "system", "System prompt.")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_BY_LOCATION = {(f.metadata["section"], f.metadata["key"]): f for f in FIELDS.values()}
+SECTIONS = sorted({f.metadata["section"] for f in FIELDS.values()})
+_TYPES = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float, "bool": bool}
+
+
+def field_type(name: str) -> type:
+    return _TYPES[FIELDS[name].type]
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+class ProfileError(ValueError):
+    """A profile cannot be found or has a bad key or value; the message names file and key."""
+
+
+def user_profile_dir() -> Path:
+    config_home = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(config_home) / "specchat" / "profiles"
+
+
+def shipped_profiles() -> dict[str, object]:
+    return {p.name[:-5]: p for p in resources.files("specchat.profiles").iterdir() if p.name.endswith(".toml")}
+
+
+def user_profiles() -> dict[str, Path]:
+    folder = user_profile_dir()
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))} if folder.is_dir() else {}
+
+
+def find_profile(name: str):
+    """A profile by path, else by name among the user's and then the shipped profiles."""
+    path = Path(name).expanduser()
+    if name.endswith(".toml") or os.sep in name:
+        if not path.is_file():
+            raise ProfileError(f"profile file {name} does not exist")
+        return path
+    for found in (user_profiles(), shipped_profiles()):
+        if name in found:
+            return found[name]
+    known = sorted(set(user_profiles()) | set(shipped_profiles()))
+    raise ProfileError(f"no profile named {name!r} (known: {', '.join(known)}; or give a path to a .toml file)")
+
+
+def read_profile(source) -> tuple[dict, dict]:
+    """Parse and check a profile. Returns (values by setting name, other top-level keys)."""
+    label = str(source)
+    try:
+        data = tomllib.loads(source.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as error:
+        raise ProfileError(f"{label}: not valid TOML ({error})") from error
+    values, meta = {}, {}
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            if section in ("description",):
+                meta[section] = table
+                continue
+            raise ProfileError(f"{label}: unknown top-level key {section!r} (expected description or a section: {', '.join(SECTIONS)})")
+        if section not in SECTIONS:
+            raise ProfileError(f"{label}: unknown section [{section}] (expected one of {', '.join(SECTIONS)})")
+        for key, value in table.items():
+            setting = _BY_LOCATION.get((section, key))
+            if setting is None:
+                keys = sorted(k for s, k in _BY_LOCATION if s == section)
+                raise ProfileError(f"{label}: unknown key {section}.{key} (known in [{section}]: {', '.join(keys)})")
+            values[setting.name] = _check_value(label, f"{section}.{key}", setting, value)
+    return values, meta
+
+
+def _check_value(label: str, where: str, setting: dataclasses.Field, value):
+    expected = _TYPES[setting.type]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ProfileError(f"{label}: {where} must be {expected.__name__}, got {type(value).__name__} {value!r}")
+    choices = setting.metadata["choices"]
+    if choices and value not in choices:
+        raise ProfileError(f"{label}: {where} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def resolve(overrides: dict, profile: str | None = None) -> tuple[Settings, str]:
+    """Settings from defaults, then the profile, then `overrides` (flags and environment, None = unset).
+
+    Returns the settings and the name of the profile used.
+    """
+    name = profile or DEFAULT_PROFILE
+    values, _ = read_profile(find_profile(name))
+    values.update({key: value for key, value in overrides.items() if value is not None and key in FIELDS})
+    return Settings(**values), name

