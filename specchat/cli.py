@@ -63,10 +63,15 @@ def build_session(settings: Settings):
     from specchat.session import ChatSession
     from specchat.target import ModelLoadError, ModelSpec, load_target
 
-    if settings.method != "vanilla":
-        raise CommandError(
-            f"--method {settings.method} is not available in this version (it needs a draft head and the "
-            "speculative engine); use --method vanilla", EXIT_USAGE)
+    from drafters import HeadLoadError
+    from specchat.methods import METHODS, MethodError, build_proposer
+
+    if settings.method not in METHODS:
+        raise CommandError(f"--method {settings.method} is not available in this version "
+                           f"(available: {', '.join(METHODS)})", EXIT_USAGE)
+    if settings.method != "vanilla" and not settings.draft:
+        raise CommandError(f"--method {settings.method} needs a draft head: --draft FOLDER or hub id "
+                           "(EAGLE-1/2 or EAGLE-3 format)", EXIT_USAGE)
     try:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
     except ValueError as error:
@@ -83,7 +88,13 @@ def build_session(settings: Settings):
         raise CommandError(str(error)) from error
     generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
                                     stop_ids=chat_format.stop_ids)
-    engine = Engine(target)
+    try:
+        proposer = build_proposer(settings, target)
+    except MethodError as error:
+        raise CommandError(str(error), EXIT_USAGE) from error
+    except HeadLoadError as error:
+        raise CommandError(str(error)) from error
+    engine = Engine(target, proposer)
     rng = make_generator(settings.seed, target.device)
     return ChatSession(engine, chat_format, generation, rng, system=settings.system)
 
@@ -136,8 +147,10 @@ def answer_once(session, prompt: str) -> None:
 @click.argument("inputs", nargs=-1)
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default="-",
               help="Where the records go (default: stdout).")
+@click.option("--trace", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write one JSON line per draft-verify cycle (the tree and what was accepted) to this file.")
 @settings_options
-def run(inputs, output, **options):
+def run(inputs, output, trace, **options):
     """Answer prompt files (.txt, .jsonl, or - for stdin); one JSON record per line of input."""
     from specchat.inputs import read_prompts
 
@@ -148,19 +161,22 @@ def run(inputs, output, **options):
         raise CommandError(str(error), EXIT_USAGE) from error
     session = build_session(settings)
     failures = 0
+    trace_file = open(trace, "w", encoding="utf-8") if trace else None
     with click.open_file(output, "w", encoding="utf-8", atomic=False) as sink:
         for record in records:
-            result = answer_record(session, record, settings)
+            result = answer_record(session, record, settings, trace_file)
             if result is None:
                 failures += 1
                 continue
             sink.write(json.dumps(result, ensure_ascii=False) + "\n")
             sink.flush()  # records are written as they complete, so a failure later loses nothing
+    if trace_file:
+        trace_file.close()
     if failures:
         raise CommandError(f"{failures} of {len(records)} prompts failed (see above)")
 
 
-def answer_record(session, record, settings: Settings) -> dict | None:
+def answer_record(session, record, settings: Settings, trace_file=None) -> dict | None:
     """Answer every turn of one prompt record in a fresh conversation; None if it failed."""
     from specchat.engine import ContextLengthError
 
@@ -168,13 +184,21 @@ def answer_record(session, record, settings: Settings) -> dict | None:
     session.clear()
     session.conversation.messages.extend(record.history)
     turns = []
-    for prompt in record.turns:
+    for turn_index, prompt in enumerate(record.turns):
+        pieces, cycle_index = [], 0
         try:
-            text = "".join(event.text for event in session.reply(prompt))
+            for event in session.reply(prompt):
+                pieces.append(event.text)
+                if trace_file is not None and event.step.cycle is not None:
+                    line = {"id": record.id, "turn": turn_index, "cycle": cycle_index, **event.step.cycle.record()}
+                    if cycle_index == 0:
+                        line["context_ids"] = session.last_prompt_ids
+                    trace_file.write(json.dumps(line) + "\n")
+                    cycle_index += 1
         except ContextLengthError as error:
             click.echo(f"specchat: error: {record.where}: {error}", err=True)
             return None
-        turns.append({"prompt": prompt, "response": text, **session.last_stats.record()})
+        turns.append({"prompt": prompt, "response": "".join(pieces), **session.last_stats.record()})
     return {"id": record.id, "category": record.category, "method": settings.method,
             "model": settings.model, "draft": settings.draft, "turns": turns}
 

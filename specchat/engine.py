@@ -27,6 +27,8 @@ import torch
 from specchat.cache import KVCache
 from specchat.sampling import SamplingParams, sample, target_probs
 from specchat.target import Target
+from specchat.tree import Cycle, DraftTree
+from specchat.verify import accept
 
 # Long prompts are prefilled in pieces of this many tokens, which bounds the size of the
 # attention mask and scores without changing the result.
@@ -100,9 +102,9 @@ class Proposer(Protocol):
     def observe(self, tokens: list[int], features: torch.Tensor | None) -> None:
         """Newly committed context tokens (and the target's features at their positions)."""
 
-    def propose(self, root: int, settings: GenerationSettings, room: int):
-        """A draft (`specchat.tree.DraftTree`) of at most `room` tokens growing from `root`, the
-        newest token, which is not yet in the context."""
+    def propose(self, root: int, settings: GenerationSettings, max_depth: int, max_nodes: int) -> DraftTree:
+        """A draft tree growing from `root` (the newest token, not yet in the context), at most
+        `max_depth` deep and `max_nodes` large."""
 
 
 class Engine:
@@ -124,6 +126,7 @@ class Engine:
         self.proposer = proposer
         self._rewind(len(self.context_ids))  # the new proposer has seen nothing of the context yet
 
+    @torch.inference_mode()
     def _rewind(self, length: int) -> int:
         """Shrink the committed context to at most `length` tokens; return the new length."""
         length = min(length, len(self.context_ids))
@@ -186,6 +189,7 @@ class Engine:
             step.finish_reason = "length"
         return len(step.tokens)
 
+    @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], settings: GenerationSettings, rng) -> StepResult:
         """Process the uncached part of the prompt and draw the first reply token."""
         start = time.perf_counter()
@@ -211,6 +215,7 @@ class Engine:
         self._sync()
         return StepResult(tokens=[first], drafted=[False], seconds=time.perf_counter() - start, prefill=True)
 
+    @torch.inference_mode()
     def decode_step(self, root: int, settings: GenerationSettings, rng) -> StepResult:
         """Plain decoding: append `root` to the context and draw the token after it."""
         start = time.perf_counter()
@@ -220,8 +225,40 @@ class Engine:
         self._sync()
         return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start)
 
+    @torch.inference_mode()
     def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
-        raise NotImplementedError("speculative decoding arrives with the speculative engine")
+        """One cycle: draft a tree from `root`, verify it in one target forward, accept, compact.
+
+        `room` is how many tokens this step may still produce; a path of d accepted draft tokens
+        yields d + 1 (the bonus), so the tree is at most room - 1 deep.
+        """
+        start = time.perf_counter()
+        cached = len(self.context_ids)
+        if room >= 2:
+            tree = self.proposer.propose(root, settings, max_depth=room - 1,
+                                         max_nodes=self.target.max_context - cached - 1)
+        else:
+            tree = DraftTree([], [], [], [])
+        self._sync()
+        drafted = time.perf_counter()
+        ids, positions, mask = tree.verify_inputs(root, cached, self.target.device)
+        out = self.target.forward(ids, self.cache, positions=positions, mask=mask, logits_for="all",
+                                  feature_layers=self.proposer.feature_layers)
+        self._sync()
+        verified = time.perf_counter()
+        acceptance = accept(tree, out.logits, settings.sampling, rng)
+        # Compact: the root's and the accepted nodes' entries move down next to the committed prefix.
+        keep = [0] + [node + 1 for node in acceptance.path]
+        self.cache.compact(cached, torch.tensor(keep))
+        committed = [root] + [tree.tokens[node] for node in acceptance.path]
+        self.context_ids.extend(committed)
+        self.proposer.observe(committed, None if out.features is None else out.features[keep])
+        self._sync()
+        return StepResult(
+            tokens=committed[1:] + [acceptance.bonus], drafted=[True] * len(acceptance.path) + [False],
+            seconds=time.perf_counter() - start, draft_seconds=drafted - start, verify_seconds=verified - drafted,
+            draft_tokens=len(tree), cycle=Cycle(root, tree, acceptance.path, acceptance.bonus),
+        )
 
     @staticmethod
     def _draw(logits: torch.Tensor, sampling: SamplingParams, rng) -> int:

@@ -69,6 +69,11 @@ class TurnStats:
             "target_forwards": self.target_forwards,
             "prefill_seconds": round(self.prefill_seconds, 4),
             "finish_reason": self.finish_reason,
+            "accept_lengths": self.accept_lengths,
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            # accepted draft tokens / draft tokens the target verified (every tree node counts)
+            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
         }
 
 
@@ -91,6 +96,7 @@ class ChatSession:
         self.rng = rng
         self.conversation = Conversation(system=system)
         self.last_stats: TurnStats | None = None
+        self.last_prompt_ids: list[int] = []  # what the target's cache held before the latest reply
 
     def clear(self) -> None:
         self.conversation = Conversation(system=self.conversation.system)
@@ -105,7 +111,7 @@ class ChatSession:
         (Ctrl-C), the partial reply is kept and marked `"interrupted": True`.
         """
         self.conversation.add_user(user_text)
-        prompt = self.prompt_ids()
+        prompt = self.last_prompt_ids = self.prompt_ids()
         decoder = self.chat_format.decoder()
         stats = self.last_stats = TurnStats()
         finished = False

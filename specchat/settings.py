@@ -50,9 +50,20 @@ class Settings:
     # [draft]
     draft: str | None = _setting(None, "draft", "path",
                                  "Draft head folder or hub id (EAGLE, EAGLE-3, Jakiro), or a small draft model for sps.")
+    draft_kind: str | None = _setting(None, "draft", "kind",
+                                      "Expected draft format; loading fails if the head is another (default: detect).",
+                                      ("eagle", "eagle3"))
     # [method]
     method: str = _setting("vanilla", "method", "name", "Decoding method.",
                            ("vanilla", "eagle", "eagle2", "deagle", "jakiro", "sps", "pld"))
+    total_tokens: int | None = _setting(None, "method", "total_tokens",
+                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: 24).")
+    depth: int | None = _setting(None, "method", "depth",
+                                 "Most draft tokens on one tree path (EAGLE-2 paper: 6, EAGLE-3: 8; CPU default: 6).")
+    tree_top_k: int | None = _setting(None, "method", "top_k",
+                                      "Children per expanded node in the dynamic tree (papers: 10; CPU default: 6).")
+    static_tree: str | None = _setting(None, "method", "static_tree",
+                                       "EAGLE-1 static tree: a name (mc_sim_7b_63) or a JSON list of rank paths.")
     # [generation]
     temperature: float = _setting(0.0, "generation", "temperature", "Sampling temperature; 0 is greedy.")
     top_p: float = _setting(1.0, "generation", "top_p", "Nucleus sampling: keep the smallest set of tokens with this much mass.")

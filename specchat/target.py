@@ -249,28 +249,51 @@ def locate(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
 
 
 def _locate_on_hub(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
-    from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not hub_reachable()
+    hint = ""
+    if spec.model.lower().endswith("qwen2.5-coder-0.5b-instruct"):
+        hint = f"; the same model is embedded: --model {embedded.DEFAULT_MODEL}"
     try:
         if spec.gguf_file:
-            path = hf_hub_download(spec.model, spec.gguf_file, local_files_only=offline)
-            return str(gguf_folder(Path(path), dtype)), {}
-        folder = snapshot_download(
-            spec.model, local_files_only=offline,
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"],
-        )
+            return str(gguf_folder(hub_file(spec.model, spec.gguf_file, hint), dtype)), {}
+        return hub_folder(spec.model, MODEL_FILES, hint), {}
+    except HubError as error:
+        raise ModelLoadError(str(error)) from error
+
+
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
+
+
+class HubError(RuntimeError):
+    """A hub repository could not be fetched (offline and not cached, or refused)."""
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not hub_reachable()
+
+
+def hub_folder(repo: str, allow_patterns: list[str], hint: str = "") -> str:
+    """A local snapshot of a hub repository: from the hub cache when offline, else downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo, local_files_only=_hub_offline(), allow_patterns=allow_patterns)
     except LocalEntryNotFoundError as error:
-        hint = ""
-        if spec.model.lower().endswith("qwen2.5-coder-0.5b-instruct"):
-            hint = f"; the same model is embedded: --model {embedded.DEFAULT_MODEL}"
-        raise ModelLoadError(
-            f"cannot reach the Hugging Face hub to fetch {spec.model!r} and it is not in the local hub cache{hint}"
-        ) from error
+        raise HubError(f"cannot reach the Hugging Face hub to fetch {repo!r} and it is not in the local hub cache{hint}") from error
     except (HfHubHTTPError, OSError, ValueError) as error:
-        raise ModelLoadError(f"cannot fetch {spec.model!r} from the Hugging Face hub: {error}") from error
-    return folder, {}
+        raise HubError(f"cannot fetch {repo!r} from the Hugging Face hub: {error}") from error
+
+
+def hub_file(repo: str, filename: str, hint: str = "") -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, filename, local_files_only=_hub_offline()))
+    except LocalEntryNotFoundError as error:
+        raise HubError(f"cannot reach the Hugging Face hub to fetch {repo}/{filename} and it is not in the local hub cache{hint}") from error
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise HubError(f"cannot fetch {repo}/{filename} from the Hugging Face hub: {error}") from error
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,3 +98,70 @@ def load_tiny_target(path, dtype: str = "float32"):
     from specchat.target import ModelSpec, load_target
 
     return load_target(ModelSpec(model=str(path), dtype=dtype, device="cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft heads for tests
+
+
+def head_config(kind: str, **overrides):
+    from drafters.eagle import EagleConfig
+    from drafters.eagle3 import Eagle3Config
+
+    common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=TINY_VOCAB)
+    common.update(overrides)
+    return EagleConfig(**common) if kind == "eagle" else Eagle3Config(**{"draft_vocab_size": 100, **common})
+
+
+def random_head(kind: str, target, seed: int = 0, **overrides):
+    from drafters.eagle import EagleHead
+    from drafters.eagle3 import Eagle3Head
+
+    torch.manual_seed(seed)
+    config = head_config(kind, **overrides)
+    if kind == "eagle":
+        return EagleHead(config, target.embed_tokens, target.lm_head).eval()
+    head = Eagle3Head(config, target.embed_tokens)
+    if hasattr(head, "d2t"):
+        used = torch.randperm(TINY_VOCAB)[: config.draft_vocab_size].sort().values  # a draft vocabulary
+        head.d2t.copy_(used - torch.arange(config.draft_vocab_size))
+        head.t2d.zero_()[used] = True
+        head.refresh_vocab_map()
+    return head.eval()
+
+
+def bigram_model_dir(path):
+    """A target whose layers add nothing: its next token depends on the current token alone."""
+    model = build_model("qwen2", seed=5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def oracle_head(target):
+    """An EAGLE-1 head that drafts exactly the greedy choices of a `bigram_model_dir` target.
+
+    It outputs (a multiple of) the embedding of its input token; the target's LM head on it ranks
+    tokens as the target does after that token (the target's feature is the same vector, RMS-normalised).
+    """
+    from drafters.eagle import EagleHead
+
+    H = target.hidden_size
+    head = EagleHead(head_config("eagle"), target.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :H] = 100 * torch.eye(H)  # confident drafts, so dynamic trees grow deep
+        head.fc.bias.zero_()
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    return head.eval()
+
+
+@pytest.fixture(scope="session")
+def bigram_dir(tmp_path_factory):
+    return bigram_model_dir(tmp_path_factory.mktemp("tiny-bigram"))

@@ -62,7 +62,7 @@ def test_piped_chat_answers_on_stdout_and_reports_on_stderr(qwen_dir, capsys, mo
 @pytest.mark.parametrize("args,code,message", [
     (["run", "-", "--model", "/no/such/model"], 1, "no model named '/no/such/model'"),
     (["run", "-", "--model", "README.md"], 1, "is a file but not a model"),
-    (["run", "-", "--method", "eagle2"], 2, "--method eagle2 is not available"),
+    (["run", "-", "--method", "eagle2"], 2, "--method eagle2 needs a draft head"),
     (["run", "-", "--temperature", "-1"], 2, "temperature must be >= 0"),
     (["run", "-", "--profile", "nope"], 2, "no profile named 'nope'"),
 ])
@@ -72,6 +72,12 @@ def test_bad_invocations_fail_in_one_line(args, code, message, capsys, monkeypat
     got, out, err = invoke(args, capsys, stdin="question\n", monkeypatch=monkeypatch)
     assert got == code
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_missing_head_is_a_runtime_error(qwen_dir, capsys, monkeypatch):
+    args = ["run", "-", *tiny(qwen_dir), "--method", "eagle2", "--draft", "/no/such/head"]
+    code, _, err = invoke(args, capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 1 and "no draft head '/no/such/head'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_broken_and_empty_prompts_are_usage_errors(qwen_dir, tmp_path, capsys, monkeypatch):
@@ -91,3 +97,29 @@ def test_too_long_prompt_fails_but_keeps_the_other_records(qwen_dir, tmp_path, c
     assert code == 1
     assert [json.loads(line)["id"] for line in out.splitlines()] == [1, 3]
     assert "p.jsonl:2:" in err and "context holds 512" in err
+
+
+def test_speculative_run_records_and_trace(qwen_dir, tmp_path, capsys):
+    from conftest import load_tiny_target, random_head
+    from drafters import save_head
+
+    save_head(random_head("eagle3", load_tiny_target(qwen_dir)), tmp_path / "head")
+    prompts, trace = tmp_path / "q.jsonl", tmp_path / "trace.jsonl"
+    prompts.write_text(json.dumps({"question_id": 7, "turns": ["a", "b"]}) + "\n")
+    base = ["run", str(prompts), *tiny(qwen_dir)]
+    plain = json.loads(invoke(base, capsys)[1])
+    code, out, err = invoke([*base, "--method", "eagle2", "--draft", str(tmp_path / "head"), "--trace", str(trace)], capsys)
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["method"] == "eagle2" and spec["draft"] == str(tmp_path / "head")
+    for plain_turn, turn in zip(plain["turns"], spec["turns"]):
+        assert turn["response"] == plain_turn["response"]  # lossless
+        assert sum(turn["accept_lengths"]) + 1 == turn["new_tokens"]  # cycles plus the prefill token
+        assert turn["target_forwards"] == len(turn["accept_lengths"]) + 1
+        assert 0 <= turn["acceptance_rate"] <= 1 and turn["draft_seconds"] > 0 and turn["verify_seconds"] > 0
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == sum(len(t["accept_lengths"]) for t in spec["turns"])
+    first = lines[0]
+    assert (first["id"], first["turn"], first["cycle"]) == (7, 0, 0) and "context_ids" in first
+    assert "context_ids" not in lines[1]
+    assert set(first) >= {"root", "tokens", "parents", "probs", "depths", "accepted", "bonus"}

@@ -1,0 +1,133 @@
+"""EAGLE-1/2 draft head (Li et al. 2024, arXiv 2401.15077; EAGLE-2 reuses the same weights).
+
+One step: `fc` fuses the embedding of token t+1 with the target's feature at t (the final-normed
+last hidden state), one decoder layer without an input norm predicts the feature at t+1, and
+the *target's* LM head turns it into next-token logits.
+
+Checkpoint format (as published, e.g. yuhuili/EAGLE-Vicuna-7B-v1.3):
+    embed_tokens.weight                      [V, H]   optional (else the target's embedding)
+    fc.weight                                [H, 2H]  input is cat(embedding, feature)
+    fc.bias                                  [H]      when the config's "bias" is true (default)
+    layers.0.self_attn.{q,k,v}_proj.weight   (+ .bias when "qkv_bias")
+    layers.0.self_attn.o_proj.weight
+    layers.0.mlp.{gate,up,down}_proj.weight
+    layers.0.post_attention_layernorm.weight
+No input_layernorm, final norm or lm_head. Config: Llama fields + "bias", "qkv_bias".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafters.common import Attention, HeadLoadError, LayerConfig, RMSNorm, SwiGLU, load_strict, read_layer_config
+
+
+@dataclass(frozen=True)
+class EagleConfig(LayerConfig):
+    bias: bool = True  # bias of `fc`; EAGLE reads config["bias"] and assumes true when absent
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json") -> EagleConfig:
+        return cls(**read_layer_config(raw, where), bias=bool(raw.get("bias", True)))
+
+    def to_dict(self) -> dict:
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "bias": self.bias, "qkv_bias": self.qkv_bias,
+        }
+
+
+class EagleLayer(nn.Module):
+    """The decoder layer; index 0 in EAGLE skips the input norm (fc output goes straight in)."""
+
+    def __init__(self, config: LayerConfig, attention_in: int | None = None):
+        super().__init__()
+        self.self_attn = Attention(attention_in or config.hidden_size, config.hidden_size, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, config.qkv_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        h = x + self.self_attn(x, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1/2 head. Token ids in and out are target-vocabulary ids."""
+
+    kind = "eagle"
+
+    def __init__(self, config: EagleConfig, target_embed: nn.Embedding, target_lm_head: nn.Linear,
+                 own_embedding: bool = False):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        # The target's embedding is shared, not copied, unless the checkpoint brings its own.
+        self.embed_tokens = nn.Embedding(config.vocab_size, H) if own_embedding else target_embed
+        self.owns_embedding = own_embedding
+        self.fc = nn.Linear(2 * H, H, bias=config.bias)
+        self.layers = nn.ModuleList([EagleLayer(config)])
+        self.rope = config.rope
+        self._lm_head = [target_lm_head]  # a list: the target's head is used, never registered or saved
+        self.draft_to_target: torch.Tensor | None = None  # None: drafts over the whole target vocabulary
+        self._draft_weight: torch.Tensor | None = None
+
+    def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        return (num_target_layers,)  # the final normed hidden state
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Draft only over `token_ids` (e.g. the most frequent tokens): the LM head then costs a fraction.
+
+        Lossless either way, because the target verifies every draft token.
+        """
+        if token_ids is None:
+            self.draft_to_target = self._draft_weight = None
+            return
+        weight = self._lm_head[0].weight
+        self.draft_to_target = token_ids.to(weight.device)
+        self._draft_weight = weight[self.draft_to_target].contiguous()
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, cache) -> torch.Tensor:
+        """One draft step for m positions. hidden: [m, H] features; tokens, positions: [m]. Returns [m, H]."""
+        x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))[None]
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        return self.layers[0](x, cos, sin, mask, cache)[0]
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [m, draft vocab] of the token after each position."""
+        if self._draft_weight is not None:
+            logits = out @ self._draft_weight.T
+        else:
+            logits = self._lm_head[0](out)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint of this head holds (the shared target embedding is left out)."""
+        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
+
+
+def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> EagleHead:
+    config = EagleConfig.from_dict(raw_config, str(folder / "config.json"))
+    check_target_fit(config, target, source)
+    head = EagleHead(config, target.embed_tokens, target.lm_head, own_embedding="embed_tokens.weight" in state)
+    load_strict(head, state, source, optional=() if head.owns_embedding else ("embed_tokens.weight",))
+    return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+def check_target_fit(config: LayerConfig, target, source: Path, feature_size: int | None = None) -> None:
+    """Hidden size and vocabulary must be the target's, or the head's numbers mean nothing."""
+    if config.vocab_size != target.vocab_size:
+        raise HeadLoadError(f"{source}: the head's vocab_size is {config.vocab_size} but the target's is {target.vocab_size}")
+    expected = feature_size or config.hidden_size
+    if expected != target.hidden_size:
+        raise HeadLoadError(
+            f"{source}: the head expects target hidden size {expected} but the target's is {target.hidden_size}")

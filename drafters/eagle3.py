@@ -1,0 +1,152 @@
+"""EAGLE-3 draft head (Li et al. 2025, arXiv 2503.01840).
+
+The target's low, mid and high hidden states (the inputs of layers 2, L//2 and L-3) are fused by
+`fc`; one decoder layer attends over cat(norm(embedding), norm(feature)) (2H wide) and a final
+norm plus the head's own LM head predict over a reduced draft vocabulary, mapped back to target
+ids through `d2t` (target id = draft id + d2t[draft id]). Later draft steps feed the layer's own
+output back in place of the fused feature.
+
+Checkpoint format (as published, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B):
+    fc.weight                                  [H, 3*H_target]
+    midlayer.hidden_norm.weight, midlayer.input_layernorm.weight      [H]
+    midlayer.self_attn.{q,k,v}_proj.weight     [*, 2H]
+    midlayer.self_attn.o_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight
+    midlayer.post_attention_layernorm.weight, norm.weight            [H]
+    lm_head.weight                             [draft_vocab, H]
+    d2t [draft_vocab] int64, t2d [vocab] bool  (absent when draft_vocab == vocab)
+    embed_tokens.weight                        optional (else the target's embedding)
+Community checkpoints that name the layer `layers.0.*` are read through LAYER_KEY_MAP.
+Config: Llama fields + draft_vocab_size, optional target_hidden_size; rope_theta defaults to 10000.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafters.common import HeadLoadError, LayerConfig, RMSNorm, load_strict, read_layer_config
+from drafters.eagle import EagleLayer, check_target_fit
+
+# Community EAGLE-3 checkpoints (e.g. some Qwen3 heads) call the decoder layer `layers.0`.
+LAYER_KEY_MAP = {"layers.0.": "midlayer."}
+
+
+@dataclass(frozen=True)
+class Eagle3Config(LayerConfig):
+    draft_vocab_size: int = 0
+    target_hidden_size: int | None = None  # width of each captured target state; default hidden_size
+    feature_layer_ids: tuple[int, ...] | None = None  # hidden-state indices to fuse; default (2, L//2, L-3)
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json") -> Eagle3Config:
+        layer_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            **read_layer_config(raw, where),
+            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
+            target_hidden_size=raw.get("target_hidden_size"),
+            # That field counts "output of layer i"; the hidden-state index of that output is i + 1 (as SGLang reads it).
+            feature_layer_ids=tuple(i + 1 for i in layer_ids) if layer_ids else None,
+        )
+
+    def to_dict(self) -> dict:
+        out = {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "qkv_bias": self.qkv_bias,
+        }
+        if self.target_hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        return out
+
+
+class Eagle3Layer(EagleLayer):
+    """The decoder layer: attention reads cat(input_layernorm(embedding), hidden_norm(feature))."""
+
+    def __init__(self, config: LayerConfig):
+        super().__init__(config, attention_in=2 * config.hidden_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, embedded, hidden, cos, sin, mask, cache) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    kind = "eagle3"
+
+    def __init__(self, config: Eagle3Config, target_embed: nn.Embedding, own_embedding: bool = False):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, H) if own_embedding else target_embed
+        self.owns_embedding = own_embedding
+        self.fc = nn.Linear(3 * (config.target_hidden_size or H), H, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.rope = config.rope
+        if config.draft_vocab_size != config.vocab_size:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.draft_to_target: torch.Tensor | None = None
+        self.refresh_vocab_map()
+
+    def refresh_vocab_map(self) -> None:
+        """Draft index i stands for target id i + d2t[i] (identity when the vocabularies are equal)."""
+        if hasattr(self, "d2t"):
+            self.draft_to_target = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        else:
+            self.draft_to_target = None
+
+    def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        L = num_target_layers
+        return self.config.feature_layer_ids or (2, L // 2, L - 3)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, cache) -> torch.Tensor:
+        """One draft step. hidden: [m, 3*H_target] target features or [m, H] the head's own output."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)
+        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
+        return self.midlayer(self.embed_tokens(tokens)[None], hidden[None], cos, sin, mask, cache)[0]
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.lm_head(self.norm(out)).float(), dim=-1)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
+
+
+def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> Eagle3Head:
+    config = Eagle3Config.from_dict(raw_config, str(folder / "config.json"))
+    check_target_fit(config, target, source, feature_size=config.target_hidden_size or config.hidden_size)
+    state = {_map_key(key): value for key, value in state.items()}
+    head = Eagle3Head(config, target.embed_tokens, own_embedding="embed_tokens.weight" in state)
+    if config.draft_vocab_size == config.vocab_size:
+        # Equal vocabularies need no map; some checkpoints still carry an all-zero one (EAGLE issue #222).
+        for key in ("d2t", "t2d"):
+            if key in state and key == "d2t" and state[key].any():
+                raise HeadLoadError(f"{source}: d2t is not all zeros although draft and target vocabularies are equal")
+            state.pop(key, None)
+    optional = () if head.owns_embedding else ("embed_tokens.weight",)
+    load_strict(head, state, source, optional=optional)
+    head = head.to(device=target.device, dtype=target.dtype)
+    head.refresh_vocab_map()
+    if head.draft_to_target is not None and int(head.draft_to_target.max()) >= config.vocab_size:
+        raise HeadLoadError(f"{source}: d2t maps draft ids beyond the target vocabulary ({config.vocab_size})")
+    return head.eval()
+
+
+def _map_key(key: str) -> str:
+    for old, new in LAYER_KEY_MAP.items():
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key

@@ -1,0 +1,115 @@
+"""Draft trees: the data structure, their attention masks, and the shapes of static trees.
+
+A draft tree grows from the root, the newest token (not yet in the target's cache). Nodes are
+stored parents-before-children, and siblings in decreasing draft probability, which is the order
+in which verification tries them. The target verifies the root and every node in one forward:
+each node attends to the cached context, to its ancestors and to itself (tree attention), at the
+position its depth gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# The EAGLE-1 static tree `mc_sim_7b_63` (also Medusa's): each path lists child ranks from the
+# root, e.g. (0, 1) = the second most likely child of the most likely first token. 25 nodes
+# (26 tokens verified with the root), depth 5, nodes per depth 4, 8, 8, 3, 2.
+MC_SIM_7B_63 = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)
+STATIC_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens arranged as a tree (a chain is a tree whose parents are i - 1).
+
+    Attributes:
+        tokens: target-vocabulary ids of the draft nodes, parents before children.
+        parents: index in `tokens` of each node's parent; -1 for children of the root.
+        depths: 1 for children of the root, 2 for their children, ...
+        probs: the draft's probability of each node given its parent (no temperature).
+        q: [n, vocab] distributions the tokens were *sampled* from (a draft model under
+            sampling), or None for deterministic drafts (top-k, lookup).
+        info: method-specific facts for the trace (e.g. DEAGLE's stop depth and votes).
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    probs: list[float]
+    q: torch.Tensor | None = None
+    info: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        """children()[0] are the root's children; children()[i + 1] are node i's; in stored order."""
+        kids: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for node, parent in enumerate(self.parents):
+            kids[parent + 1].append(node)
+        return kids
+
+    def ancestors(self) -> torch.Tensor:
+        """[n + 1, n + 1] bool: row i+1 marks node i, its ancestors and the root (row/column 0)."""
+        n = len(self.tokens)
+        matrix = torch.eye(n + 1, dtype=torch.bool)
+        matrix[:, 0] = True
+        for node, parent in enumerate(self.parents):
+            assert parent < node, "tree nodes must come after their parents"
+            matrix[node + 1] |= matrix[parent + 1]
+        return matrix
+
+    def verify_inputs(self, root: int, cached: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids [1, n+1], positions [1, n+1] and mask [1, 1, n+1, cached+n+1] for one target forward."""
+        ids = torch.tensor([[root] + self.tokens], device=device)
+        positions = torch.tensor([[0] + self.depths], device=device) + cached
+        mask = torch.ones(len(self.tokens) + 1, cached + len(self.tokens) + 1, dtype=torch.bool)
+        mask[:, cached:] = self.ancestors()
+        return ids, positions, mask.to(device)[None, None]
+
+
+@dataclass
+class Cycle:
+    """One draft → verify cycle, as written to the trace and drawn by /tree."""
+
+    root: int
+    tree: DraftTree
+    accepted: list[int]  # indices into tree.tokens, root to leaf
+    bonus: int
+
+    def record(self) -> dict:
+        return {
+            "root": self.root, "tokens": self.tree.tokens, "parents": self.tree.parents,
+            "probs": [round(p, 6) for p in self.tree.probs], "depths": self.tree.depths,
+            "accepted": self.accepted, "bonus": self.bonus, **self.tree.info,
+        }
+
+
+def parse_static_tree(spec: str) -> tuple[tuple[int, ...], ...]:
+    """A static tree by name (see STATIC_TREES) or as a JSON list of rank paths, checked."""
+    import json
+
+    if spec in STATIC_TREES:
+        return STATIC_TREES[spec]
+    try:
+        paths = tuple(tuple(int(r) for r in path) for path in json.loads(spec))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"a static tree is one of {', '.join(STATIC_TREES)} or a JSON list of rank paths") from error
+    known = set()
+    for path in sorted(paths, key=len):
+        if not path or min(path) < 0:
+            raise ValueError(f"bad static tree path {list(path)}: ranks are non-negative and paths non-empty")
+        if len(path) > 1 and path[:-1] not in known:
+            raise ValueError(f"static tree path {list(path)} has no parent path {list(path[:-1])}")
+        known.add(path)
+    if len(known) != len(paths):
+        raise ValueError("a static tree lists a path twice")
+    return paths

@@ -1,0 +1,86 @@
+"""Deciding which draft tokens the target accepts, without changing what the target would say.
+
+Notation as in the papers: p is the target's processed distribution (temperature, top-k, top-p
+applied; a point mass on the argmax when greedy), q the draft's.
+
+Deterministic drafts (EAGLE trees, prompt lookup) are point-mass proposals, so the recursive
+rejection rule of SpecInfer (Miao et al. 2024) with q = 1 applies: going down the tree, try the
+children of the current node in order; accept child x with probability p(x) / sum(p); on
+rejection set p(x) = 0 and try the next sibling; when every child is rejected, draw the bonus
+token from what is left of p. Every token is then distributed exactly as p, whatever process
+proposed the candidates — so the rule is lossless for any drafter, and when greedy it reduces
+to following the argmax.
+
+Sampled chains (a draft model at temperature > 0) use the standard rule instead (Leviathan et
+al. 2023, Algorithm 1; Chen et al. 2023): accept x with probability min(1, p(x) / q(x)), and on
+rejection draw from norm(max(0, p - q)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specchat.sampling import SamplingParams, sample, target_probs
+from specchat.tree import DraftTree
+
+
+@dataclass
+class Acceptance:
+    path: list[int]  # accepted node indices, root to leaf
+    bonus: int  # the token the target adds after them (correction or extension)
+
+
+def _uniform(rng: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=rng))
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator | None) -> Acceptance:
+    """Walk the tree with the target's logits; row 0 belongs to the root, row i + 1 to node i."""
+    if tree.q is not None:
+        return accept_sampled_chain(tree, logits, sampling, rng)
+    children = tree.children()
+    path: list[int] = []
+    row = 0
+    while True:
+        if sampling.greedy:
+            best = int(logits[row].argmax())
+            chosen = next((c for c in children[row] if tree.tokens[c] == best), None)
+            if chosen is None:
+                return Acceptance(path, best)
+        else:
+            p = target_probs(logits[row], sampling)
+            chosen = None
+            for child in children[row]:
+                x = tree.tokens[child]
+                mass = float(p.sum())
+                if _uniform(rng) * mass < float(p[x]):
+                    chosen = child
+                    break
+                p[x] = 0.0
+            if chosen is None:
+                return Acceptance(path, _draw_residual(p, logits[row], rng))
+        path.append(chosen)
+        row = chosen + 1
+
+
+def _draw_residual(p: torch.Tensor, logits: torch.Tensor, rng) -> int:
+    mass = float(p.sum())
+    if mass <= 0:  # only rounding can empty p (all of it sat on rejected tokens); fall back to the mode
+        return int(logits.argmax())
+    return sample(p / mass, rng)
+
+
+def accept_sampled_chain(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng) -> Acceptance:
+    """Standard speculative sampling over a chain drawn from q (tree.q[i] is the draft's distribution at node i)."""
+    path: list[int] = []
+    for node, x in enumerate(tree.tokens):
+        p = target_probs(logits[node], sampling)
+        q = tree.q[node].float()
+        if _uniform(rng) * float(q[x]) < float(p[x]):  # accept with probability min(1, p(x)/q(x))
+            path.append(node)
+            continue
+        residual = (p - q).clamp_min(0)
+        return Acceptance(path, _draw_residual(residual, logits[node], rng))
+    return Acceptance(path, sample(target_probs(logits[len(tree.tokens)], sampling), rng))

@@ -1,0 +1,146 @@
+"""Speculative decoding end to end on tiny models: greedy output is exactly plain greedy output,
+sampled output follows the target distribution, and the caches stay consistent."""
+
+import pytest
+import torch
+
+from conftest import load_tiny_target, oracle_head, random_head
+from specchat.chat import ChatFormat, Conversation
+from specchat.drafting import DynamicTreeParams, TreeProposer
+from specchat.engine import Engine, GenerationSettings
+from specchat.sampling import SamplingParams, make_generator
+from specchat.tree import MC_SIM_7B_63
+
+PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110))]
+
+
+def tokens_of(engine, prompt, settings, rng=None):
+    return [t for step in engine.generate(prompt, settings, rng) for t in step.tokens]
+
+
+def proposer(head, target, tree):
+    if tree == "static":
+        return TreeProposer(head, target.num_layers, static_paths=MC_SIM_7B_63)
+    return TreeProposer(head, target.num_layers, dynamic=DynamicTreeParams(total_tokens=16, depth=5, top_k=4))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_tiny_target(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def bigram(bigram_dir):
+    return load_tiny_target(bigram_dir)
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("max_new", [1, 2, 17, 40])
+def test_greedy_equals_plain_decoding_with_random_heads(target, kind, tree, max_new):
+    settings = GenerationSettings(max_new_tokens=max_new)
+    engine = Engine(target, proposer(random_head(kind, target, seed=max_new), target, tree))
+    for prompt in PROMPTS:
+        assert tokens_of(engine, prompt, settings) == tokens_of(Engine(target), prompt, settings)
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_greedy_equals_plain_decoding_with_a_head_that_is_always_right(bigram, tree):
+    settings = GenerationSettings(max_new_tokens=40)
+    engine = Engine(bigram, proposer(oracle_head(bigram), bigram, tree))
+    for prompt in PROMPTS:
+        steps = list(engine.generate(prompt, settings))
+        assert [t for s in steps for t in s.tokens] == tokens_of(Engine(bigram), prompt, settings)
+        # Deep acceptance really happened: full-depth paths and far fewer target forwards.
+        assert max(len(s.tokens) for s in steps) == 6
+        assert sum(s.target_forwards for s in steps) <= 40 / 4
+
+
+def test_end_of_turn_inside_an_accepted_path_ends_the_reply_there(bigram):
+    plain = tokens_of(Engine(bigram), PROMPTS[0], GenerationSettings(max_new_tokens=30))
+    stop = plain[9]
+    settings = GenerationSettings(max_new_tokens=30, stop_ids=frozenset({stop}))
+    engine = Engine(bigram, proposer(oracle_head(bigram), bigram, "dynamic"))
+    steps = list(engine.generate(PROMPTS[0], settings))
+    assert [t for s in steps for t in s.tokens] == plain[: plain.index(stop) + 1]
+    assert steps[-1].finish_reason == "stop"
+
+
+def test_multi_turn_and_interruptions_keep_draft_and_target_caches_consistent(bigram):
+    chat = ChatFormat(bigram.tokenizer)
+    settings = GenerationSettings(max_new_tokens=12, stop_ids=chat.stop_ids)
+    head = oracle_head(bigram)
+    engine = Engine(bigram, proposer(head, bigram, "dynamic"))
+    conversation = Conversation()
+    for turn, interrupt_after in [("first", None), ("second", 2), ("third", None), ("fourth", 1)]:
+        conversation.add_user(turn)
+        prompt = chat.prompt_ids(conversation)
+        stream = engine.generate(prompt, settings)
+        produced = []
+        for index, step in enumerate(stream):
+            produced += step.tokens
+            if interrupt_after is not None and index == interrupt_after:
+                stream.close()
+                break
+        assert engine.cache.length == len(engine.context_ids)
+        proposer_ = engine.proposer
+        assert proposer_.cache.length == proposer_.consumed
+        fresh = tokens_of(Engine(bigram), prompt, settings)
+        assert produced == fresh[: len(produced)]
+        conversation.add_assistant(bigram.tokenizer.decode(produced, skip_special_tokens=True))
+
+
+def test_greedy_cycles_report_what_was_drafted_and_accepted(bigram):
+    engine = Engine(bigram, proposer(oracle_head(bigram), bigram, "dynamic"))
+    steps = list(engine.generate(PROMPTS[1], GenerationSettings(max_new_tokens=20)))
+    for step in steps[1:]:
+        cycle = step.cycle
+        assert step.draft_tokens == len(cycle.tree) <= 15
+        assert step.drafted == [True] * len(cycle.accepted) + [False]
+        assert step.tokens[:-1] == [cycle.tree.tokens[i] for i in cycle.accepted]
+        assert step.tokens[-1] == cycle.bonus
+        record = cycle.record()
+        assert set(record) >= {"root", "tokens", "parents", "probs", "depths", "accepted", "bonus"}
+
+
+def exact_two_token_distribution(target, prompt, top_k):
+    """p(x1, x2) of plain sampling at temperature 1 with top-k, from cache-free forwards."""
+    def p_next(ids):
+        logits = target.model(torch.tensor([ids])).logits[0, -1]
+        return torch.softmax(torch.where(logits >= logits.topk(top_k).values[-1], logits, -torch.inf), -1)
+
+    joint = {}
+    with torch.no_grad():
+        p1 = p_next(prompt)
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 = p_next(prompt + [x1])
+            for x2 in p2.nonzero().flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint
+
+
+@pytest.mark.parametrize("case", ["eagle-often-right", "eagle3-random"])
+def test_sampled_first_two_tokens_follow_the_target_distribution(case, bigram, qwen_dir):
+    """Exact p(x1, x2) of the target against the speculative engine's samples (chi-square)."""
+    if case == "eagle-often-right":
+        model, head = bigram, oracle_head(bigram)
+    else:
+        model = load_tiny_target(qwen_dir)
+        head = random_head("eagle3", model, seed=3)
+    prompt, top_k, runs = [258, 40, 41], 4, 1500
+    joint = exact_two_token_distribution(model, prompt, top_k)
+    # Three tokens, so the second one can come from an accepted draft (the first is the prefill's).
+    settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
+    engine = Engine(model, proposer(head, model, "dynamic"))  # one engine: every run reuses the cached prompt
+    rng = make_generator(0)
+    counts, drafted = {}, 0
+    for _ in range(runs):
+        steps = list(engine.generate(prompt, settings, rng))
+        pair = tuple([t for s in steps for t in s.tokens][:2])
+        counts[pair] = counts.get(pair, 0) + 1
+        drafted += [d for s in steps for d in s.drafted][1]
+    assert set(counts) <= set(joint)
+    statistic = sum((counts.get(k, 0) - runs * v) ** 2 / (runs * v) for k, v in joint.items())
+    assert statistic < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+    if case == "eagle-often-right":
+        assert drafted > runs / 4  # the second token really came from accepted drafts often
