@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafters import eagle, eagle3
+from drafters import eagle, eagle3, jakiro
 from drafters.common import HeadLoadError, read_config, read_weights
 
 # kind -> (name, how its keys look, loader)
 FORMATS = {
     "eagle": ("EAGLE-1/2", "fc [H, 2H] + layers.0.* without input_layernorm", eagle.load),
     "eagle3": ("EAGLE-3", "fc [H, 3H] + midlayer.* + norm + lm_head (+ d2t/t2d)", eagle3.load),
+    "jakiro": ("Jakiro", "fc [H, 2H] + layers.0.* with mlp_moe.gate [4, H] and two experts", jakiro.load),
 }
 HEAD_FILES = ["*.json", "*.safetensors", "*.bin"]
 
@@ -29,7 +30,7 @@ def detect_kind(state: dict, source) -> str:
     keys = set(state)
     if any(k.startswith("midlayer.") for k in keys) or "layers.0.hidden_norm.weight" in keys:
         return "eagle3"
-    if any(".mlp_moe." in k for k in keys) and "jakiro" in FORMATS:
+    if any(".mlp_moe." in k for k in keys):
         return "jakiro"
     if "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys:
         return "eagle"

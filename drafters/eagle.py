@@ -64,6 +64,7 @@ class EagleHead(nn.Module):
     """EAGLE-1/2 head. Token ids in and out are target-vocabulary ids."""
 
     kind = "eagle"
+    layer_class = EagleLayer
 
     def __init__(self, config: EagleConfig, target_embed: nn.Embedding, target_lm_head: nn.Linear,
                  own_embedding: bool = False):
@@ -74,7 +75,7 @@ class EagleHead(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, H) if own_embedding else target_embed
         self.owns_embedding = own_embedding
         self.fc = nn.Linear(2 * H, H, bias=config.bias)
-        self.layers = nn.ModuleList([EagleLayer(config)])
+        self.layers = nn.ModuleList([self.layer_class(config)])
         self.rope = config.rope
         self._lm_head = [target_lm_head]  # a list: the target's head is used, never registered or saved
         self.draft_to_target: torch.Tensor | None = None  # None: drafts over the whole target vocabulary

@@ -64,35 +64,33 @@ def build_session(settings: Settings):
     from specchat.target import ModelLoadError, ModelSpec, load_target
 
     from drafters import HeadLoadError
-    from specchat.methods import METHODS, MethodError, build_proposer
+    from specchat.methods import MethodError, build_proposer, needs_draft
 
-    if settings.method not in METHODS:
-        raise CommandError(f"--method {settings.method} is not available in this version "
-                           f"(available: {', '.join(METHODS)})", EXIT_USAGE)
-    if settings.method != "vanilla" and not settings.draft:
-        raise CommandError(f"--method {settings.method} needs a draft head: --draft FOLDER or hub id "
-                           "(EAGLE-1/2 or EAGLE-3 format)", EXIT_USAGE)
+    wanted = needs_draft(settings.method)
+    if wanted and not settings.draft:
+        raise CommandError(f"--method {settings.method} needs --draft: {wanted}", EXIT_USAGE)
     try:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
     except ValueError as error:
         raise CommandError(str(error), EXIT_USAGE) from error
     if settings.max_new_tokens < 1:
         raise CommandError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}", EXIT_USAGE)
-    spec = ModelSpec(model=settings.model, gguf_file=settings.gguf_file, dtype=settings.dtype,
-                     device=settings.device, quantize=settings.quantize,
-                     trust_remote_code=settings.trust_remote_code)
+    def load_model(name: str, gguf_file: str | None = None):
+        return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
+                                     quantize=settings.quantize, trust_remote_code=settings.trust_remote_code))
+
     try:
-        target = load_target(spec)
+        target = load_model(settings.model, settings.gguf_file)
         chat_format = ChatFormat(target.tokenizer)
     except (ModelLoadError, TemplateError) as error:
         raise CommandError(str(error)) from error
     generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
                                     stop_ids=chat_format.stop_ids)
     try:
-        proposer = build_proposer(settings, target)
+        proposer = build_proposer(settings, target, load_model)
     except MethodError as error:
         raise CommandError(str(error), EXIT_USAGE) from error
-    except HeadLoadError as error:
+    except (HeadLoadError, ModelLoadError) as error:
         raise CommandError(str(error)) from error
     engine = Engine(target, proposer)
     rng = make_generator(settings.seed, target.device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specchat.cache import KVCache
+from specchat.deagle import DeagleParams, DepthVote
 from specchat.engine import GenerationSettings
 from specchat.tree import MC_SIM_7B_63, DraftTree
 
@@ -39,11 +40,26 @@ class TreeProposer:
     """Proposes draft trees with a draft head (see `drafters/`)."""
 
     def __init__(self, head, num_target_layers: int, static_paths: tuple | None = None,
-                 dynamic: DynamicTreeParams | None = None):
+                 dynamic: DynamicTreeParams | None = None, deagle: DeagleParams | None = None,
+                 parallel_last_level: bool = False, reference_attach: bool = False):
+        """
+        Args:
+            static_paths: draft this fixed tree (EAGLE-1) instead of a dynamic one.
+            dynamic: the EAGLE-2 tree budget.
+            deagle: stop deepening by DEAGLE's vote (see `specchat.deagle`).
+            parallel_last_level: Jakiro: the last level comes from the two-ahead output of the
+                forward before it (needs a head with `forward_both`).
+            reference_attach: Jakiro: attach that level by row, as the reference code does.
+        """
+        if parallel_last_level and not hasattr(head, "forward_both"):
+            raise ValueError("a parallel last level needs a head that predicts two tokens ahead (Jakiro)")
         self.head = head
         self.feature_layers = head.feature_layers(num_target_layers)
         self.static_paths = static_paths
         self.dynamic = dynamic or DynamicTreeParams()
+        self.deagle = deagle
+        self.parallel_last_level = parallel_last_level
+        self.reference_attach = reference_attach
         self.cache = KVCache()
         self.consumed = 0  # cache entries of committed context pairs
         self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on
@@ -69,7 +85,7 @@ class TreeProposer:
         self.pending_features.append(features)
 
     @torch.inference_mode()
-    def propose(self, root: int, settings: GenerationSettings, max_depth: int, max_nodes: int) -> DraftTree:
+    def propose(self, root: int, settings: GenerationSettings, rng, max_depth: int, max_nodes: int) -> DraftTree:
         root_hidden = self._context_pass(root)
         try:
             if self.static_paths is not None:
@@ -95,8 +111,11 @@ class TreeProposer:
         return out[-1]
 
     def _feed(self, parent_hidden: torch.Tensor, tokens: torch.Tensor, depth: int,
-              ancestor_entries: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """Run the head on m tree nodes of one depth; returns their outputs and their cache entries."""
+              ancestor_entries: list[list[int]], both: bool = False):
+        """Run the head on m tree nodes of one depth.
+
+        Returns their outputs, their two-ahead outputs (when `both`, else None) and their cache entries.
+        """
         m, cached = len(tokens), self.cache.length
         mask = torch.zeros(m, cached + m, dtype=torch.bool, device=tokens.device)
         mask[:, : self.consumed] = True
@@ -104,8 +123,11 @@ class TreeProposer:
             mask[row, entries] = True
             mask[row, cached + row] = True
         positions = torch.full((m,), self.consumed - 1 + depth, device=tokens.device)
-        out = self.head(parent_hidden, tokens, positions, mask[None, None], self.cache)
-        return out, list(range(cached, cached + m))
+        entries = list(range(cached, cached + m))
+        if both:
+            out, right = self.head.forward_both(parent_hidden, tokens, positions, mask[None, None], self.cache)
+            return out, right, entries
+        return self.head(parent_hidden, tokens, positions, mask[None, None], self.cache), None, entries
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         table = self.head.draft_to_target
@@ -121,7 +143,7 @@ class TreeProposer:
             level = [p for p in paths if len(p) == depth]
             parents = sorted({p[:-1] for p in level})
             if depth > 1:  # feed the parents (depth - 1 nodes with children) to get their outputs
-                out, entries = self._feed(
+                out, _, entries = self._feed(
                     torch.stack([hidden_of[p[:-1]] for p in parents]),
                     torch.tensor([tokens[index[p]] for p in parents], device=root_hidden.device),
                     depth - 1, [entries_of[p[:-1]] for p in parents])
@@ -139,38 +161,77 @@ class TreeProposer:
                          depths=[len(p) for p in paths], probs=probs)
 
     def _grow_dynamic(self, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
-        """EAGLE-2: expand the top-k nodes by path probability, then keep the best nodes overall."""
+        """EAGLE-2: expand the top-k nodes by path probability, then keep the best nodes overall.
+
+        With `parallel_last_level` (Jakiro) the deepest level is not drafted by its own forward:
+        the forward one level earlier also predicts two tokens ahead, and those predictions become
+        the children of the nodes expanded last. With `deagle`, a vote after each level may stop
+        the deepening early.
+        """
         params = self.dynamic
         k, depth = params.top_k, min(params.depth, max_depth)
+        keep = min(params.total_tokens - 1, max_nodes)
         logp = self.head.log_probs(root_hidden[None])[0]
         top_logp, top_ids = logp.topk(k)
-        # Node table, level by level: target token, parent node, depth, log p(node | parent), log p(path).
-        tokens, parents, depths = [self._to_target(top_ids)], [torch.full((k,), -1)], [torch.full((k,), 1)]
-        logps, scores = [top_logp], [top_logp]
+        table = _NodeTable()
+        table.add(self._to_target(top_ids), torch.full((k,), -1), 1, top_logp, top_logp)
         beam = torch.arange(k)  # node indices to expand next
         beam_hidden = root_hidden.expand(k, -1)
+        beam_scores = [top_logp]  # per depth, the scores of the nodes kept for expansion
         entries_of = {-1: []}
-        count = k
+        parallel = self.parallel_last_level and depth >= 3
+        vote = DepthVote(self.deagle) if self.deagle else None
+        info, two_ahead = {}, None
         for level in range(1, depth):
-            on_device = beam.to(root_hidden.device)
-            flat_tokens, flat_scores = torch.cat(tokens), torch.cat(scores)
-            ancestors = [entries_of[int(p)] for p in torch.cat(parents)[beam]]
-            out, entries = self._feed(beam_hidden, flat_tokens[on_device], level, ancestors)
-            for row, node in enumerate(beam.tolist()):
-                entries_of[node] = ancestors[row] + [entries[row]]
-            child_logp, child_ids = self.head.log_probs(out).topk(k, dim=-1)  # [k, k]
-            child_scores = flat_scores[on_device][:, None] + child_logp
-            tokens.append(self._to_target(child_ids).flatten())
-            parents.append(beam.repeat_interleave(k))
-            depths.append(torch.full((k * k,), level + 1))
-            logps.append(child_logp.flatten())
-            scores.append(child_scores.flatten())
+            if vote is not None:
+                fired = vote.decide(level, beam_scores[-1], table.level_scores(level), table.scores(),
+                                    torch.cat(beam_scores), keep)
+                if fired:
+                    info.update(stop_depth=level, votes=fired)
+                    break
+            if parallel and level == depth - 1:
+                child_logp, child_ids = self._attach_two_ahead(beam, table, two_ahead)
+            else:
+                on_device = beam.to(root_hidden.device)
+                ancestors = [entries_of[p] for p in table.parents()[beam].tolist()]
+                out, right, entries = self._feed(beam_hidden, table.tokens()[on_device], level, ancestors,
+                                                 both=parallel and level == depth - 2)
+                for row, node in enumerate(beam.tolist()):
+                    entries_of[node] = ancestors[row] + [entries[row]]
+                if right is not None:
+                    two_ahead = (beam, self.head.log_probs(right).topk(k, dim=-1))
+                child_logp, child_ids = self.head.log_probs(out).topk(k, dim=-1)  # [k, k]
+            child_scores = table.scores()[beam.to(child_logp.device)][:, None] + child_logp
+            first_child = len(table)
+            table.add(self._to_target(child_ids).flatten(), beam.repeat_interleave(k), level + 1,
+                      child_logp.flatten(), child_scores.flatten())
             best = child_scores.flatten().topk(k).indices
-            beam, beam_hidden = count + best.cpu(), out[best // k]
-            count += k * k
-        return _select(torch.cat(tokens), torch.cat(parents), torch.cat(depths), torch.cat(logps), torch.cat(scores),
-                       min(params.total_tokens - 1, max_nodes))
+            beam, beam_hidden = first_child + best.cpu(), (None if parallel and level == depth - 1 else out[best // k])
+            beam_scores.append(child_scores.flatten()[best])
+        else:
+            if vote is not None:
+                info["stop_depth"] = depth
+        if vote is not None:
+            info["depth_votes"] = vote.history
+        tree = _select(table.tokens(), table.parents(), table.depths(), table.logps(), table.scores(), keep)
+        tree.info = info
+        return tree
 
+    def _attach_two_ahead(self, beam: torch.Tensor, table: "_NodeTable", two_ahead):
+        """Children for the nodes of `beam` from the two-ahead predictions of their parents' forward.
+
+        Parent-correct by default: a node gets the predictions made at its own parent. The
+        reference implementation pairs them by row instead (`reference_attach`), which gives a
+        node the predictions of whichever parent happened to sit in the same row.
+        """
+        parents_fed, (logp, ids) = two_ahead
+        if self.reference_attach:
+            rows = torch.arange(len(beam))
+        else:
+            row_of = {node: row for row, node in enumerate(parents_fed.tolist())}
+            rows = torch.tensor([row_of[p] for p in table.parents()[beam].tolist()])
+        rows = rows.to(logp.device)
+        return logp[rows], ids[rows]
 
 def _select(tokens, parents, depths, logps, scores, keep: int) -> DraftTree:
     """Keep the `keep` best nodes by path probability (ties: shallower first), as a connected tree.
@@ -190,3 +251,40 @@ def _select(tokens, parents, depths, logps, scores, keep: int) -> DraftTree:
         depths=[depth[i] for i in order],
         probs=[float(logps[i].exp()) for i in order],
     )
+
+
+class _NodeTable:
+    """The candidate nodes of a dynamic tree, level by level (kept as per-level tensors)."""
+
+    def __init__(self):
+        self._tokens, self._parents, self._depths, self._logps, self._scores = [], [], [], [], []
+        self._count = 0
+
+    def add(self, tokens, parents, depth: int, logps, scores) -> None:
+        self._tokens.append(tokens)
+        self._parents.append(parents)
+        self._depths.append(torch.full((len(tokens),), depth))
+        self._logps.append(logps)
+        self._scores.append(scores)
+        self._count += len(tokens)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def tokens(self):
+        return torch.cat(self._tokens)
+
+    def parents(self):
+        return torch.cat(self._parents)
+
+    def depths(self):
+        return torch.cat(self._depths)
+
+    def logps(self):
+        return torch.cat(self._logps)
+
+    def scores(self):
+        return torch.cat(self._scores)
+
+    def level_scores(self, depth: int):
+        return self._scores[depth - 1]

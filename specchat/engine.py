@@ -102,9 +102,10 @@ class Proposer(Protocol):
     def observe(self, tokens: list[int], features: torch.Tensor | None) -> None:
         """Newly committed context tokens (and the target's features at their positions)."""
 
-    def propose(self, root: int, settings: GenerationSettings, max_depth: int, max_nodes: int) -> DraftTree:
+    def propose(self, root: int, settings: GenerationSettings, rng: torch.Generator | None,
+                max_depth: int, max_nodes: int) -> DraftTree:
         """A draft tree growing from `root` (the newest token, not yet in the context), at most
-        `max_depth` deep and `max_nodes` large."""
+        `max_depth` deep and `max_nodes` large; `rng` is the run's random stream."""
 
 
 class Engine:
@@ -235,7 +236,7 @@ class Engine:
         start = time.perf_counter()
         cached = len(self.context_ids)
         if room >= 2:
-            tree = self.proposer.propose(root, settings, max_depth=room - 1,
+            tree = self.proposer.propose(root, settings, rng, max_depth=room - 1,
                                          max_nodes=self.target.max_context - cached - 1)
         else:
             tree = DraftTree([], [], [], [])

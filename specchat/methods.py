@@ -3,8 +3,13 @@
 vanilla  plain decoding, one target forward per token
 eagle    EAGLE-1: a static draft tree (`--static-tree`, default mc_sim_7b_63) from a draft head
 eagle2   EAGLE-2: a dynamic draft tree (`--total-tokens`, `--depth`, `--tree-top-k`) from a draft head
+deagle   DEAGLE: the EAGLE-2 tree, deepened only while its survival signals hold (`specchat.deagle`)
+jakiro   Jakiro: the EAGLE-2 tree from a Jakiro MoE head, last level drafted in parallel
+sps      standard speculative sampling with a small draft model (`--draft` names the model)
+pld      prompt lookup: n-gram matches in the conversation, no draft model
 
-Any head format (EAGLE-1/2 or EAGLE-3) drafts for either tree method.
+eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
+Jakiro head. Every method is verified by the same exact rules (`specchat.verify`).
 """
 
 from __future__ import annotations
@@ -13,20 +18,27 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat.deagle import DeagleParams
+from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.drafting import PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DynamicTreeParams, TreeProposer
+from specchat.lookup import DEFAULT_LOOKUP_TOKENS, PromptLookupProposer
 from specchat.tree import parse_static_tree
 
-# A CPU verifies a handful of tokens at nearly the cost of one but not sixty, and every draft
-# step is paid in full, so CPU trees are smaller than the papers' GPU settings. Chosen from the
-# 0.5B measurements in the README (`specchat bench`); CUDA runs use the papers' numbers.
-CPU_TOTAL_TOKENS, CPU_DEPTH, CPU_TOP_K = 24, 6, 6
+# A CPU verifies up to ~16 tokens for the price of one (0.5B, bf16: 158 ms for 16 against 159 ms
+# for 1, 192 ms for 20; README), and every draft step is paid in full, so CPU trees are smaller
+# than the papers' GPU settings. CUDA runs use the papers' numbers.
+CPU_TOTAL_TOKENS, CPU_DEPTH, CPU_TOP_K = 16, 6, 6
 
 METHODS = {
     "vanilla": "plain decoding",
     "eagle": "EAGLE-1 static tree from a draft head",
     "eagle2": "EAGLE-2 dynamic tree from a draft head",
+    "deagle": "EAGLE-2 tree with DEAGLE's dynamic depth",
+    "jakiro": "EAGLE-2 tree from a Jakiro MoE head, last level in parallel",
+    "sps": "speculative sampling with a small draft model",
+    "pld": "prompt lookup (n-gram matches, no draft model)",
 }
-TREE_METHODS = ("eagle", "eagle2")
+HEAD_METHODS = ("eagle", "eagle2", "deagle", "jakiro")
 
 
 class MethodError(ValueError):
@@ -58,23 +70,70 @@ def dynamic_params(settings, device: torch.device) -> DynamicTreeParams:
         raise MethodError(str(error)) from error
 
 
-def build_proposer(settings, target):
-    """The proposer for `settings.method` (None for plain decoding)."""
+def deagle_params(settings) -> DeagleParams:
+    try:
+        return DeagleParams(
+            tau_s=settings.deagle_tau_s, tau_rho=settings.deagle_tau_rho, min_depth=settings.deagle_min_depth,
+            mass_nodes=settings.deagle_mass_nodes, expected_over=settings.deagle_expected_over,
+            expected_plus_bonus=settings.deagle_count_bonus, consecutive=settings.deagle_consecutive,
+        )
+    except ValueError as error:
+        raise MethodError(str(error)) from error
+
+
+def needs_draft(method: str) -> str | None:
+    """What `--draft` must name for a method, or None if it takes no draft."""
+    if method in HEAD_METHODS:
+        return "a draft head (folder or hub id; EAGLE-1/2, EAGLE-3 or Jakiro format)"
+    if method == "sps":
+        return "a small draft model sharing the target's tokenizer (like --model)"
+    return None
+
+
+def build_proposer(settings, target, load_model=None):
+    """The proposer for `settings.method` (None for plain decoding).
+
+    `load_model(name)` loads a draft model for sps the way the target was loaded.
+    """
     method = settings.method
-    if method == "vanilla":
-        return None
     if method not in METHODS:
         raise MethodError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
-    if not settings.draft:
-        raise MethodError(
-            f"--method {method} needs a draft head: --draft FOLDER or hub id (EAGLE-1/2 or EAGLE-3 format)")
+    if method == "vanilla":
+        return None
+    wanted = needs_draft(method)
+    if wanted and not settings.draft:
+        raise MethodError(f"--method {method} needs --draft: {wanted}")
+    if method == "pld":
+        try:
+            return PromptLookupProposer(settings.draft_tokens or DEFAULT_LOOKUP_TOKENS,
+                                        settings.pld_max_ngram, settings.pld_min_ngram)
+        except ValueError as error:
+            raise MethodError(str(error)) from error
+    if method == "sps":
+        draft = load_model(settings.draft)
+        try:
+            check_tokenizers(target, draft)
+        except TokenizerMismatch as error:
+            raise MethodError(str(error)) from error
+        return DraftModelProposer(draft, target.vocab_size, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
+    return tree_proposer(settings, target)
+
+
+def tree_proposer(settings, target) -> TreeProposer:
     from drafters import load_head
 
-    head = load_head(settings.draft, target, kind=settings.draft_kind)
-    if method == "eagle":
+    method = settings.method
+    kind = "jakiro" if method == "jakiro" else settings.draft_kind
+    head = load_head(settings.draft, target, kind=kind)
+    static = settings.static_tree if method != "eagle" else (settings.static_tree or "mc_sim_7b_63")
+    if static:
         try:
-            paths = parse_static_tree(settings.static_tree or "mc_sim_7b_63")
+            paths = parse_static_tree(static)
         except ValueError as error:
             raise MethodError(f"--static-tree: {error}") from error
         return TreeProposer(head, target.num_layers, static_paths=paths)
-    return TreeProposer(head, target.num_layers, dynamic=dynamic_params(settings, target.device))
+    return TreeProposer(
+        head, target.num_layers, dynamic=dynamic_params(settings, target.device),
+        deagle=deagle_params(settings) if method == "deagle" else None,
+        parallel_last_level=method == "jakiro", reference_attach=settings.jakiro_reference_attach,
+    )

@@ -52,18 +52,37 @@ class Settings:
                                  "Draft head folder or hub id (EAGLE, EAGLE-3, Jakiro), or a small draft model for sps.")
     draft_kind: str | None = _setting(None, "draft", "kind",
                                       "Expected draft format; loading fails if the head is another (default: detect).",
-                                      ("eagle", "eagle3"))
+                                      ("eagle", "eagle3", "jakiro"))
     # [method]
     method: str = _setting("vanilla", "method", "name", "Decoding method.",
                            ("vanilla", "eagle", "eagle2", "deagle", "jakiro", "sps", "pld"))
     total_tokens: int | None = _setting(None, "method", "total_tokens",
-                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: 24).")
+                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: 16).")
     depth: int | None = _setting(None, "method", "depth",
                                  "Most draft tokens on one tree path (EAGLE-2 paper: 6, EAGLE-3: 8; CPU default: 6).")
     tree_top_k: int | None = _setting(None, "method", "top_k",
                                       "Children per expanded node in the dynamic tree (papers: 10; CPU default: 6).")
     static_tree: str | None = _setting(None, "method", "static_tree",
-                                       "EAGLE-1 static tree: a name (mc_sim_7b_63) or a JSON list of rank paths.")
+                                       "Static tree for eagle (default mc_sim_7b_63) or, if given, for jakiro: "
+                                       "a name or a JSON list of rank paths.")
+    draft_tokens: int | None = _setting(None, "method", "draft_tokens",
+                                        "Tokens per drafted chain for sps (default 3) and pld (default 10).")
+    pld_max_ngram: int = _setting(3, "method", "pld_max_ngram", "pld: longest n-gram looked up.")
+    pld_min_ngram: int = _setting(1, "method", "pld_min_ngram", "pld: shortest n-gram looked up.")
+    deagle_tau_s: float = _setting(0.15, "method", "deagle_tau_s", "deagle: survival-mass threshold tau_S.")
+    deagle_tau_rho: float = _setting(0.6, "method", "deagle_tau_rho", "deagle: momentum-decay threshold tau_rho.")
+    deagle_min_depth: int = _setting(2, "method", "deagle_min_depth", "deagle: the earliest depth drafting may stop.")
+    deagle_mass_nodes: str = _setting("beam", "method", "deagle_mass_nodes",
+                                      "deagle: S_d sums the beam nodes of depth d or all its candidates.", ("beam", "all"))
+    deagle_expected_over: str = _setting("verified", "method", "deagle_expected_over",
+                                         "deagle: E_d sums the nodes that would be verified, or the beam nodes.",
+                                         ("verified", "beam"))
+    deagle_count_bonus: bool = _setting(False, "method", "deagle_count_bonus", "deagle: E_d includes the bonus token.")
+    deagle_consecutive: bool = _setting(False, "method", "deagle_consecutive",
+                                        "deagle: the two momentum decays must be at consecutive depths.")
+    jakiro_reference_attach: bool = _setting(False, "method", "jakiro_reference_attach",
+                                             "jakiro: attach the parallel last level by row, as the reference code does "
+                                             "(default: to each node's own parent).")
     # [generation]
     temperature: float = _setting(0.0, "generation", "temperature", "Sampling temperature; 0 is greedy.")
     top_p: float = _setting(1.0, "generation", "top_p", "Nucleus sampling: keep the smallest set of tokens with this much mass.")

@@ -107,21 +107,25 @@ def load_tiny_target(path, dtype: str = "float32"):
 def head_config(kind: str, **overrides):
     from drafters.eagle import EagleConfig
     from drafters.eagle3 import Eagle3Config
+    from drafters.jakiro import JakiroConfig
 
     common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=TINY_VOCAB)
     common.update(overrides)
-    return EagleConfig(**common) if kind == "eagle" else Eagle3Config(**{"draft_vocab_size": 100, **common})
+    if kind == "eagle3":
+        return Eagle3Config(**{"draft_vocab_size": 100, **common})
+    return (EagleConfig if kind == "eagle" else JakiroConfig)(**common)
 
 
 def random_head(kind: str, target, seed: int = 0, **overrides):
     from drafters.eagle import EagleHead
     from drafters.eagle3 import Eagle3Head
+    from drafters.jakiro import JakiroHead
 
     torch.manual_seed(seed)
     config = head_config(kind, **overrides)
-    if kind == "eagle":
-        return EagleHead(config, target.embed_tokens, target.lm_head).eval()
+    if kind in ("eagle", "jakiro"):
+        return (EagleHead if kind == "eagle" else JakiroHead)(config, target.embed_tokens, target.lm_head).eval()
     head = Eagle3Head(config, target.embed_tokens)
     if hasattr(head, "d2t"):
         used = torch.randperm(TINY_VOCAB)[: config.draft_vocab_size].sort().values  # a draft vocabulary

@@ -62,7 +62,8 @@ def test_piped_chat_answers_on_stdout_and_reports_on_stderr(qwen_dir, capsys, mo
 @pytest.mark.parametrize("args,code,message", [
     (["run", "-", "--model", "/no/such/model"], 1, "no model named '/no/such/model'"),
     (["run", "-", "--model", "README.md"], 1, "is a file but not a model"),
-    (["run", "-", "--method", "eagle2"], 2, "--method eagle2 needs a draft head"),
+    (["run", "-", "--method", "eagle2"], 2, "--method eagle2 needs --draft: a draft head"),
+    (["run", "-", "--method", "sps"], 2, "--method sps needs --draft: a small draft model"),
     (["run", "-", "--temperature", "-1"], 2, "temperature must be >= 0"),
     (["run", "-", "--profile", "nope"], 2, "no profile named 'nope'"),
 ])

@@ -27,7 +27,7 @@ def outputs(head, target):
         return head.log_probs(out)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "jakiro"])
 def test_round_trip_through_the_published_format(kind, target, tmp_path):
     head = random_head(kind, target, seed=1)
     save_head(head, tmp_path / "head")
@@ -90,6 +90,11 @@ def broken(target, tmp_path, kind="eagle", edit_state=None, edit_config=None):
     ("eagle3", lambda s: s.pop("lm_head.weight"), None, r"missing key lm_head\.weight"),
     ("eagle3", lambda s: s.update(d2t=s["d2t"] + 1000), None, r"d2t maps draft ids beyond the target vocabulary"),
     ("eagle3", None, lambda c: c.update(target_hidden_size=32), r"expects target hidden size 32 but the target's is 64"),
+    ("jakiro", lambda s: s.update({"layers.0.mlp_moe.gate.weight": torch.zeros(2, 64)}), None,
+     r"layers\.0\.mlp_moe\.gate\.weight has shape \[2, 64\], expected \[4, 64\]"),
+    ("jakiro", lambda s: s.pop("layers.0.mlp_moe.experts.1.down_proj.weight"), None,
+     r"missing key layers\.0\.mlp_moe\.experts\.1\.down_proj\.weight"),
+    ("jakiro", None, lambda c: c.update(num_local_experts=4), r"Jakiro heads with 4 experts are not supported"),
 ])
 def test_every_mismatch_is_named(kind, edit_state, edit_config, message, target, tmp_path):
     with pytest.raises(HeadLoadError, match=message):
@@ -115,6 +120,8 @@ def test_kind_mismatch_and_missing_files(target, tmp_path):
     folder = broken(target, tmp_path)
     with pytest.raises(HeadLoadError, match="is a EAGLE-1/2 head, not EAGLE-3"):
         load_head(folder, target, kind="eagle3")
+    with pytest.raises(HeadLoadError, match="is a EAGLE-1/2 head, not Jakiro"):
+        load_head(folder, target, kind="jakiro")
     (tmp_path / "empty").mkdir()
     with pytest.raises(HeadLoadError, match="no config.json"):
         load_head(str(tmp_path / "empty"), target)

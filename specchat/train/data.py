@@ -1,0 +1,194 @@
+"""Training conversations: reading every accepted file shape, and turning them into token ids
+with a loss mask over the assistant's tokens.
+
+Accepted shapes (JSON arrays, or JSONL with one record per line):
+- ShareGPT: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`. A JSON
+  array cut off mid-record (like the PyPI ShareGPT file) is decoded record by record and the
+  incomplete tail is reported, not fatal.
+- Chat: `{"messages": [{"role", "content"}, ...]}`.
+- Alpaca: `{"instruction", "input"?, "output" | "response"}`, and `{"question", "answer"}`.
+- Prompt-only (answered by the target with `--regenerate`): Spec-Bench `{"turns": [...]}`,
+  `{"prompt": ...}`, a bare JSON string, or ShareGPT/chat records without assistant messages.
+
+Malformed records are skipped and counted by reason (the report names the first few), so one bad
+record in a 100k-record file does not stop a long run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                  "assistant": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+@dataclass
+class TrainingConversation:
+    messages: list[dict]  # {"role": system|user|assistant, "content": str}
+    source: str  # "file#record", for reports
+
+    @property
+    def has_responses(self) -> bool:
+        return any(m["role"] == "assistant" for m in self.messages)
+
+    def first_prompt(self) -> list[dict]:
+        """The messages up to and including the first user message (what regeneration answers)."""
+        for index, message in enumerate(self.messages):
+            if message["role"] == "user":
+                return self.messages[: index + 1]
+        return []
+
+
+@dataclass
+class ReadReport:
+    read: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    examples: list[str] = field(default_factory=list)  # "where: reason", the first few
+    truncated: list[str] = field(default_factory=list)  # files whose last record was cut off
+
+    def skip(self, where: str, reason: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {reason}")
+
+    def summary(self) -> str:
+        parts = [f"{self.read} conversations"]
+        if self.skipped:
+            parts.append("skipped " + ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common()))
+        for name in self.truncated:
+            parts.append(f"{name} ends mid-record (the incomplete record was dropped)")
+        return "; ".join(parts)
+
+
+class DataError(ValueError):
+    """A training file cannot be read at all (not JSON, unknown shape)."""
+
+
+def _records(path: Path, report: ReadReport):
+    """Yield (where, record) from a JSON array (possibly truncated) or a JSONL file."""
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        decoder = json.JSONDecoder()
+        index, count = text.index("[") + 1, 0
+        while True:
+            while index < len(text) and text[index] in " \t\r\n,":
+                index += 1
+            if index >= len(text):
+                report.truncated.append(path.name)
+                return
+            if text[index] == "]":
+                return
+            try:
+                record, index = decoder.raw_decode(text, index)
+            except json.JSONDecodeError:
+                report.truncated.append(path.name)  # a cut-off file: everything before is usable
+                return
+            count += 1
+            yield f"{path.name}#{count}", record
+    else:
+        for line_no, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path.name}:{line_no}", json.loads(line)
+            except json.JSONDecodeError:
+                report.skip(f"{path.name}:{line_no}", "broken JSON")
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def parse_record(record) -> list[dict] | str:
+    """The messages of one record, or a reason why it is unusable."""
+    if isinstance(record, str):
+        return [{"role": "user", "content": record}] if record.strip() else "empty prompt"
+    if not isinstance(record, dict):
+        return "not an object"
+    if "conversations" in record:
+        messages = []
+        for turn in record["conversations"] or []:
+            if isinstance(turn, str):  # LIMA-style list of alternating strings
+                messages.append({"role": "user" if len(messages) % 2 == 0 else "assistant", "content": turn})
+                continue
+            if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES or _text(turn.get("value")) is None:
+                return "malformed turn"
+            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+        return messages or "no turns"
+    if "messages" in record:
+        messages = []
+        for message in record["messages"] or []:
+            if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant") \
+                    or _text(message.get("content")) is None:
+                return "malformed message"
+            messages.append({"role": message["role"], "content": message["content"]})
+        return messages or "no messages"
+    if "instruction" in record:
+        instruction = _text(record.get("instruction"))
+        if instruction is None:
+            return "empty instruction"
+        extra = _text(record.get("input"))
+        prompt = instruction + ("\n\n" + extra if extra else "")
+        response = _text(record.get("output", record.get("response")))
+        return [{"role": "user", "content": prompt}] + ([{"role": "assistant", "content": response}] if response else [])
+    if "question" in record and "answer" in record:
+        if _text(record["question"]) is None or _text(record["answer"]) is None:
+            return "empty question or answer"
+        return [{"role": "user", "content": record["question"]}, {"role": "assistant", "content": record["answer"]}]
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or _text(turns[0]) is None:
+            return "empty turns"
+        return [{"role": "user", "content": turns[0]}]
+    if "prompt" in record:
+        return [{"role": "user", "content": record["prompt"]}] if _text(record["prompt"]) else "empty prompt"
+    return "unknown shape"
+
+
+def read_conversations(paths: list[str]) -> tuple[list[TrainingConversation], ReadReport]:
+    report = ReadReport()
+    conversations = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"{name}: no such file")
+        for where, record in _records(path, report):
+            parsed = parse_record(record)
+            if isinstance(parsed, str):
+                report.skip(where, parsed)
+                continue
+            if not any(m["role"] == "user" for m in parsed):
+                report.skip(where, "no user message")
+                continue
+            conversations.append(TrainingConversation(parsed, where))
+            report.read += 1
+    return conversations, report
+
+
+def encode(messages: list[dict], tokenizer, max_tokens: int) -> tuple[list[int], list[int]] | None:
+    """Token ids through the chat template, and a 0/1 mask that is 1 on assistant tokens.
+
+    Each assistant turn is located by rendering the conversation up to it with and without the
+    turn; templates for which that is not a prefix (rare) are skipped (None).
+    """
+    def render(upto: list[dict], generation_prompt: bool) -> list[int]:
+        return list(tokenizer.apply_chat_template(upto, add_generation_prompt=generation_prompt,
+                                                  tokenize=True, return_dict=False))
+
+    ids = render(messages, False)
+    mask = [0] * len(ids)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(messages[:index], True), render(messages[: index + 1], False)
+        if through[: len(before)] != before or ids[: len(through)] != through:
+            return None
+        for position in range(len(before), len(through)):
+            mask[position] = 1
+    if not any(mask[:max_tokens]):
+        return None
+    return ids[:max_tokens], mask[:max_tokens]

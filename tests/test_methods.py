@@ -1,0 +1,237 @@
+"""DEAGLE, Jakiro, SpS and PLD: lossless greedy output, exact sampling, and their own mechanics."""
+
+import pytest
+import torch
+
+from conftest import load_tiny_target, oracle_head, random_head
+from specchat.deagle import DeagleParams, DepthVote
+from specchat.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
+from specchat.drafting import DynamicTreeParams, TreeProposer
+from specchat.engine import Engine, GenerationSettings
+from specchat.lookup import PromptLookupProposer
+from specchat.sampling import SamplingParams, make_generator
+
+PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110)) + list(range(60, 80))]
+TREE = DynamicTreeParams(total_tokens=16, depth=5, top_k=4)
+
+
+def tokens_of(engine, prompt, settings, rng=None):
+    return [t for step in engine.generate(prompt, settings, rng) for t in step.tokens]
+
+
+@pytest.fixture(scope="module")
+def target(qwen_dir):
+    return load_tiny_target(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def bigram(bigram_dir):
+    return load_tiny_target(bigram_dir)
+
+
+def make(method, model, head=None, draft=None):
+    if method == "deagle":
+        return TreeProposer(head or random_head("eagle3", model), model.num_layers, dynamic=TREE, deagle=DeagleParams())
+    if method == "jakiro":
+        return TreeProposer(head or random_head("jakiro", model), model.num_layers, dynamic=TREE, parallel_last_level=True)
+    if method == "jakiro-reference":
+        return TreeProposer(head or random_head("jakiro", model), model.num_layers, dynamic=TREE,
+                            parallel_last_level=True, reference_attach=True)
+    if method == "sps":
+        return DraftModelProposer(draft or model, model.vocab_size, draft_tokens=4)
+    return PromptLookupProposer(draft_tokens=6)
+
+
+@pytest.mark.parametrize("method", ["deagle", "jakiro", "jakiro-reference", "sps", "pld"])
+@pytest.mark.parametrize("max_new", [1, 3, 30])
+def test_greedy_equals_plain_decoding(method, max_new, target, tiny_model_dir):
+    draft = load_tiny_target(tiny_model_dir)  # a different tiny model as the sps draft
+    settings = GenerationSettings(max_new_tokens=max_new)
+    engine = Engine(target, make(method, target, draft=draft))
+    for prompt in PROMPTS:
+        assert tokens_of(engine, prompt, settings) == tokens_of(Engine(target), prompt, settings)
+
+
+@pytest.mark.parametrize("method", ["deagle", "sps", "pld"])
+def test_drafts_that_are_right_get_accepted(method, bigram):
+    """With a perfect drafter (the oracle head, the target itself, a repeating text) cycles go deep."""
+    head = oracle_head(bigram) if method == "deagle" else None
+    settings = GenerationSettings(max_new_tokens=30)
+    prompt = PROMPTS[0]
+    if method == "pld":  # the reply to come is already in the prompt, after the same tokens
+        prompt = prompt + tokens_of(Engine(bigram), prompt, settings) + prompt
+    engine = Engine(bigram, make(method, bigram, head=head))
+    steps = list(engine.generate(prompt, settings))
+    assert [t for s in steps for t in s.tokens] == tokens_of(Engine(bigram), prompt, settings)
+    assert max(len(s.tokens) for s in steps[1:]) >= 4
+
+
+def exact_two_token_distribution(model, prompt, top_k):
+    def p_next(ids):
+        logits = model.model(torch.tensor([ids])).logits[0, -1]
+        return torch.softmax(torch.where(logits >= logits.topk(top_k).values[-1], logits, -torch.inf), -1)
+
+    joint = {}
+    with torch.no_grad():
+        p1 = p_next(prompt)
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 = p_next(prompt + [x1])
+            for x2 in p2.nonzero().flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint
+
+
+@pytest.mark.parametrize("method", ["deagle", "jakiro", "sps"])
+def test_sampling_follows_the_target_distribution(method, bigram, target):
+    """First two tokens of sampled replies against the exact target distribution (chi-square)."""
+    head = oracle_head(bigram) if method == "deagle" else None
+    draft = target  # for sps: a different model, so q and p really differ
+    engine = Engine(bigram, make(method, bigram, head=head, draft=draft))
+    prompt, top_k, runs = [258, 40, 41], 4, 800
+    joint = exact_two_token_distribution(bigram, prompt, top_k)
+    settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
+    rng = make_generator(1)
+    counts = {}
+    for _ in range(runs):
+        pair = tuple(tokens_of(engine, prompt, settings, rng)[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    assert set(counts) <= set(joint)
+    statistic = sum((counts.get(k, 0) - runs * v) ** 2 / (runs * v) for k, v in joint.items())
+    assert statistic < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+
+
+# --- DEAGLE's vote on hand-made confidence sequences ------------------------------------------------
+
+
+def run_vote(beam_probs_per_depth, verified=15, params=DeagleParams()):
+    """Feed per-depth beam survival probabilities; return the depth and votes at which it stops."""
+    vote = DepthVote(params)
+    history = []
+    for depth, probs in enumerate(beam_probs_per_depth, start=1):
+        scores = torch.tensor(probs).log()
+        history.append(scores)
+        everything = torch.cat(history)
+        fired = vote.decide(depth, scores, scores, everything, everything, verified)
+        if fired:
+            return depth, fired
+    return None, vote.history
+
+
+def test_a_dying_tree_stops_early():
+    # S_1 = 0.5 (rho 0.5: first decay), S_2 = 0.2 (rho 0.4: second decay -> momentum);
+    # E_2 = 0.3 + 0.2 + 0.1 + 0.1 = 0.7, so depth 2 >= ceil(0.7) -> saturation. Two votes at depth 2.
+    depth, votes = run_vote([[0.3, 0.2], [0.1, 0.1], [0.03, 0.02], [0.01, 0.001]])
+    assert depth == 2 and set(votes) == {"momentum", "saturation"}
+
+
+def test_a_confident_tree_runs_to_the_maximum_depth():
+    depth, history = run_vote([[0.99], [0.98], [0.97], [0.96], [0.95], [0.94]])
+    assert depth is None and len(history) == 6
+    # E_d grows along with d here, so saturation may vote, but alone it never stops the tree.
+    assert all("mass" not in h["votes"] and "momentum" not in h["votes"] for h in history)
+
+
+def test_saturation_and_mass_can_stop_a_tree_without_momentum():
+    # S = 0.3, 0.18, 0.11: one decay (depth 1), then rho = 0.6 and 0.61 (no second one); S_3 < 0.15
+    # is the mass vote, and E_3 (best 4 nodes: 0.2 + 0.12 + 0.1 + 0.08 = 0.5) is saturated.
+    depth, votes = run_vote([[0.2, 0.1], [0.12, 0.06], [0.08, 0.03]], verified=4)
+    assert depth == 3 and set(votes) == {"mass", "saturation"}
+
+
+def test_momentum_readings_differ_as_documented():
+    sequence = [[0.5], [0.2], [0.19], [0.05], [0.04]]  # decays at depths 2 and 4 (not consecutive)
+    lenient = DepthVote(DeagleParams())
+    strict = DepthVote(DeagleParams(consecutive=True))
+    for depth, probs in enumerate(sequence, start=1):
+        scores = torch.tensor(probs).log()
+        lenient.decide(depth, scores, scores, scores, scores, 100)
+        strict.decide(depth, scores, scores, scores, scores, 100)
+    assert "momentum" in lenient.history[3]["votes"] and "momentum" not in strict.history[3]["votes"]
+
+
+def test_deagle_trace_records_the_stop_depth_and_votes(bigram):
+    engine = Engine(bigram, make("deagle", bigram))  # a random head: low confidence, early stops
+    steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=12)))
+    infos = [s.cycle.tree.info for s in steps[1:] if s.cycle is not None and len(s.cycle.tree)]
+    assert infos and all("stop_depth" in info and "depth_votes" in info for info in infos)
+    assert any(info.get("votes") for info in infos)
+
+
+# --- Jakiro's parallel last level --------------------------------------------------------------
+
+
+def test_jakiro_drafts_its_last_level_without_a_forward(bigram):
+    """Depth D costs D - 1 draft forwards; the last level hangs under the nodes expanded last."""
+    head = random_head("jakiro", bigram)
+    calls = []
+    original = head.forward
+
+    def counting(*args, **kwargs):
+        calls.append("forward")
+        return original(*args, **kwargs)
+
+    head.forward = counting
+    both = head.forward_both
+    head.forward_both = lambda *a, **k: (calls.append("both"), both(*a, **k))[1]
+    proposer = TreeProposer(head, bigram.num_layers, dynamic=DynamicTreeParams(total_tokens=40, depth=5, top_k=3),
+                            parallel_last_level=True)
+    engine = Engine(bigram, proposer)
+    steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=20)))
+    tree = steps[1].cycle.tree
+    # Context pass, expansions of levels 1 and 2, expansion of level 3 with the two-ahead output:
+    # 4 forwards for 5 levels; the fifth call is the next cycle's context pass.
+    assert calls[:5] == ["forward", "forward", "forward", "both", "forward"]
+    assert max(tree.depths) == 5
+
+
+def test_parent_correct_and_reference_attachment(bigram):
+    """Beam nodes whose parents sit in other rows get their own parent's row only when parent-correct."""
+    head = random_head("jakiro", bigram)
+
+    class Table:  # node 10..12 are the last beam; their parents are nodes 7, 5, 6
+        @staticmethod
+        def parents():
+            return torch.tensor([-1] * 10 + [7, 5, 6])
+
+    parents_fed = torch.tensor([5, 6, 7])  # the rows of the two-ahead predictions
+    logp = torch.tensor([[-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0]])
+    ids = torch.tensor([[50, 51], [60, 61], [70, 71]])
+    beam = torch.tensor([10, 11, 12])
+    for reference, expected in ((False, [[70, 71], [50, 51], [60, 61]]), (True, [[50, 51], [60, 61], [70, 71]])):
+        proposer = TreeProposer(head, bigram.num_layers, parallel_last_level=True, reference_attach=reference)
+        _, got = proposer._attach_two_ahead(beam, Table, (parents_fed, (logp, ids)))
+        assert got.tolist() == expected
+
+
+# --- SpS and PLD mechanics -------------------------------------------------------------------------
+
+
+def test_sps_refuses_a_draft_with_another_tokenizer(target, tmp_path):
+    from conftest import build_model, build_tokenizer
+
+    other = build_tokenizer()
+    other.add_tokens(["<extra>"])
+    path = tmp_path / "draft"
+    build_model("qwen2").save_pretrained(path)
+    other.save_pretrained(path)
+    with pytest.raises(TokenizerMismatch, match="is not the target's"):
+        check_tokenizers(target, load_tiny_target(path))
+
+
+def test_sps_keeps_the_draft_cache_in_step(target, tiny_model_dir):
+    proposer = DraftModelProposer(load_tiny_target(tiny_model_dir), target.vocab_size, draft_tokens=3)
+    engine = Engine(target, proposer)
+    for prompt in PROMPTS:
+        list(engine.generate(prompt, GenerationSettings(max_new_tokens=10)))
+        assert proposer.cache.length == len(proposer.cached_ids) <= len(proposer.context_ids) + 3
+        assert proposer.cached_ids == proposer.context_ids[: len(proposer.cached_ids)]
+
+
+def test_pld_proposes_what_followed_the_latest_match():
+    pld = PromptLookupProposer(draft_tokens=3, max_ngram=2)
+    pld.observe([1, 2, 3, 4, 9, 1, 2, 5, 6, 7, 8], None)
+    tree = pld.propose(root=2, settings=GenerationSettings(), rng=None, max_depth=10, max_nodes=10)
+    assert tree.tokens == [5, 6, 7]  # "1 2" last seen before "5 6 7"
+    assert pld.propose(root=42, settings=GenerationSettings(), rng=None, max_depth=10, max_nodes=10).tokens == []
+    pld.rewind(4)
+    assert pld.propose(root=1, settings=GenerationSettings(), rng=None, max_depth=10, max_nodes=10).tokens == [2, 3, 4]
