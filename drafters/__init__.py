@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from drafters import eagle, eagle3, jakiro
 from drafters.common import HeadLoadError, read_config, read_weights
 
@@ -20,6 +22,10 @@ FORMATS = {
     "jakiro": ("Jakiro", "fc [H, 2H] + layers.0.* with mlp_moe.gate [4, H] and two experts", jakiro.load),
 }
 HEAD_FILES = ["*.json", "*.safetensors", "*.bin"]
+# specchat's extension for heads that use the target's LM head (EAGLE-1/2, Jakiro): the token ids
+# they draft over. Other engines ignore the file and draft over the whole vocabulary, which is
+# equally lossless, only slower on a CPU.
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def known_formats() -> str:
@@ -62,7 +68,17 @@ def load_head(name: str, target, kind: str | None = None):
     detected = detect_kind(state, source)
     if kind is not None and kind != detected:
         raise HeadLoadError(f"{source}: this is a {FORMATS[detected][0]} head, not {FORMATS[kind][0]}")
-    return FORMATS[detected][2](folder, raw_config, state, source, target)
+    head = FORMATS[detected][2](folder, raw_config, state, source, target)
+    vocab_path = folder / DRAFT_VOCAB_FILE
+    if vocab_path.is_file() and hasattr(head, "restrict_vocab"):
+        from safetensors.torch import load_file
+
+        ids = load_file(vocab_path).get("token_ids")
+        if ids is None or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or \
+                (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size)):
+            raise HeadLoadError(f"{vocab_path}: expected a 1-D integer tensor 'token_ids' of target token ids")
+        head.restrict_vocab(ids.long())
+    return head
 
 
 def save_head(head, folder, dtype=None) -> None:
@@ -81,3 +97,5 @@ def save_head(head, folder, dtype=None) -> None:
         state[key] = tensor.contiguous().cpu()
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
+    if head.kind in ("eagle", "jakiro") and head.draft_to_target is not None:
+        save_file({"token_ids": head.draft_to_target.cpu()}, folder / DRAFT_VOCAB_FILE)

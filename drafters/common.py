@@ -107,12 +107,48 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(1, m, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k, v = cache.update(k, v, layer_idx)
         groups = self.heads // self.kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(cache, UnrolledKeys):
+            out = cache.attend(layer_idx, q, k, v, groups)
+        else:
+            k, v = cache.update(k, v, layer_idx)
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(1, m, self.heads * self.head_dim))
+
+
+class UnrolledKeys:
+    """Keys and values of earlier unrolled draft steps, for training-time test (EAGLE-3, §3.2).
+
+    Step 0 runs over a whole sequence with causal attention. Step i >= 1 feeds each position the
+    draft's own output of step i - 1 there and attends causally to step 0's keys plus, at the same
+    position only, to the keys of steps 1..i: exactly what a depth-i tree node sees at inference
+    (the committed context, its ancestors and itself). The same-position part is a dot product per
+    position, so no [n, (i+1) n] mask is ever built.
+    """
+
+    def __init__(self):
+        self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def attend(self, layer_idx: int, q, k, v, groups: int) -> torch.Tensor:
+        earlier = self.steps.setdefault(layer_idx, [])
+        earlier.append((k, v))
+        expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
+        k0, v0 = (expand(t) for t in earlier[0])
+        if len(earlier) == 1:
+            return F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+        scale = q.shape[-1] ** -0.5
+        n = q.shape[2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [1, h, n, n]
+        later = [(expand(kj), expand(vj)) for kj, vj in earlier[1:]]
+        diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in later], dim=-1)  # [1, h, n, steps]
+        weights = torch.softmax(torch.cat([scores0, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
+        out = weights[..., :n] @ v0
+        for j, (_, vj) in enumerate(later):
+            out = out + weights[..., n + j : n + j + 1] * vj
+        return out
 
 
 def causal_mask(cached: int, new: int, device) -> torch.Tensor:

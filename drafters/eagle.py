@@ -105,10 +105,8 @@ class EagleHead(nn.Module):
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [m, draft vocab] of the token after each position."""
-        if self._draft_weight is not None:
-            logits = out @ self._draft_weight.T
-        else:
-            logits = self._lm_head[0](out)
+        weight = self._draft_weight if self._draft_weight is not None else self._lm_head[0].weight
+        logits = out.to(weight.dtype) @ weight.T  # the target's rows, in the target's dtype
         return torch.log_softmax(logits.float(), dim=-1)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

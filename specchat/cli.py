@@ -201,6 +201,89 @@ def answer_record(session, record, settings: Settings, trace_file=None) -> dict 
             "model": settings.model, "draft": settings.draft, "turns": turns}
 
 
+@cli.command(name="train")
+@click.option("--kind", type=click.Choice(["eagle", "eagle3", "jakiro"]), required=True, help="Head format to train.")
+@click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Training data (ShareGPT JSON, chat/Alpaca/prompt JSONL); repeat for several files.")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the trained head.")
+@click.option("--model", default=None, help="Target model (default: the profile's).")
+@click.option("--gguf-file", default=None, help="GGUF file inside the --model folder or hub repo.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              help="Target dtype for regeneration and feature extraction.")
+@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
+@click.option("--regenerate/--no-regenerate", default=False,
+              help="Let the target write the answers (needed for prompt-only data; better heads).")
+@click.option("--regenerate-batch", type=int, default=32, show_default=True, help="Prompts per generation batch.")
+@click.option("--regenerate-max-tokens", type=int, default=512, show_default=True, help="Longest regenerated answer.")
+@click.option("--regenerate-temperature", type=float, default=0.0, show_default=True,
+              help="Sampling temperature of regenerated answers (0: greedy).")
+@click.option("--max-tokens", type=int, default=2048, show_default=True, help="Longest training sequence (tokens).")
+@click.option("--limit", type=int, default=None, help="Use at most this many conversations.")
+@click.option("--draft-vocab", type=int, default=None,
+              help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
+@click.option("--intermediate-size", type=int, default=None, help="MLP width of the head (default: the target's).")
+@click.option("--ttt-steps", type=int, default=None,
+              help="Unrolled steps per position (eagle3: training-time test, paper 7; eagle/jakiro: 1).")
+@click.option("--epochs", type=float, default=2.0, show_default=True, help="Passes over the training data.")
+@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
+@click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--warmup", type=int, default=100, show_default=True, help="Linear warm-up steps.")
+@click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Tokens per optimizer step.")
+@click.option("--held-out", type=float, default=0.02, show_default=True, help="Share of conversations held out.")
+@click.option("--eval-every", type=int, default=200, show_default=True, help="Held-out evaluation interval (steps).")
+@click.option("--checkpoint-every", type=int, default=200, show_default=True, help="Checkpoint interval (steps).")
+@click.option("--resume/--no-resume", default=False, help="Continue from OUTPUT/checkpoint.")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+              help="Where regenerated answers and features are kept (default: under the cache, keyed by model and data).")
+@click.option("--prepare-only/--no-prepare-only", default=False, help="Stop after regeneration and feature extraction.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for shuffling, splitting and initialisation.")
+def train_command(kind, data_files, output, model, gguf_file, dtype, device, profile, regenerate, regenerate_batch,
+                  regenerate_max_tokens, regenerate_temperature, max_tokens, limit, draft_vocab, intermediate_size,
+                  ttt_steps, epochs, max_steps, lr, warmup, batch_tokens, held_out, eval_every, checkpoint_every,
+                  resume, work_dir, prepare_only, seed):
+    """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
+    from pathlib import Path
+
+    from specchat.target import ModelLoadError, ModelSpec, load_target
+    from specchat.train import data as data_mod
+    from specchat.train import pipeline
+    from specchat.train.trainer import TrainConfig
+    from specchat.ui import TrainingProgress
+
+    settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile})
+    try:
+        target = load_target(ModelSpec(model=settings.model, gguf_file=settings.gguf_file, dtype=dtype, device=device))
+    except ModelLoadError as error:
+        raise CommandError(str(error)) from error
+    target.model.requires_grad_(False)
+    options = pipeline.PrepareOptions(
+        data=list(data_files), regenerate=regenerate, regenerate_batch=regenerate_batch,
+        regenerate_max_tokens=regenerate_max_tokens, regenerate_temperature=regenerate_temperature,
+        max_tokens=max_tokens, limit=limit, held_out=held_out, seed=seed)
+    work = Path(work_dir) if work_dir else pipeline.default_work_dir(settings.model, options)
+    log = lambda message: click.echo(f"specchat train: {message}", err=True)  # noqa: E731
+    log(f"work folder {work}")
+    with TrainingProgress() as bars:
+        try:
+            store, summary = pipeline.prepare(target, options, work, need_aux=kind == "eagle3", log=log,
+                                              progress=bars.stage)
+        except (data_mod.DataError, pipeline.TrainError) as error:
+            raise CommandError(str(error), EXIT_USAGE) from error
+        if prepare_only:
+            log(f"prepared {len(store)} sequences in {work}")
+            return
+        summary["held_out_fraction"] = held_out
+        config = TrainConfig(kind=kind, learning_rate=lr, warmup_steps=warmup, epochs=epochs, max_steps=max_steps,
+                             batch_tokens=batch_tokens, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
+                             intermediate_size=intermediate_size, eval_every=eval_every,
+                             checkpoint_every=checkpoint_every, seed=seed)
+        record = pipeline.train_head(target, store, config, Path(output), summary, resume, log, bars.training)
+    accuracy = record["held_out_top1"][-1]["top1_by_step"] if record["held_out_top1"] else []
+    log(f"wrote {output} ({record['steps']} steps, {record['tokens_seen']:,} tokens; "
+        f"held-out top-1 by step {accuracy})")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, standalone_mode=False, prog_name="specchat")

@@ -8,7 +8,9 @@ Accepted shapes (JSON arrays, or JSONL with one record per line):
 - Chat: `{"messages": [{"role", "content"}, ...]}`.
 - Alpaca: `{"instruction", "input"?, "output" | "response"}`, and `{"question", "answer"}`.
 - Prompt-only (answered by the target with `--regenerate`): Spec-Bench `{"turns": [...]}`,
-  `{"prompt": ...}`, a bare JSON string, or ShareGPT/chat records without assistant messages.
+  `{"prompt": ...}` (also an OpenAssistant tree's root `{"prompt": {"text": ...}}`), a bare
+  JSON string, or ShareGPT/chat records without assistant messages. Self-instruct records
+  (`{"instruction", "instances": [{"input", "output"}]}`) use their first instance.
 
 Malformed records are skipped and counted by reason (the report names the first few), so one bad
 record in a 100k-record file does not stop a long run.
@@ -131,6 +133,8 @@ def parse_record(record) -> list[dict] | str:
         instruction = _text(record.get("instruction"))
         if instruction is None:
             return "empty instruction"
+        if isinstance(record.get("instances"), list) and record["instances"]:  # self-instruct
+            record = {**record, **record["instances"][0]} if isinstance(record["instances"][0], dict) else record
         extra = _text(record.get("input"))
         prompt = instruction + ("\n\n" + extra if extra else "")
         response = _text(record.get("output", record.get("response")))
@@ -145,7 +149,10 @@ def parse_record(record) -> list[dict] | str:
             return "empty turns"
         return [{"role": "user", "content": turns[0]}]
     if "prompt" in record:
-        return [{"role": "user", "content": record["prompt"]}] if _text(record["prompt"]) else "empty prompt"
+        prompt = record["prompt"]
+        if isinstance(prompt, dict):  # an OpenAssistant message tree: its root message
+            prompt = prompt.get("text")
+        return [{"role": "user", "content": prompt}] if _text(prompt) else "empty prompt"
     return "unknown shape"
 
 

@@ -1,0 +1,1 @@
+"""`specchat train`: data, target regeneration, feature extraction and the training recipes for draft heads."""
