@@ -55,13 +55,24 @@ def resolve_settings(options: dict) -> tuple[Settings, str]:
         raise CommandError(str(error), EXIT_USAGE) from error
 
 
+def model_loader(settings: Settings):
+    """`load(name, gguf_file=None)`: loads a model (the target, or a draft model) the way `settings` say."""
+    from specchat.target import ModelSpec, load_target
+
+    def load_model(name: str, gguf_file: str | None = None):
+        return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
+                                     quantize=settings.quantize, trust_remote_code=settings.trust_remote_code))
+
+    return load_model
+
+
 def build_session(settings: Settings):
     """Load the target (and the method's drafter) and open a chat session."""
     from specchat.chat import ChatFormat, TemplateError
     from specchat.engine import Engine, GenerationSettings
     from specchat.sampling import SamplingParams, make_generator
     from specchat.session import ChatSession
-    from specchat.target import ModelLoadError, ModelSpec, load_target
+    from specchat.target import ModelLoadError
 
     from drafters import HeadLoadError
     from specchat.methods import MethodError, build_proposer, needs_draft
@@ -75,10 +86,7 @@ def build_session(settings: Settings):
         raise CommandError(str(error), EXIT_USAGE) from error
     if settings.max_new_tokens < 1:
         raise CommandError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}", EXIT_USAGE)
-    def load_model(name: str, gguf_file: str | None = None):
-        return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
-                                     quantize=settings.quantize, trust_remote_code=settings.trust_remote_code))
-
+    load_model = model_loader(settings)
     try:
         target = load_model(settings.model, settings.gguf_file)
         chat_format = ChatFormat(target.tokenizer)
@@ -97,12 +105,11 @@ def build_session(settings: Settings):
     return ChatSession(engine, chat_format, generation, rng, system=settings.system)
 
 
-def stats_line(stats) -> str:
-    parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s", f"τ {stats.tau:.2f}"]
-    if stats.acceptance_rate is not None:
-        parts.append(f"acceptance {stats.acceptance_rate:.0%}")
-    parts.append(f"prefill {stats.prefill_seconds:.2f}s")
-    return " · ".join(parts)
+def open_chat(settings: Settings, profile: str | None):
+    """The session for `settings`, wrapped so that its method and settings can change mid-chat."""
+    from specchat.live import LiveChat
+
+    return LiveChat(build_session(settings), settings, profile, model_loader(settings))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -115,78 +122,106 @@ def cli():
 @settings_options
 def chat(**options):
     """Chat in the terminal; with a pipe on stdin, answer what it holds and exit."""
-    settings, _ = resolve_settings(options)
+    settings, profile = resolve_settings(options)
     if not sys.stdin.isatty():
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise CommandError("empty prompt (stdin held no text)", EXIT_USAGE)
-        session = build_session(settings)
-        answer_once(session, prompt)
+        answer_once(open_chat(settings, profile), prompt)
         return
     from specchat.repl import run_repl
 
-    run_repl(lambda: build_session(settings), settings.model)
+    run_repl(lambda: open_chat(settings, profile), settings.model)
 
 
-def answer_once(session, prompt: str) -> None:
+def answer_once(chat, prompt: str) -> None:
+    """Answer one prompt like a Unix tool: the answer on stdout, the statistics line on stderr."""
     from specchat.engine import ContextLengthError
+    from specchat.ui import ChatUI
 
+    ui = ChatUI.for_streams()
+    writer = ui.answer(chat.session.chat_format.decoder() if chat.settings.show_accept else None)
     try:
-        for event in session.reply(prompt):
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+        for event in chat.reply(prompt):
+            writer.write(event)
     except ContextLengthError as error:
         raise CommandError(str(error)) from error
-    sys.stdout.write("\n")
-    click.echo(stats_line(session.last_stats), err=True)
+    finally:
+        writer.close()
+    ui.end_answer()
+    report = chat.report()
+    if chat.settings.compare:
+        report.comparison = chat.compare_last_turn()
+    ui.stats(report)
 
 
 @cli.command()
 @click.argument("inputs", nargs=-1)
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default="-",
               help="Where the records go (default: stdout).")
+@click.option("--format", "output_format", type=click.Choice(["jsonl", "text"]), default="jsonl", show_default=True,
+              help="jsonl: one JSON record per prompt, with statistics; text: only the answers, one per turn, "
+                   "with a statistics line per answer on stderr.")
 @click.option("--trace", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write one JSON line per draft-verify cycle (the tree and what was accepted) to this file.")
 @settings_options
-def run(inputs, output, trace, **options):
+def run(inputs, output, output_format, trace, **options):
     """Answer prompt files (.txt, .jsonl, or - for stdin); one JSON record per line of input."""
-    from specchat.inputs import read_prompts
+    from contextlib import ExitStack
 
-    settings, _ = resolve_settings(options)
+    from rich.console import Console
+
+    from specchat.inputs import read_prompts
+    from specchat.ui import ChatUI
+
+    settings, profile = resolve_settings(options)
     try:
         records = read_prompts(list(inputs) or ["-"])
     except InputError as error:
         raise CommandError(str(error), EXIT_USAGE) from error
-    session = build_session(settings)
+    chat = open_chat(settings, profile)
     failures = 0
-    trace_file = open(trace, "w", encoding="utf-8") if trace else None
-    with click.open_file(output, "w", encoding="utf-8", atomic=False) as sink:
-        for record in records:
-            result = answer_record(session, record, settings, trace_file)
+    with ExitStack() as files:
+        sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=False))
+        trace_file = files.enter_context(open(trace, "w", encoding="utf-8")) if trace else None
+        ui = ChatUI(Console(file=sink, soft_wrap=True), Console(stderr=True, soft_wrap=True)) \
+            if output_format == "text" else None
+        for done, record in enumerate(records):
+            try:
+                result = answer_record(chat, record, settings, trace_file, ui)
+            except KeyboardInterrupt:
+                click.echo(f"\nspecchat: interrupted; kept the {done - failures} finished records", err=True)
+                raise
             if result is None:
                 failures += 1
-                continue
-            sink.write(json.dumps(result, ensure_ascii=False) + "\n")
-            sink.flush()  # records are written as they complete, so a failure later loses nothing
-    if trace_file:
-        trace_file.close()
+            elif ui is None:
+                sink.write(json.dumps(result, ensure_ascii=False) + "\n")
+                sink.flush()  # records are written as they complete, so a failure later loses nothing
     if failures:
         raise CommandError(f"{failures} of {len(records)} prompts failed (see above)")
 
 
-def answer_record(session, record, settings: Settings, trace_file=None) -> dict | None:
-    """Answer every turn of one prompt record in a fresh conversation; None if it failed."""
-    from specchat.engine import ContextLengthError
+def answer_record(chat, record, settings: Settings, trace_file=None, ui=None) -> dict | None:
+    """Answer every turn of one prompt record in a fresh conversation; None if it failed.
 
+    With a `ui` (`--format text`), answers stream to it as they come, statistics below each.
+    """
+    from specchat.engine import ContextLengthError
+    from specchat.ui import stats_line
+
+    session = chat.session
     session.conversation.system = record.system if record.system is not None else settings.system
     session.clear()
     session.conversation.messages.extend(record.history)
     turns = []
     for turn_index, prompt in enumerate(record.turns):
         pieces, cycle_index = [], 0
+        writer = ui.answer(session.chat_format.decoder() if settings.show_accept else None) if ui else None
         try:
-            for event in session.reply(prompt):
+            for event in chat.reply(prompt):
                 pieces.append(event.text)
+                if writer is not None:
+                    writer.write(event)
                 if trace_file is not None and event.step.cycle is not None:
                     line = {"id": record.id, "turn": turn_index, "cycle": cycle_index, **event.step.cycle.record()}
                     if cycle_index == 0:
@@ -196,9 +231,79 @@ def answer_record(session, record, settings: Settings, trace_file=None) -> dict 
         except ContextLengthError as error:
             click.echo(f"specchat: error: {record.where}: {error}", err=True)
             return None
-        turns.append({"prompt": prompt, "response": "".join(pieces), **session.last_stats.record()})
+        finally:
+            if writer is not None:
+                writer.close()
+        comparison = chat.compare_last_turn() if settings.compare else None
+        turn = {"prompt": prompt, "response": "".join(pieces), **session.last_stats.record()}
+        turns.append({**turn, **comparison.record()} if comparison else turn)
+        if ui is not None:
+            ui.end_answer()
+            ui.note(stats_line(session.last_stats, comparison=comparison))
     return {"id": record.id, "category": record.category, "method": settings.method,
             "model": settings.model, "draft": settings.draft, "turns": turns}
+
+
+@cli.group()
+def profiles():
+    """List the profiles, and show the settings one resolves to."""
+
+
+@profiles.command(name="list")
+def profiles_list():
+    """Every profile by name: the user's (in the XDG config dir) first, then the shipped ones."""
+    user, shipped = settings_mod.user_profiles(), settings_mod.shipped_profiles()
+    rows = [("NAME", "METHOD", "MODEL (+ DRAFT)", "WHERE")]
+    rows += [_profile_row(name, source, str(source)) for name, source in user.items()]
+    rows += [_profile_row(name, source, "shipped" + (" (hidden by the user's)" if name in user else ""))
+             for name, source in sorted(shipped.items())]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+
+
+def _profile_row(name: str, source, where: str) -> tuple[str, str, str, str]:
+    try:
+        values, _ = settings_mod.read_profile(source)
+    except ProfileError as error:
+        return name, "-", f"broken: {error}", where
+    merged = Settings(**values)
+    return name, merged.method, merged.model + (f" + {merged.draft}" if merged.draft else ""), where
+
+
+@profiles.command(name="show")
+@click.argument("name", required=False)
+@settings_options
+def profiles_show(name, **options):
+    """The settings NAME resolves to (default: --profile, SPECCHAT_PROFILE or 'default'), and where each
+    value comes from: the command line, the environment, the profile or the defaults. Setting options
+    given here show their effect, exactly as `chat` and `run` would apply them."""
+    if name and options.get("profile"):
+        raise CommandError("give the profile as NAME or as --profile, not both", EXIT_USAGE)
+    options["profile"] = name or options.get("profile")
+    settings, profile = resolve_settings(options)
+    source = settings_mod.find_profile(profile)
+    in_profile, meta = settings_mod.read_profile(source)
+    context = click.get_current_context()
+    click.echo(f"profile      {profile} ({source})")
+    if meta.get("description"):
+        click.echo(f"description  {meta['description']}")
+    click.echo("")
+    rows = []
+    for key, setting in FIELDS.items():
+        given = context.get_parameter_source(key)
+        if options.get(key) is not None and given == click.core.ParameterSource.COMMANDLINE:
+            origin = "command line (--" + key.replace("_", "-") + ")"
+        elif options.get(key) is not None and given == click.core.ParameterSource.ENVIRONMENT:
+            origin = f"environment ({settings_mod.env_name(key)})"
+        else:
+            origin = "profile" if key in in_profile else "default"
+        value = getattr(settings, key)
+        location = f"{setting.metadata['section']}.{setting.metadata['key']}"
+        rows.append((location, "-" if value is None else json.dumps(value, ensure_ascii=False), origin))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for location, value, origin in rows:
+        click.echo(f"{location.ljust(widths[0])}  {value.ljust(widths[1])}  {origin}")
 
 
 @cli.command(name="train")

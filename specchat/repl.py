@@ -1,15 +1,58 @@
-"""The interactive chat loop.
+"""The interactive chat: a prompt, streamed answers and slash commands.
 
 The prompt appears at once: importing torch and transformers and loading the model take several
 seconds on a CPU, so they happen in a background thread while the user types the first message.
+What the loop changes goes through `specchat.live.LiveChat` and what it prints through
+`specchat.ui.ChatUI`; both, and the prompt's input and output, can be handed in, which is how
+the tests drive it.
 """
 
 from __future__ import annotations
 
-import sys
+import os
 import threading
+from contextlib import closing
+from pathlib import Path
 
 from prompt_toolkit import PromptSession
+from prompt_toolkit.application import get_app
+from prompt_toolkit.completion import Completer, Completion
+from prompt_toolkit.filters import Condition
+from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.output import create_output
+
+from specchat.live import LIVE_KEYS, LiveChatError
+from specchat.transcript import TranscriptError
+from specchat.ui import ChatUI
+
+PROMPT, CONTINUATION = ">>> ", "... "
+PLACEHOLDER = "Send a message (/help for commands)"
+BLOCK_QUOTE = '"""'
+
+# (name, arguments, what it does), in the order /help lists them
+COMMANDS = (
+    ("help", "", "this help"),
+    ("exit", "", "quit (also /quit, /bye, Ctrl-D)"),
+    ("clear", "", "start a new conversation (the system prompt stays)"),
+    ("system", "[TEXT | none]", "show, set or remove the system prompt"),
+    ("method", "[NAME [DRAFT]]", "decode with another method; DRAFT is a head folder, hub id or draft model"),
+    ("set", "[KEY VALUE]", "change a setting: " + ", ".join(LIVE_KEYS)),
+    ("show", "", "model, draft, method, profile and settings"),
+    ("stats", "", "session totals per method: tokens, τ, acceptance (by tree depth), speedup"),
+    ("compare", "[on | off]", "also decode each answer plainly: measured speedup, identical answers?"),
+    ("tree", "", "the last draft tree with its probabilities, accepted path marked"),
+    ("save", "FILE", "save the conversation and settings as a JSON transcript"),
+    ("load", "FILE", "restore a saved conversation and its settings"),
+)
+ALIASES = {"quit": "exit", "bye": "exit", "?": "help"}
+KEYS = (
+    ("Ctrl-C", "stop the answer (it stays in the conversation); on an empty line, a reminder how to quit"),
+    ("Ctrl-D", "quit"),
+    ("Alt-Enter", "new line without sending (or Esc then Enter)"),
+    ('"""', 'start a message with """ to write several lines; end it with """'),
+    ("Up / Down", "earlier messages (kept in the history file)"),
+)
 
 
 class BackgroundLoad:
@@ -38,39 +81,324 @@ class BackgroundLoad:
         return self._value
 
 
-def run_repl(load_session, model_name: str) -> None:
-    """Read a message, stream the reply, repeat. Ctrl-C stops a reply; Ctrl-D or /exit quits."""
-    from specchat.cli import stats_line
+# ---------------------------------------------------------------------------------------------
+# Input
 
-    loading = BackgroundLoad(load_session)
-    prompt = PromptSession()
-    print(f"specchat · {model_name} · Ctrl-C stops a reply, Ctrl-D or /exit quits", file=sys.stderr)
-    session = None
+
+def history_path() -> Path:
+    state_home = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state_home) / "specchat" / "history"
+
+
+def open_history():
+    """The prompt's history: the XDG state file (private to the user), or memory only."""
+    if os.environ.get("SPECCHAT_NOHISTORY"):
+        return InMemoryHistory()
+    path = history_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.touch(mode=0o600)
+    except OSError:
+        return InMemoryHistory()  # a read-only home must not stop the chat
+    return FileHistory(str(path))
+
+
+def block_is_open(text: str) -> bool:
+    """True while a message that starts with \"\"\" has not been closed by another."""
+    stripped = text.lstrip()
+    return stripped.startswith(BLOCK_QUOTE) and stripped.count(BLOCK_QUOTE) % 2 == 1
+
+
+def unwrap_block(text: str) -> str:
+    """The message inside \"\"\" ... \"\"\", or the text as typed."""
+    stripped = text.strip()
+    if len(stripped) >= 2 * len(BLOCK_QUOTE) and stripped.startswith(BLOCK_QUOTE) and stripped.endswith(BLOCK_QUOTE):
+        # Keep the first line's indentation; drop the auto-indent before the closing quotes.
+        return stripped[len(BLOCK_QUOTE):-len(BLOCK_QUOTE)].lstrip("\n").rstrip()
+    return text
+
+
+class CommandCompleter(Completer):
+    """Tab completes command names, /method names, /set keys and on/off."""
+
+    def get_completions(self, document, complete_event):
+        from specchat.methods import METHODS
+
+        words = document.text_before_cursor.split(" ")
+        if not words[0].startswith("/"):
+            return
+        if len(words) == 1:
+            candidates = ["/" + name for name, _, _ in COMMANDS]
+        elif len(words) == 2:
+            candidates = {"/method": list(METHODS), "/set": list(LIVE_KEYS), "/compare": ["on", "off"]}.get(words[0], [])
+        else:
+            candidates = ["on", "off"] if words[0] == "/set" and words[1] in ("show_accept", "compare") else []
+        for candidate in candidates:
+            if candidate.startswith(words[-1]):
+                yield Completion(candidate, start_position=-len(words[-1]))
+
+
+def make_prompt(input=None, output=None) -> PromptSession:
+    bindings = KeyBindings()
+
+    @bindings.add("escape", "enter")
+    def _new_line(event):
+        event.current_buffer.insert_text("\n")
+
+    @bindings.add("c-c")
+    def _interrupt(event):
+        # Ctrl-C discards a half-typed line; on an empty one it raises KeyboardInterrupt (a quit reminder).
+        if event.current_buffer.text:
+            event.current_buffer.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
+
+    # Off a terminal stdout, draw the prompt on the terminal behind stderr, so stdout keeps only answers.
+    output = output or create_output(always_prefer_tty=True)
+    return PromptSession(
+        history=open_history(), key_bindings=bindings, multiline=Condition(lambda: block_is_open(get_app().current_buffer.text)),
+        prompt_continuation=CONTINUATION, placeholder=PLACEHOLDER, completer=CommandCompleter(),
+        complete_while_typing=False, input=input, output=output,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def run_repl(load_chat, model_name: str, *, ui: ChatUI | None = None, input=None, output=None) -> None:
+    """Read a message, stream the answer, repeat. Returns on Ctrl-D or /exit.
+
+    Args:
+        load_chat: builds the `LiveChat` (runs in a background thread while the prompt is up).
+        model_name: shown in the banner before the model has loaded.
+        ui, input, output: where to print, and the prompt-toolkit input/output (default: the terminal).
+    """
+    ui = ui or ChatUI.for_streams()
+    repl = Repl(BackgroundLoad(load_chat), ui)
+    prompt = make_prompt(input, output)
+    ui.banner(model_name)
     while True:
         try:
-            text = prompt.prompt(">>> ")
+            text = prompt.prompt(PROMPT)
         except KeyboardInterrupt:
+            ui.hint("Use Ctrl-D or /exit to quit.")
             continue
         except EOFError:
             return
-        if text.strip() in ("/exit", "/quit"):
-            return
-        if not text.strip():
-            continue
-        if session is None:
-            if not loading.ready:
-                print("(loading the model...)", file=sys.stderr)
-            session = loading.result()
+        try:
+            if repl.handle(text):
+                return
+        except KeyboardInterrupt:
+            ui.note("(stopped)")
+
+
+class Repl:
+    """What one line of input does: a message is answered, a /command is run."""
+
+    def __init__(self, loading: BackgroundLoad, ui: ChatUI):
+        self.loading = loading
+        self.ui = ui
+
+    def handle(self, text: str) -> bool:
+        """Act on one input; True means quit."""
+        if text.startswith("/"):
+            return self.command(text)
+        message = unwrap_block(text)
+        if message.strip():
+            self.answer(message)
+        return False
+
+    def chat(self):
+        """The `LiveChat`, once loaded (a spinner while waiting); None if the user gave up waiting."""
+        if self.loading.ready:
+            return self.loading.result()
+        try:
+            with self.ui.busy("loading the model..."):
+                return self.loading.result()
+        except KeyboardInterrupt:
+            self.ui.hint("Stopped waiting; the model goes on loading.")
+            return None
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def answer(self, message: str) -> None:
         from specchat.engine import ContextLengthError
 
+        chat = self.chat()
+        if chat is None:
+            return
         try:
-            for event in session.reply(text):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            sys.stdout.write(" [interrupted]")
+            finished = self._stream(chat, message)
         except ContextLengthError as error:
-            print(f"specchat: {error}", file=sys.stderr)
-            continue
-        sys.stdout.write("\n")
-        print(stats_line(session.last_stats), file=sys.stderr)
+            self.ui.error(f"{error}; /clear starts a new conversation")
+            return
+        self.ui.end_answer(interrupted=not finished)
+        report = chat.report()
+        if finished and chat.settings.compare:
+            report.comparison = self._compare(chat)
+        self.ui.stats(report)
+
+    def _stream(self, chat, message: str) -> bool:
+        """Print the answer as it comes; False if Ctrl-C stopped it."""
+        colour_decoder = chat.session.chat_format.decoder() if chat.settings.show_accept else None
+        writer = self.ui.answer(colour_decoder)
+        # Closing the stream on Ctrl-C lets the engine trim its caches back to the committed
+        # tokens, and the session keep the partial answer marked as interrupted.
+        with closing(chat.reply(message)) as events:
+            try:
+                for event in events:
+                    writer.write(event)
+            except KeyboardInterrupt:
+                return False
+            finally:
+                writer.close()
+        return True
+
+    def _compare(self, chat):
+        try:
+            with self.ui.busy("decoding plainly to compare..."):
+                return chat.compare_last_turn()
+        except KeyboardInterrupt:
+            self.ui.note("(comparison stopped)")
+            return None
+
+    # -- commands --------------------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Run one /command; True means quit. Mistakes get a one-line hint."""
+        name, _, argument = line[1:].strip().partition(" ")
+        name = ALIASES.get(name.lower(), name.lower())
+        if name not in {command for command, _, _ in COMMANDS}:
+            self.ui.hint(f"Unknown command /{name}. Type /help for the commands "
+                         "(start a line with a space to send it as a message).")
+            return False
+        if name in ("help", "exit"):
+            return getattr(self, f"do_{name}")(argument.strip())
+        chat = self.chat()
+        if chat is None:
+            return False
+        try:
+            getattr(self, f"do_{name}")(chat, argument.strip())
+        except (LiveChatError, TranscriptError) as error:
+            self.ui.error(str(error))
+        return False
+
+    def do_help(self, argument: str) -> bool:
+        self.ui.help([(f"/{name} {arguments}".rstrip(), what) for name, arguments, what in COMMANDS], list(KEYS))
+        return False
+
+    def do_exit(self, argument: str) -> bool:
+        return True
+
+    def do_clear(self, chat, argument: str) -> None:
+        chat.clear()
+        self.ui.note("new conversation")
+
+    def do_system(self, chat, argument: str) -> None:
+        if not argument:
+            self.ui.note(f"system prompt: {chat.settings.system!r}" if chat.settings.system else "no system prompt")
+            return
+        chat.set_system(None if argument.lower() == "none" else argument)
+        self.ui.note("system prompt removed" if chat.settings.system is None else "system prompt set")
+
+    def do_method(self, chat, argument: str) -> None:
+        from specchat.methods import METHODS, needs_draft
+
+        if not argument:
+            self.ui.note(f"method {chat.settings.method}; known: " + ", ".join(f"{m} ({d})" for m, d in METHODS.items()))
+            return
+        name, _, draft = argument.partition(" ")
+        loads = bool(needs_draft(name) and (draft or chat.settings.draft))
+        with self.ui.busy(f"loading the draft for {name}...", active=loads):
+            chat.switch_method(name, draft.strip() or None)
+        self.ui.note(f"method {name}: {METHODS[name]}" + (f" (draft {chat.settings.draft})" if loads else ""))
+
+    def do_set(self, chat, argument: str) -> None:
+        if not argument:
+            self.ui.show([(key, _text(getattr(chat.settings, key))) for key in LIVE_KEYS])
+            return
+        key, _, value = argument.partition(" ")
+        if key == "system":
+            self.do_system(chat, value.strip())
+            return
+        if not value.strip():
+            raise LiveChatError(f"usage: /set KEY VALUE (KEY is one of {', '.join(LIVE_KEYS)})")
+        with self.ui.busy("rebuilding the draft...", active=key in ("total_tokens", "depth", "tree_top_k")):
+            chat.set_value(key, value.strip())
+        self.ui.note(f"{key} = {_text(getattr(chat.settings, key))}")
+        if key == "show_accept" and chat.settings.show_accept and self.ui.can_colour:
+            self.ui.legend()
+        elif key == "show_accept" and chat.settings.show_accept:
+            self.ui.note("(colours show only on a terminal)")
+
+    def do_compare(self, chat, argument: str) -> None:
+        if argument:
+            chat.set_value("compare", argument)
+        state = "on: each answer is also decoded plainly" if chat.settings.compare else "off"
+        self.ui.note(f"compare {state}")
+
+    def do_show(self, chat, argument: str) -> None:
+        self.ui.show(describe(chat))
+
+    def do_stats(self, chat, argument: str) -> None:
+        self.ui.session_stats(chat.totals)
+
+    def do_tree(self, chat, argument: str) -> None:
+        if chat.last_cycle is None:
+            self.ui.hint(f"No draft tree yet: answer something with a speculative method (now: {chat.settings.method}).")
+            return
+        self.ui.tree(chat.last_cycle, chat.tokenizer)
+
+    def do_save(self, chat, argument: str) -> None:
+        if not argument:
+            raise LiveChatError("usage: /save FILE")
+        path = chat.save(argument)
+        self.ui.note(f"saved {len(chat.session.conversation.messages)} messages and the settings to {path}")
+
+    def do_load(self, chat, argument: str) -> None:
+        if not argument:
+            raise LiveChatError("usage: /load FILE")
+        with self.ui.busy("loading..."):
+            notes = chat.load(argument)
+        self.ui.note(f"loaded {len(chat.session.conversation.messages)} messages from {argument}; "
+                     f"method {chat.settings.method}")
+        for note in notes:
+            self.ui.hint(note)
+
+
+def describe(chat) -> list[tuple[str, str]]:
+    """/show: what the chat runs with."""
+    from specchat.methods import HEAD_METHODS, METHODS, tree_defaults
+
+    settings, target = chat.settings, chat.engine.target
+    rows = [
+        ("model", f"{settings.model}  ({str(target.dtype).removeprefix('torch.')} on {target.device}, "
+                  f"context {target.max_context})"),
+        ("draft", settings.draft or "-"),
+        ("method", f"{settings.method}  ({METHODS[settings.method]})"),
+    ]
+    if settings.method in HEAD_METHODS and not settings.static_tree and settings.method != "eagle":
+        defaults = tree_defaults(target.device)
+        rows.append(("tree", f"total_tokens {settings.total_tokens or defaults.total_tokens}, "
+                             f"depth {settings.depth or defaults.depth}, tree_top_k {settings.tree_top_k or defaults.top_k}"))
+    rows += [
+        ("profile", chat.profile or "-"),
+        ("sampling", f"temperature {settings.temperature}, top_p {settings.top_p}, top_k {settings.top_k}, "
+                     f"seed {_text(settings.seed)}"),
+        ("max_new_tokens", str(settings.max_new_tokens)),
+        ("show_accept", _text(settings.show_accept)),
+        ("compare", _text(settings.compare)),
+        ("system", repr(settings.system) if settings.system else "-"),
+        ("conversation", f"{len(chat.session.conversation.messages)} messages, "
+                         f"{len(chat.engine.context_ids)} tokens cached"),
+        ("history", "off (SPECCHAT_NOHISTORY)" if os.environ.get("SPECCHAT_NOHISTORY") else str(history_path())),
+    ]
+    return rows
+
+
+def _text(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
+

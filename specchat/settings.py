@@ -91,6 +91,13 @@ class Settings:
     seed: int | None = _setting(None, "generation", "seed",
                                 "Seed the random stream once per run (successive prompts continue it).")
     system: str | None = _setting(None, "generation", "system", "System prompt.")
+    # [chat]
+    show_accept: bool = _setting(False, "chat", "show_accept",
+                                 "Colour the answer: tokens the draft proposed and the target accepted in one colour, "
+                                 "tokens the target produced itself in another (only on a terminal).")
+    compare: bool = _setting(False, "chat", "compare",
+                             "Also decode every answer plainly and report the exact speedup and whether the answers "
+                             "are identical (doubles the work).")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

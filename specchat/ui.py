@@ -1,15 +1,25 @@
-"""Terminal rendering shared by the commands: progress bars on stderr.
+"""Terminal rendering: the chat's answers, statistics and tables, and training progress bars.
 
-In a terminal, rich progress bars; otherwise (a log file, a pipe) a plain line every
-`PLAIN_INTERVAL` seconds, so long runs in the background still leave a readable record.
+The chat writes answers to one stream (stdout) and everything else - statistics, hints, tables,
+spinners - to another: stdout too in a terminal, so both interleave as typed, but stderr when
+stdout is a pipe or file, which then receives nothing but answers. Colours and spinners appear
+only on a terminal (and never with NO_COLOR).
+
+Training shows rich progress bars in a terminal; otherwise (a log file, a pipe) a plain line
+every `PLAIN_INTERVAL` seconds, so long runs in the background still leave a readable record.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 
-from rich.console import Console
+from rich.console import COLOR_SYSTEMS, Console
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 PLAIN_INTERVAL = 30.0
@@ -62,3 +72,179 @@ class TrainingProgress:
         self.progress.update(self._train_task, completed=state.step, info=info)
         eta = (total_steps - state.step) * state.seconds / max(1, state.step)
         self._plain(f"step {state.step}/{total_steps} · {info} · eta {eta / 60:.0f} min", force=state.step == total_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chat
+
+# With --show-accept: draft tokens the target accepted, and tokens the target produced itself
+# (the first token, each cycle's bonus token or correction).
+DRAFTED_STYLE, TARGET_STYLE = "green", "yellow"
+
+
+def stats_line(stats, estimated_speedup: float | None = None, comparison=None) -> str:
+    """One line about a reply: tokens, tokens/s, tau, acceptance rate, speedup over plain decoding.
+
+    tau counts the bonus token (1.00 for plain decoding); the acceptance rate is accepted draft
+    tokens over the draft tokens the target verified. An estimated speedup is marked "est.";
+    a `comparison` (the reply decoded plainly too) replaces it with the measured ratio.
+    """
+    parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s", f"τ {stats.tau:.2f}"]
+    if stats.acceptance_rate is not None:
+        parts.append(f"acceptance {stats.acceptance_rate:.0%} ({stats.accepted_tokens}/{stats.draft_tokens} drafted)")
+    if comparison is not None:
+        verdict = "same answer" if comparison.identical else "answers differ"
+        parts.append(f"{comparison.speedup:.2f}x vs plain, measured ({verdict})")
+    elif estimated_speedup is not None:
+        parts.append(f"~{estimated_speedup:.1f}x est.")
+    parts.append(f"prefill {stats.prefill_seconds:.2f}s")
+    return " · ".join(parts)
+
+
+def token_label(tokenizer, token: int) -> str:
+    """A token as a quoted, escaped string (so spaces and newlines show)."""
+    return repr(tokenizer.decode([token], skip_special_tokens=False))
+
+
+class AnswerWriter:
+    """Streams one answer: the text as is, or coloured token by token by where it came from."""
+
+    def __init__(self, console: Console, decoder=None):
+        self.file = console.file
+        self.decoder = decoder  # its own IncrementalDecoder when colouring: pieces per token
+        self.color_system = COLOR_SYSTEMS.get(console.color_system or "")
+        self.styles = {True: Style.parse(DRAFTED_STYLE), False: Style.parse(TARGET_STYLE)}
+
+    def write(self, event) -> None:
+        if self.decoder is None:
+            self._emit(event.text)
+            return
+        for token, drafted in zip(event.step.tokens, event.step.drafted):
+            self._emit(self.decoder.push([token]), self.styles[drafted])
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self._emit(self.decoder.flush(), self.styles[False])
+
+    def _emit(self, text: str, style: Style | None = None) -> None:
+        if not text:
+            return
+        # Written directly rather than through rich, which would expand tabs and re-wrap lines.
+        self.file.write(style.render(text, color_system=self.color_system) if style else text)
+        self.file.flush()
+
+
+class ChatUI:
+    """Everything the chat shows: answers on `out`, all else on `info` (see the module docstring)."""
+
+    def __init__(self, out: Console, info: Console | None = None):
+        self.out = out
+        self.info = info or out
+
+    @classmethod
+    def for_streams(cls) -> ChatUI:
+        out = Console(soft_wrap=True, highlight=False)
+        info = out if out.is_terminal else Console(stderr=True, soft_wrap=True, highlight=False)
+        return cls(out, info)
+
+    @property
+    def can_colour(self) -> bool:
+        return self.out.is_terminal and not self.out.no_color and self.out.color_system is not None
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def answer(self, colour_decoder=None) -> AnswerWriter:
+        """A writer for the next answer; `colour_decoder` (a fresh IncrementalDecoder) turns on colouring."""
+        return AnswerWriter(self.out, colour_decoder if self.can_colour else None)
+
+    def end_answer(self, interrupted: bool = False) -> None:
+        self.out.file.write("\n")
+        self.out.file.flush()
+        if interrupted:
+            self.note("(interrupted; the partial answer stays in the conversation)")
+
+    def stats(self, report) -> None:
+        self.note(stats_line(report.stats, report.estimated_speedup, report.comparison))
+
+    # -- messages --------------------------------------------------------------------------
+
+    def note(self, text: str) -> None:
+        self.info.print(Text(text, style="dim"))
+
+    def hint(self, text: str) -> None:
+        self.info.print(Text(text, style="yellow"))
+
+    def error(self, text: str) -> None:
+        self.info.print(Text(f"error: {text}", style="red"))
+
+    def busy(self, text: str, active: bool = True):
+        """A spinner while something slow runs (a context manager); nothing off a terminal or if not `active`."""
+        return self.info.status(text, spinner="dots") if active and self.info.is_terminal else nullcontext()
+
+    def banner(self, model: str) -> None:
+        line = Text.assemble(("specchat", "bold"), f" · {model}",
+                             (" · /help for commands, Ctrl-C stops an answer, Ctrl-D or /exit quits", "dim"))
+        self.info.print(line)
+
+    def legend(self) -> None:
+        self.info.print(Text.assemble(("accepted draft tokens", DRAFTED_STYLE), " · ",
+                                      ("tokens the target produced itself", TARGET_STYLE)))
+
+    # -- tables ----------------------------------------------------------------------------
+
+    def help(self, commands: list[tuple[str, str]], keys: list[tuple[str, str]]) -> None:
+        table = Table.grid(padding=(0, 2))
+        for usage, description in commands:
+            table.add_row(Text(usage, style="bold"), description)
+        table.add_row("", "")
+        for key, description in keys:
+            table.add_row(Text(key, style="bold"), description)
+        self.info.print(table)
+
+    def show(self, rows: list[tuple[str, str]]) -> None:
+        table = Table.grid(padding=(0, 2))
+        for name, value in rows:
+            table.add_row(Text(name, style="bold"), Text(value))
+        self.info.print(table)
+
+    def session_stats(self, totals: dict) -> None:
+        """Per-method totals (`specchat.live.MethodTotals`) and acceptance by tree depth."""
+        used = {method: t for method, t in totals.items() if t.turns}
+        if not used:
+            self.note("no answers yet")
+            return
+        table = Table(box=None, padding=(0, 2), header_style="bold")
+        for column in ("method", "answers", "tokens", "tok/s", "τ", "acceptance", "speedup"):
+            table.add_column(column, justify="left" if column == "method" else "right")
+        for method, t in used.items():
+            rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.0%} ({t.accepted_tokens}/{t.draft_tokens})"
+            if t.measured_speedup is not None:
+                speedup = f"{t.measured_speedup:.2f}x measured"
+            else:
+                speedup = "-" if t.estimated_speedup is None else f"~{t.estimated_speedup:.1f}x est."
+            table.add_row(method, str(t.turns), str(t.new_tokens), f"{t.tokens_per_s:.1f}", f"{t.tau:.2f}", rate, speedup)
+        self.info.print(table)
+        for method, t in used.items():
+            if t.acceptance_by_depth:
+                depths = " · ".join(f"{d}: {hit / reached:.0%} ({hit}/{reached})" for d, hit, reached in t.acceptance_by_depth)
+                self.info.print(Text(f"{method} acceptance by tree depth  {depths}", style="dim"))
+
+    def tree(self, cycle, tokenizer) -> None:
+        """The draft tree of one cycle, accepted path marked, with each node's draft probability."""
+        draft, accepted = cycle.tree, set(cycle.accepted)
+        depth = max(draft.depths, default=0)
+        self.info.print(Text(f"last draft tree: {len(draft)} draft tokens verified, {len(accepted)} accepted "
+                             f"(✓), then the target's own token (+); depth {depth}", style="dim"))
+        root = Tree(Text(f"{token_label(tokenizer, cycle.root)}  root", style="bold"), guide_style="dim")
+        nodes = {-1: root}
+        for node, (token, parent, prob) in enumerate(zip(draft.tokens, draft.parents, draft.probs)):
+            label = Text(f"{token_label(tokenizer, token)}  {prob:.2f}")
+            if node in accepted:
+                label.append(" ✓", style="bold green")
+                label.stylize("green")
+            else:
+                label.stylize("dim")
+            nodes[node] = nodes[parent].add(label)
+        last = cycle.accepted[-1] if cycle.accepted else -1
+        nodes[last].add(Text(f"+ {token_label(tokenizer, cycle.bonus)}  target", style="yellow"))
+        self.info.print(root)

@@ -1,0 +1,359 @@
+"""A chat whose method and settings change while it runs, and what it reports about itself.
+
+`LiveChat` wraps a `ChatSession` together with the resolved `Settings` it was built from and
+keeps the two in step when something changes mid-conversation (`/method`, `/set`, `/load`).
+It also keeps what the chat reports: session totals per method (`/stats`), the last draft tree
+(`/tree`), the plain-decoding clock behind speedup estimates and, on request, a plain engine for
+exact comparisons. It prints nothing; `specchat.ui` decides how things look.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass, field
+
+import torch
+
+from specchat import settings as settings_mod
+from specchat.chat import Conversation
+from specchat.engine import Engine, GenerationSettings
+from specchat.sampling import SamplingParams, make_generator
+from specchat.session import ChatSession, TurnEvent, TurnStats
+from specchat.settings import FIELDS, Settings
+from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
+from specchat.transcript import load_transcript, save_transcript
+
+# What `/set KEY VALUE` may change; every other setting needs a restart (or `/method`, `/system`).
+LIVE_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k",
+             "draft_tokens", "show_accept", "compare")
+METHOD_SECTIONS = ("method", "draft")  # the settings a proposer is built from
+TRUE_WORDS, FALSE_WORDS = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+UNSET_WORDS = ("none", "default")
+
+
+class LiveChatError(ValueError):
+    """A change that cannot be made; the message is one line for the user, and nothing changed."""
+
+
+def parse_value(key: str, value):
+    """A setting's value from text (`/set`) or JSON (`/load`), checked against its type and choices."""
+    choices = FIELDS[key].metadata["choices"]
+    value = _typed_value(key, value)
+    if choices and value is not None and value not in choices:
+        raise LiveChatError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _typed_value(key: str, value):
+    kind = settings_mod.field_type(key)
+    optional = FIELDS[key].type.endswith("| None")
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if optional and word in UNSET_WORDS:
+            return None
+        if kind is bool and word in TRUE_WORDS + FALSE_WORDS:
+            return word in TRUE_WORDS
+        if kind in (int, float):
+            try:
+                return kind(word)
+            except ValueError:
+                pass
+        if kind is str:
+            return value
+    elif value is None and optional:
+        return None
+    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = {bool: "on or off", int: "a whole number", float: "a number", str: "text"}[kind]
+    unset = f" or {UNSET_WORDS[0]}" if optional else ""
+    raise LiveChatError(f"{key} takes {expected}{unset}, got {value!r}")
+
+
+def method_key(settings: Settings) -> tuple:
+    """Everything a proposer is built from: equal keys give interchangeable proposers."""
+    return tuple(getattr(settings, name) for name, f in FIELDS.items() if f.metadata["section"] in METHOD_SECTIONS)
+
+
+def with_method_of(settings: Settings, other: Settings) -> Settings:
+    """`settings` with the method and draft settings of `other`."""
+    return dataclasses.replace(settings, **{name: getattr(other, name) for name, f in FIELDS.items()
+                                            if f.metadata["section"] in METHOD_SECTIONS})
+
+
+@dataclass
+class MethodTotals:
+    """What one method did over the session (all its replies, interrupted ones included)."""
+
+    turns: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    target_forwards: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_at_depth: list[int] = field(default_factory=list)  # [d-1]: cycles whose tree reached depth d
+    accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: ... and had d tokens accepted
+    estimate_seconds: float = 0.0  # real and estimated plain time of the replies with an estimate
+    estimate_plain_seconds: float = 0.0
+    compared: list[tuple[int, float, int, float]] = field(default_factory=list)  # (tokens, s, plain tokens, plain s)
+
+    def add_turn(self, stats: TurnStats) -> None:
+        self.turns += 1
+        self.new_tokens += stats.new_tokens
+        self.seconds += stats.seconds
+        self.target_forwards += stats.target_forwards
+        self.draft_tokens += stats.draft_tokens
+        self.accepted_tokens += stats.accepted_tokens
+
+    def add_cycle(self, depths: list[int], accepted: int) -> None:
+        reached = max(depths, default=0)
+        for table in (self.drafted_at_depth, self.accepted_at_depth):
+            table.extend([0] * (reached - len(table)))
+        for depth in range(1, reached + 1):
+            self.drafted_at_depth[depth - 1] += 1
+            self.accepted_at_depth[depth - 1] += accepted >= depth
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def acceptance_by_depth(self) -> list[tuple[int, int, int]]:
+        """(depth, cycles with that many tokens accepted, cycles that drafted that deep)."""
+        return [(d + 1, hit, reached) for d, (hit, reached) in enumerate(zip(self.accepted_at_depth,
+                                                                             self.drafted_at_depth))]
+
+    @property
+    def estimated_speedup(self) -> float | None:
+        return self.estimate_plain_seconds / self.estimate_seconds if self.estimate_seconds > 0 else None
+
+    @property
+    def measured_speedup(self) -> float | None:
+        tokens, seconds, plain_tokens, plain_seconds = (sum(column) for column in zip(*self.compared or [(0,) * 4]))
+        if not (seconds and plain_seconds and plain_tokens):
+            return None
+        return (tokens / seconds) / (plain_tokens / plain_seconds)
+
+
+@dataclass
+class Turn:
+    """The latest reply, as comparisons and reports need it."""
+
+    method: str
+    rng_state: torch.Tensor | None
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    stats: TurnStats | None = None
+
+
+@dataclass
+class TurnReport:
+    """What the statistics line says about one reply."""
+
+    stats: TurnStats
+    method: str
+    estimated_speedup: float | None = None
+    comparison: Comparison | None = None
+    interrupted: bool = False
+
+
+class LiveChat:
+    """A `ChatSession` plus its settings, changeable mid-conversation, with session totals."""
+
+    def __init__(self, session: ChatSession, settings: Settings, profile: str | None, load_model):
+        """`load_model(name)` loads a draft model (for sps) the way the target was loaded."""
+        self.session = session
+        self.settings = settings
+        self.profile = profile
+        self.load_model = load_model
+        self.totals: dict[str, MethodTotals] = {}
+        self.last_turn: Turn | None = None
+        self.last_cycle = None  # the newest `specchat.tree.Cycle`, for /tree
+        self.clock = PlainStepClock(session.engine)
+        self._plain_engine: Engine | None = None
+        self._proposers = {method_key(settings): session.engine.proposer}  # loaded once, reused on switching back
+
+    @property
+    def engine(self) -> Engine:
+        return self.session.engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.target.tokenizer
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def reply(self, text: str) -> Iterator[TurnEvent]:
+        """Stream the reply to `text`; stopping early keeps the partial reply (see `ChatSession.reply`)."""
+        rng = self.session.rng
+        turn = self.last_turn = Turn(self.settings.method, rng.get_state() if rng is not None else None)
+        totals = self.totals.setdefault(self.settings.method, MethodTotals())
+        try:
+            with closing(self.session.reply(text)) as events:
+                for event in events:
+                    turn.tokens.extend(event.step.tokens)
+                    cycle = event.step.cycle
+                    if cycle is not None:
+                        totals.add_cycle(cycle.tree.depths, len(cycle.accepted))
+                        if len(cycle.tree):  # the last cycle of a reply may have had no room to draft
+                            self.last_cycle = cycle
+                    yield event
+            turn.finished = True
+        finally:
+            turn.stats = self.session.last_stats
+            if turn.stats is not None and turn.stats.new_tokens:
+                totals.add_turn(turn.stats)
+
+    def report(self) -> TurnReport:
+        """The latest reply's statistics with its estimated speedup (plain decoding has none)."""
+        turn = self.last_turn
+        assert turn is not None and turn.stats is not None, "report() follows a reply"
+        report = TurnReport(turn.stats, turn.method, interrupted=not turn.finished)
+        room = self.engine.target.max_context - self.engine.cache.length
+        if turn.method == "vanilla" or turn.stats.new_tokens == 0 or room < 8:
+            return report
+        stats = turn.stats
+        report.estimated_speedup = estimated_speedup(stats.new_tokens, stats.seconds, stats.prefill_seconds,
+                                                     self.clock.seconds_per_step())
+        totals = self.totals[turn.method]
+        totals.estimate_seconds += stats.seconds
+        totals.estimate_plain_seconds += stats.seconds * report.estimated_speedup
+        return report
+
+    def compare_last_turn(self) -> Comparison | None:
+        """Decode the latest prompt plainly (same settings and random state) and compare; None if unfinished."""
+        turn = self.last_turn
+        if turn is None or not turn.finished or turn.stats is None:
+            return None
+        if self._plain_engine is None:
+            self._plain_engine = Engine(self.engine.target)
+        rng = None
+        if turn.rng_state is not None:
+            rng = torch.Generator(device=self.session.rng.device)
+            rng.set_state(turn.rng_state)
+        comparison = compare_plainly(self._plain_engine, self.session.last_prompt_ids, self.session.settings, rng,
+                                     turn.tokens, turn.stats.seconds)
+        self.totals[turn.method].compared.append(
+            (len(turn.tokens), turn.stats.seconds, len(comparison.tokens), comparison.seconds))
+        return comparison
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """A new conversation (the system prompt stays)."""
+        self.session.clear()
+        self.last_turn = self.last_cycle = None
+
+    def set_system(self, text: str | None) -> None:
+        self.session.conversation.system = text
+        self.settings = dataclasses.replace(self.settings, system=text)
+
+    def switch_method(self, name: str, draft: str | None = None) -> None:
+        """Decode with another method from now on; its draft is loaded on first use."""
+        from specchat.methods import METHODS, needs_draft
+
+        if name not in METHODS:
+            raise LiveChatError(f"unknown method {name!r} (known: {', '.join(METHODS)})")
+        changes = {"method": name}
+        if draft is not None:
+            changes.update(draft=draft, draft_kind=None)
+        candidate = dataclasses.replace(self.settings, **changes)
+        wanted = needs_draft(name)
+        if wanted and not candidate.draft:
+            raise LiveChatError(f"{name} needs {wanted}: /method {name} DRAFT")
+        self._apply(candidate)
+
+    def set_value(self, key: str, value) -> None:
+        """`/set KEY VALUE`: check the value, then apply it (or change nothing)."""
+        if key not in LIVE_KEYS:
+            raise LiveChatError(f"cannot set {key!r} here; /set takes {', '.join(LIVE_KEYS)}")
+        self._apply(dataclasses.replace(self.settings, **{key: parse_value(key, value)}))
+
+    def _apply(self, candidate: Settings) -> None:
+        """Make `candidate` the settings: check everything first, then change the session."""
+        generation = self._check(candidate)
+        if method_key(candidate) != method_key(self.settings):
+            self._install_proposer(candidate)
+        if candidate.seed != self.settings.seed:
+            self.session.rng = make_generator(candidate.seed, self.engine.target.device)
+        if not candidate.compare:
+            self._plain_engine = None  # its cache is as large as the conversation's
+        self.session.settings = generation
+        self.settings = candidate
+
+    def _check(self, candidate: Settings) -> GenerationSettings:
+        """The generation settings `candidate` gives; LiveChatError if any value is out of range."""
+        from specchat.methods import dynamic_params
+
+        if candidate.draft_tokens is not None and candidate.draft_tokens < 1:
+            raise LiveChatError(f"draft_tokens must be >= 1, got {candidate.draft_tokens}")
+        try:
+            sampling = SamplingParams(candidate.temperature, candidate.top_p, candidate.top_k)
+            dynamic_params(candidate, self.engine.target.device)
+            return GenerationSettings(candidate.max_new_tokens, sampling, self.session.settings.stop_ids)
+        except ValueError as error:
+            raise LiveChatError(str(error)) from error
+
+    def _install_proposer(self, candidate: Settings) -> None:
+        key = method_key(candidate)
+        if key in self._proposers:
+            proposer = self._proposers[key]
+            if proposer is not None:
+                proposer.rewind(0)  # it may have followed another conversation while set aside
+        else:
+            proposer = self._build_proposer(candidate)
+        self.engine.set_proposer(proposer)
+        self._proposers[key] = proposer
+
+    def _build_proposer(self, candidate: Settings):
+        from drafters import HeadLoadError
+        from specchat.methods import MethodError, build_proposer
+        from specchat.target import ModelLoadError
+
+        try:
+            return build_proposer(candidate, self.engine.target, self.load_model)
+        except (MethodError, HeadLoadError, ModelLoadError) as error:
+            raise LiveChatError(str(error)) from error
+
+    # -- transcripts -----------------------------------------------------------------------
+
+    def save(self, path: str):
+        """Write the conversation and settings as a JSON transcript (atomically); returns the path."""
+        return save_transcript(path, self.session.conversation.messages, dataclasses.asdict(self.settings),
+                               self.profile)
+
+    def load(self, path: str) -> list[str]:
+        """Restore a transcript's messages and settings; returns notes on what could not be restored."""
+        document = load_transcript(path)
+        saved = document.get("settings", {})
+        notes = []
+        try:
+            candidate = dataclasses.replace(self.settings, **{key: parse_value(key, saved[key])
+                                                              for key in (*LIVE_KEYS, "system") if key in saved})
+            self._check(candidate)
+        except LiveChatError as error:
+            raise LiveChatError(f"{path}: {error}") from error
+        if saved.get("model") not in (None, self.settings.model):
+            notes.append(f"saved with model {saved['model']}; continuing with {self.settings.model}")
+        try:
+            method_settings = {name: parse_value(name, saved[name]) for name, f in FIELDS.items()
+                               if f.metadata["section"] in METHOD_SECTIONS and name in saved}
+            self._apply(dataclasses.replace(candidate, **method_settings))
+        except LiveChatError as error:
+            notes.append(f"kept method {self.settings.method}: {error}")
+            self._apply(with_method_of(candidate, self.settings))
+        self.session.conversation = Conversation(system=candidate.system,
+                                                 messages=[dict(message) for message in document["messages"]])
+        self.last_turn = self.last_cycle = None
+        return notes

@@ -1,0 +1,265 @@
+"""The chat as a user drives it: the REPL through prompt-toolkit's pipe input, and piped use.
+
+Every REPL test types into a real `PromptSession` (pipe input, dummy output) and reads what the
+chat printed from a rich console on a string buffer.
+"""
+
+import io
+import json
+from contextlib import closing
+
+import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+
+from conftest import load_tiny_target, oracle_head, random_head
+from specchat.cli import main, open_chat, resolve_settings
+from specchat.live import LiveChatError, parse_value
+from specchat.repl import block_is_open, history_path, run_repl, unwrap_block
+from specchat.ui import ChatUI
+
+ESC_ENTER, CTRL_C, CTRL_D = "\x1b\r", "\x03", "\x04"
+
+
+def new_chat(model_dir, **overrides):
+    options = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_new_tokens": 8, **overrides}
+    settings, profile = resolve_settings(options)
+    return open_chat(settings, profile)
+
+
+def drive(chat, keys: str, terminal: bool = False) -> str:
+    """Type `keys` into the REPL, then end the input (Ctrl-D); return what the chat printed."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=120, soft_wrap=True, force_terminal=terminal,
+                      color_system="standard" if terminal else None)
+    with create_pipe_input() as pipe:
+        pipe.send_text(keys)
+        pipe.close()
+        run_repl(lambda: chat, "tiny", ui=ChatUI(console), input=pipe, output=DummyOutput())
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def head_dirs(qwen_dir, bigram_dir, tmp_path_factory):
+    from drafters import save_head
+
+    folder = tmp_path_factory.mktemp("heads")
+    save_head(random_head("eagle3", load_tiny_target(qwen_dir)), folder / "random")
+    save_head(oracle_head(load_tiny_target(bigram_dir)), folder / "oracle")
+    return folder
+
+
+def plain_answer(model_dir, messages, **settings):
+    """The greedy answer a fresh plain session gives to the conversation `messages` (last one the user's)."""
+    chat = new_chat(model_dir, **settings)
+    chat.session.conversation.messages.extend(messages[:-1])
+    return "".join(event.text for event in chat.reply(messages[-1]["content"]))
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def test_commands_answer_in_one_line_and_never_a_traceback(qwen_dir):
+    chat = new_chat(qwen_dir)
+    out = drive(chat, "/help\n/bogus\n/set temperature -1\n/set top_k many\n/set model x\n/set depth\n"
+                      "/method medusa\n/method eagle2\n/load /no/such.json\n/save\n/tree\n/set top_k 5\n/show\n")
+    assert "/method [NAME [DRAFT]]" in out and "Alt-Enter" in out
+    lines = out.splitlines()
+    for expected in ("Unknown command /bogus. Type /help", "error: temperature must be >= 0",
+                     "error: top_k takes a whole number, got 'many'", "error: cannot set 'model' here",
+                     "error: usage: /set KEY VALUE", "error: unknown method 'medusa'",
+                     "error: eagle2 needs a draft head", "error: /no/such.json: cannot read",
+                     "error: usage: /save FILE", "No draft tree yet", "top_k = 5"):
+        assert sum(expected in line for line in lines) == 1, expected
+    assert "Traceback" not in out
+    assert chat.settings.top_k == 5 and chat.session.settings.sampling.top_k == 5
+    assert chat.settings.temperature == 0.0 and chat.settings.method == "vanilla"
+
+
+def test_answers_stream_with_a_statistics_line_and_history_is_kept(qwen_dir):
+    chat = new_chat(qwen_dir)
+    out = drive(chat, "hello there\n/stats\n")
+    answer = chat.session.conversation.messages[-1]["content"]
+    assert answer and answer in out
+    assert "8 tokens" in out and "tok/s" in out and "τ 1.00" in out
+    assert "est." not in out  # plain decoding has no speedup to estimate
+    assert history_path().read_text().count("hello there") == 1
+
+
+def test_multi_line_messages_with_quotes_and_alt_enter(qwen_dir):
+    chat = new_chat(qwen_dir, max_new_tokens=2)
+    drive(chat, '"""\nfirst line\n  second line\n"""\n' + f"one{ESC_ENTER}two\n")
+    users = [m["content"] for m in chat.session.conversation.messages if m["role"] == "user"]
+    assert users == ["first line\n  second line", "one\ntwo"]
+
+
+def test_block_helpers():
+    assert block_is_open('"""start') and not block_is_open('"""start\nend"""') and not block_is_open("plain")
+    assert unwrap_block('"""\na\nb\n"""') == "a\nb" and unwrap_block('"""x"""') == "x" and unwrap_block("y") == "y"
+
+
+def test_ctrl_c_and_ctrl_d_at_the_prompt_and_exit(qwen_dir):
+    chat = new_chat(qwen_dir)
+    out = drive(chat, f"half typed{CTRL_C}{CTRL_C}/exit\nnever sent\n")
+    assert out.count("Use Ctrl-D or /exit to quit.") == 1  # the first Ctrl-C only discards the line
+    assert chat.session.conversation.messages == []
+    drive(chat, CTRL_D + "never sent\n")
+    assert chat.session.conversation.messages == []
+
+
+@pytest.mark.parametrize("method", ["vanilla", "pld", "eagle2"])
+def test_ctrl_c_mid_answer_keeps_a_consistent_conversation(qwen_dir, head_dirs, method):
+    draft = str(head_dirs / "random") if method == "eagle2" else None
+    chat = new_chat(qwen_dir, method=method, draft=draft, max_new_tokens=12)
+    engine, generate = chat.engine, chat.engine.generate
+    calls = []
+
+    def interrupted_once(prompt, settings, rng=None):
+        # The first reply is stopped after three steps, as if Ctrl-C arrived mid-answer.
+        calls.append(prompt)
+        with closing(generate(prompt, settings, rng)) as steps:
+            for index, step in enumerate(steps):
+                if len(calls) == 1 and index == 3:
+                    raise KeyboardInterrupt
+                yield step
+
+    engine.generate = interrupted_once
+    out = drive(chat, "first question\nsecond question\n/stats\n")
+    messages = chat.session.conversation.messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[1].get("interrupted") is True and messages[1]["content"]
+    assert "interrupted" not in messages[3]
+    assert "(interrupted; the partial answer stays in the conversation)" in out
+    assert engine.cache.length == len(engine.context_ids)
+    # The answer after the interruption is exactly what a fresh session says to the same conversation.
+    assert messages[3]["content"] == plain_answer(qwen_dir, messages[:3], max_new_tokens=12)
+
+
+def test_save_then_load_restores_messages_and_settings(qwen_dir, tmp_path):
+    chat = new_chat(qwen_dir)
+    transcript = tmp_path / "chat.json"
+    drive(chat, f"/system be brief\n/set temperature 0.5\n/set seed 3\n/method pld\nhello\n/save {transcript}\n")
+    saved = json.loads(transcript.read_text())
+    assert saved["format"] == "specchat-transcript" and saved["settings"]["temperature"] == 0.5
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+    assert not list(tmp_path.glob(".chat.json.*"))  # no temporary left behind
+
+    other = new_chat(qwen_dir)
+    out = drive(other, f"/load {transcript}\n/show\n")
+    assert "loaded 2 messages" in out
+    assert other.session.conversation.messages == chat.session.conversation.messages
+    assert other.session.conversation.system == "be brief"
+    assert (other.settings.temperature, other.settings.seed, other.settings.method) == (0.5, 3, "pld")
+    assert other.session.settings.sampling.temperature == 0.5 and other.engine.proposer is not None
+
+
+def test_load_keeps_the_method_when_its_draft_is_missing(qwen_dir, tmp_path):
+    transcript = tmp_path / "t.json"
+    chat = new_chat(qwen_dir)
+    chat.save(transcript)
+    document = json.loads(transcript.read_text())
+    document["settings"].update(method="eagle2", draft=str(tmp_path / "gone"), model="org/other")
+    transcript.write_text(json.dumps(document))
+    out = drive(chat, f"/load {transcript}\n")
+    assert "kept method vanilla" in out and "saved with model org/other" in out
+    assert chat.settings.method == "vanilla"
+
+
+def test_method_switch_tree_compare_and_stats(bigram_dir, head_dirs):
+    chat = new_chat(bigram_dir, max_new_tokens=10)
+    out = drive(chat, f"one two\n/method eagle2 {head_dirs / 'oracle'}\n/compare on\nthree four\n/tree\n/stats\n"
+                      f"/method vanilla\n/method eagle2\n")
+    assert "method eagle2: EAGLE-2 dynamic tree" in out
+    assert "vs plain, measured (same answer)" in out
+    assert "✓" in out and "+ " in out and "root" in out  # accepted path and the target's bonus token
+    assert "eagle2 acceptance by tree depth" in out and "1: 100%" in out
+    stats = chat.totals["eagle2"]
+    assert stats.tau > 1 and stats.measured_speedup is not None
+    assert chat.settings.method == "eagle2"  # switched back without reloading (same settings, same draft)
+
+
+def test_estimated_speedup_is_marked_as_an_estimate(qwen_dir):
+    chat = new_chat(qwen_dir, method="pld")
+    out = drive(chat, "abc abc abc abc\n")
+    assert "x est." in out and "measured" not in out
+    assert chat.clock.seconds_by_bucket  # measured once, kept for this context length
+
+
+def test_show_accept_colours_drafted_and_target_tokens_on_a_terminal_only(bigram_dir, head_dirs):
+    keys = f"/method eagle2 {head_dirs / 'oracle'}\n/set show_accept on\nhello\n"
+    coloured = drive(new_chat(bigram_dir), keys, terminal=True)
+    assert "\x1b[32m" in coloured and "\x1b[33m" in coloured  # green: from the draft; yellow: the target's own
+    plain = drive(new_chat(bigram_dir), keys)
+    assert "\x1b[" not in plain and "colours show only on a terminal" in plain
+
+
+def test_parse_value():
+    assert parse_value("temperature", "0.7") == 0.7 and parse_value("temperature", 1) == 1.0
+    assert parse_value("seed", "none") is None and parse_value("show_accept", "on") is True
+    with pytest.raises(LiveChatError, match="top_k takes a whole number"):
+        parse_value("top_k", True)
+    with pytest.raises(LiveChatError, match="method must be one of"):
+        parse_value("method", "medusa")
+
+
+# -- piping and exit codes -----------------------------------------------------------------------
+
+
+def invoke(args, capsys, monkeypatch, stdin=None):
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as done:
+        main(args)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
+def tiny(model_dir, *extra):
+    return ["--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6", *extra]
+
+
+def test_piped_chat_keeps_stdout_plain_and_compares_on_request(qwen_dir, capsys, monkeypatch):
+    code, out, err = invoke(["chat", *tiny(qwen_dir, "--method", "pld", "--show-accept", "--compare")],
+                            capsys, monkeypatch, stdin="say something\n")
+    assert code == 0 and "\x1b[" not in out + err
+    assert err.count("\n") == 1 and "vs plain, measured (same answer)" in err
+    code, _, err = invoke(["chat", *tiny(qwen_dir, "--method", "pld")], capsys, monkeypatch, stdin="again\n")
+    assert code == 0 and "x est." in err
+
+
+def test_run_text_format_prints_only_the_answers(qwen_dir, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["a", "b"]}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
+    code, records, _ = invoke(["run", str(prompts), *tiny(qwen_dir)], capsys, monkeypatch)
+    code, out, err = invoke(["run", str(prompts), "--format", "text", *tiny(qwen_dir)], capsys, monkeypatch)
+    assert code == 0
+    responses = [turn["response"] for line in records.splitlines() for turn in json.loads(line)["turns"]]
+    assert out == "".join(response + "\n" for response in responses)
+    assert err.count("tok/s") == 3
+
+
+def test_run_compare_adds_the_measured_speedup(qwen_dir, capsys, monkeypatch):
+    code, out, _ = invoke(["run", "-", "--compare", *tiny(qwen_dir, "--method", "pld")], capsys, monkeypatch,
+                          stdin="x y x y\n")
+    turn = json.loads(out)["turns"][0]
+    assert code == 0 and turn["identical"] is True and turn["speedup"] > 0 and turn["plain_seconds"] > 0
+
+
+def test_ctrl_c_during_run_exits_130_and_keeps_finished_records(qwen_dir, tmp_path, capsys, monkeypatch):
+    from specchat.engine import Engine
+
+    generate = Engine.generate
+
+    def stop_at_the_third_prompt(self, prompt, settings, rng=None):
+        if self.target.tokenizer.decode(prompt).count("third"):
+            raise KeyboardInterrupt
+        yield from generate(self, prompt, settings, rng)
+
+    monkeypatch.setattr(Engine, "generate", stop_at_the_third_prompt)
+    prompts, output = tmp_path / "p.txt", tmp_path / "out.jsonl"
+    prompts.write_text("first\nsecond\nthird\nfourth\n")
+    code, _, err = invoke(["run", str(prompts), "-o", str(output), *tiny(qwen_dir)], capsys, monkeypatch)
+    assert code == 130 and "kept the 2 finished records" in err
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [1, 2]
