@@ -169,3 +169,61 @@ def oracle_head(target):
 @pytest.fixture(scope="session")
 def bigram_dir(tmp_path_factory):
     return bigram_model_dir(tmp_path_factory.mktemp("tiny-bigram"))
+
+
+class ScriptedProposer:
+    """Drafts the known plain-greedy continuation as the best path of a branching tree.
+
+    Each level holds the right token plus `siblings` wrong ones (some listed before it), each with
+    a wrong child of its own, so trees have real branches: verification must follow the right
+    path at every depth, which only works if tree masks, positions and cache compaction are right.
+    """
+
+    feature_layers = None
+
+    def __init__(self, prompt: list[int], continuation: list[int], depth: int = 5, siblings: int = 2, seed: int = 0):
+        self.script = list(prompt) + list(continuation)
+        self.depth, self.siblings = depth, siblings
+        self.context: list[int] = []
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def rewind(self, length: int) -> int:
+        del self.context[length:]
+        return len(self.context)
+
+    def observe(self, tokens, features) -> None:
+        self.context.extend(tokens)
+
+    def propose(self, root, settings, rng, max_depth, max_nodes):
+        from specchat.tree import DraftTree
+
+        start = len(self.context) + 1  # the script position right after the root
+        right = self.script[start : start + min(self.depth, max_depth)]
+        tokens, parents, depths = [], [], []
+        parent = -1
+        for level, token in enumerate(right, start=1):
+            wrong = [int(t) for t in torch.randint(0, 250, (self.siblings,), generator=self.rng) if int(t) != token]
+            order = wrong[:1] + [token] + wrong[1:]  # a wrong sibling first, then the right one
+            here = None
+            for candidate in order:
+                tokens.append(candidate)
+                parents.append(parent)
+                depths.append(level)
+                if candidate == token and here is None:
+                    here = len(tokens) - 1
+                else:  # a wrong branch one level deeper
+                    tokens.append((candidate + 7) % 250)
+                    parents.append(len(tokens) - 2)
+                    depths.append(level + 1)
+            parent = here
+        keep = _topological_prefix(parents, max_nodes)
+        return DraftTree(tokens=[tokens[i] for i in keep], parents=[keep.index(parents[i]) if parents[i] >= 0 else -1 for i in keep],
+                         depths=[depths[i] for i in keep], probs=[0.5] * len(keep))
+
+
+def _topological_prefix(parents, limit):
+    keep = []
+    for node, parent in enumerate(parents):
+        if len(keep) < limit and (parent < 0 or parent in keep):
+            keep.append(node)
+    return keep

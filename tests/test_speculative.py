@@ -56,6 +56,22 @@ def test_greedy_equals_plain_decoding_with_a_head_that_is_always_right(bigram, t
         assert sum(s.target_forwards for s in steps) <= 40 / 4
 
 
+@pytest.mark.parametrize("siblings", [0, 2])
+def test_deep_acceptance_on_a_target_that_attends(target, siblings):
+    """Drafts that are the true continuation (with wrong branches beside it) are accepted deep and
+    the output stays exact: this is where wrong tree masks, positions or compaction show."""
+    from conftest import ScriptedProposer
+
+    settings = GenerationSettings(max_new_tokens=40)
+    for prompt in PROMPTS:
+        plain = tokens_of(Engine(target), prompt, settings)
+        engine = Engine(target, ScriptedProposer(prompt, plain, depth=5, siblings=siblings))
+        steps = list(engine.generate(prompt, settings))
+        assert [t for s in steps for t in s.tokens] == plain
+        assert sum(s.target_forwards for s in steps) <= 1 + 40 / 6 + 1  # five drafts plus the bonus per cycle
+        assert engine.cache.length == len(engine.context_ids)
+
+
 def test_end_of_turn_inside_an_accepted_path_ends_the_reply_there(bigram):
     plain = tokens_of(Engine(bigram), PROMPTS[0], GenerationSettings(max_new_tokens=30))
     stop = plain[9]
