@@ -44,7 +44,12 @@ def detect_kind(state: dict, source) -> str:
 
 
 def resolve_folder(name: str) -> Path:
-    """A head folder on disk, or a hub repository snapshot."""
+    """A bundled head by name, a head folder on disk, or a hub repository snapshot."""
+    from specchat.heads import bundled_heads
+
+    bundled = bundled_heads()
+    if name in bundled:
+        return bundled[name]
     path = Path(name).expanduser()
     if path.is_dir():
         return path

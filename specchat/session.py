@@ -118,7 +118,10 @@ class ChatSession:
         try:
             for step in self.engine.generate(prompt, self.settings, self.rng):
                 stats.add(step)
-                yield TurnEvent(text=decoder.push(step.tokens), step=step)
+                text = decoder.push(step.tokens)
+                if step.finish_reason:  # the last step also releases what the decoder held back
+                    text += decoder.flush()
+                yield TurnEvent(text=text, step=step)
             finished = True
         finally:
             if stats.new_tokens == 0:

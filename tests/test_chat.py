@@ -32,3 +32,21 @@ def test_streamed_pieces_add_up_to_the_text_even_across_split_characters(tokeniz
     pieces.append(decoder.flush())
     assert "".join(pieces) == text == decoder.text
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_streamed_reply_text_equals_the_reply(tokenizer):
+    """What a consumer concatenates from the stream is exactly the answer kept in the conversation,
+    even when the reply ends inside a multi-byte character (here: cut by the token budget)."""
+    from specchat.engine import GenerationSettings, StepResult
+    from specchat.session import ChatSession
+
+    emoji = tokenizer.encode("ok 😀", add_special_tokens=False)
+
+    class StubEngine:  # replays fixed steps: 2 tokens, then 2 more ending mid-character
+        def generate(self, prompt, settings, rng):
+            yield StepResult(tokens=emoji[:2], drafted=[False, False], seconds=0.1)
+            yield StepResult(tokens=emoji[2:5], drafted=[True, True, False], seconds=0.1, finish_reason="length")
+
+    session = ChatSession(StubEngine(), ChatFormat(tokenizer), GenerationSettings())
+    streamed = "".join(event.text for event in session.reply("hi"))
+    assert streamed == session.conversation.messages[-1]["content"] == tokenizer.decode(emoji[:5])
