@@ -162,10 +162,8 @@ class TurnReport:
     """What the statistics line says about one reply."""
 
     stats: TurnStats
-    method: str
     estimated_speedup: float | None = None
     comparison: Comparison | None = None
-    interrupted: bool = False
 
 
 class LiveChat:
@@ -199,6 +197,7 @@ class LiveChat:
         rng = self.session.rng
         turn = self.last_turn = Turn(self.settings.method, rng.get_state() if rng is not None else None)
         totals = self.totals.setdefault(self.settings.method, MethodTotals())
+        earlier_stats = self.session.last_stats
         try:
             with closing(self.session.reply(text)) as events:
                 for event in events:
@@ -211,7 +210,8 @@ class LiveChat:
                     yield event
             turn.finished = True
         finally:
-            turn.stats = self.session.last_stats
+            if self.session.last_stats is not earlier_stats:  # else the reply failed before it began
+                turn.stats = self.session.last_stats
             if turn.stats is not None and turn.stats.new_tokens:
                 totals.add_turn(turn.stats)
 
@@ -219,7 +219,7 @@ class LiveChat:
         """The latest reply's statistics with its estimated speedup (plain decoding has none)."""
         turn = self.last_turn
         assert turn is not None and turn.stats is not None, "report() follows a reply"
-        report = TurnReport(turn.stats, turn.method, interrupted=not turn.finished)
+        report = TurnReport(turn.stats)
         room = self.engine.target.max_context - self.engine.cache.length
         if turn.method == "vanilla" or turn.stats.new_tokens == 0 or room < 8:
             return report
@@ -278,14 +278,17 @@ class LiveChat:
         """`/set KEY VALUE`: check the value, then apply it (or change nothing)."""
         if key not in LIVE_KEYS:
             raise LiveChatError(f"cannot set {key!r} here; /set takes {', '.join(LIVE_KEYS)}")
-        self._apply(dataclasses.replace(self.settings, **{key: parse_value(key, value)}))
+        self._apply(dataclasses.replace(self.settings, **{key: parse_value(key, value)}), reseed=key == "seed")
 
-    def _apply(self, candidate: Settings) -> None:
-        """Make `candidate` the settings: check everything first, then change the session."""
+    def _apply(self, candidate: Settings, reseed: bool = False) -> None:
+        """Make `candidate` the settings: check everything first, then change the session.
+
+        `reseed` restarts the random stream from the seed even if the seed did not change.
+        """
         generation = self._check(candidate)
         if method_key(candidate) != method_key(self.settings):
             self._install_proposer(candidate)
-        if candidate.seed != self.settings.seed:
+        if reseed or candidate.seed != self.settings.seed:
             self.session.rng = make_generator(candidate.seed, self.engine.target.device)
         if not candidate.compare:
             self._plain_engine = None  # its cache is as large as the conversation's
@@ -349,10 +352,10 @@ class LiveChat:
         try:
             method_settings = {name: parse_value(name, saved[name]) for name, f in FIELDS.items()
                                if f.metadata["section"] in METHOD_SECTIONS and name in saved}
-            self._apply(dataclasses.replace(candidate, **method_settings))
+            self._apply(dataclasses.replace(candidate, **method_settings), reseed="seed" in saved)
         except LiveChatError as error:
             notes.append(f"kept method {self.settings.method}: {error}")
-            self._apply(with_method_of(candidate, self.settings))
+            self._apply(with_method_of(candidate, self.settings), reseed="seed" in saved)
         self.session.conversation = Conversation(system=candidate.system,
                                                  messages=[dict(message) for message in document["messages"]])
         self.last_turn = self.last_cycle = None

@@ -130,7 +130,8 @@ class CommandCompleter(Completer):
         if len(words) == 1:
             candidates = ["/" + name for name, _, _ in COMMANDS]
         elif len(words) == 2:
-            candidates = {"/method": list(METHODS), "/set": list(LIVE_KEYS), "/compare": ["on", "off"]}.get(words[0], [])
+            arguments = {"/method": list(METHODS), "/set": list(LIVE_KEYS), "/compare": ["on", "off"]}
+            candidates = arguments.get(words[0], [])
         else:
             candidates = ["on", "off"] if words[0] == "/set" and words[1] in ("show_accept", "compare") else []
         for candidate in candidates:
@@ -155,10 +156,10 @@ def make_prompt(input=None, output=None) -> PromptSession:
 
     # Off a terminal stdout, draw the prompt on the terminal behind stderr, so stdout keeps only answers.
     output = output or create_output(always_prefer_tty=True)
+    inside_block = Condition(lambda: block_is_open(get_app().current_buffer.text))
     return PromptSession(
-        history=open_history(), key_bindings=bindings, multiline=Condition(lambda: block_is_open(get_app().current_buffer.text)),
-        prompt_continuation=CONTINUATION, placeholder=PLACEHOLDER, completer=CommandCompleter(),
-        complete_while_typing=False, input=input, output=output,
+        history=open_history(), key_bindings=bindings, multiline=inside_block, prompt_continuation=CONTINUATION,
+        placeholder=PLACEHOLDER, completer=CommandCompleter(), complete_while_typing=False, input=input, output=output,
     )
 
 
@@ -233,6 +234,10 @@ class Repl:
         except ContextLengthError as error:
             self.ui.error(f"{error}; /clear starts a new conversation")
             return
+        except Exception as error:  # e.g. out of memory: the caches were rolled back, the chat can go on
+            self.ui.end_answer()
+            self.ui.error(f"the answer failed: {first_line(error)}")
+            return
         self.ui.end_answer(interrupted=not finished)
         report = chat.report()
         if finished and chat.settings.compare:
@@ -282,6 +287,8 @@ class Repl:
             getattr(self, f"do_{name}")(chat, argument.strip())
         except (LiveChatError, TranscriptError) as error:
             self.ui.error(str(error))
+        except Exception as error:  # a failing library call must not end the chat and lose the conversation
+            self.ui.error(f"/{name} failed: {first_line(error)}")
         return False
 
     def do_help(self, argument: str) -> bool:
@@ -306,7 +313,8 @@ class Repl:
         from specchat.methods import METHODS, needs_draft
 
         if not argument:
-            self.ui.note(f"method {chat.settings.method}; known: " + ", ".join(f"{m} ({d})" for m, d in METHODS.items()))
+            known = ", ".join(f"{method} ({what})" for method, what in METHODS.items())
+            self.ui.note(f"method {chat.settings.method}; known: {known}")
             return
         name, _, draft = argument.partition(" ")
         loads = bool(needs_draft(name) and (draft or chat.settings.draft))
@@ -346,7 +354,8 @@ class Repl:
 
     def do_tree(self, chat, argument: str) -> None:
         if chat.last_cycle is None:
-            self.ui.hint(f"No draft tree yet: answer something with a speculative method (now: {chat.settings.method}).")
+            self.ui.hint("No draft tree yet: answer something with a speculative method "
+                         f"(now: {chat.settings.method}).")
             return
         self.ui.tree(chat.last_cycle, chat.tokenizer)
 
@@ -380,8 +389,8 @@ def describe(chat) -> list[tuple[str, str]]:
     ]
     if settings.method in HEAD_METHODS and not settings.static_tree and settings.method != "eagle":
         defaults = tree_defaults(target.device)
-        rows.append(("tree", f"total_tokens {settings.total_tokens or defaults.total_tokens}, "
-                             f"depth {settings.depth or defaults.depth}, tree_top_k {settings.tree_top_k or defaults.top_k}"))
+        rows.append(("tree", f"total_tokens {settings.total_tokens or defaults.total_tokens}, depth "
+                             f"{settings.depth or defaults.depth}, tree_top_k {settings.tree_top_k or defaults.top_k}"))
     rows += [
         ("profile", chat.profile or "-"),
         ("sampling", f"temperature {settings.temperature}, top_p {settings.top_p}, top_k {settings.top_k}, "
@@ -395,6 +404,11 @@ def describe(chat) -> list[tuple[str, str]]:
         ("history", "off (SPECCHAT_NOHISTORY)" if os.environ.get("SPECCHAT_NOHISTORY") else str(history_path())),
     ]
     return rows
+
+
+def first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _text(value) -> str:

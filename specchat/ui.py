@@ -217,16 +217,19 @@ class ChatUI:
         for column in ("method", "answers", "tokens", "tok/s", "τ", "acceptance", "speedup"):
             table.add_column(column, justify="left" if column == "method" else "right")
         for method, t in used.items():
-            rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.0%} ({t.accepted_tokens}/{t.draft_tokens})"
+            rate = "-" if t.acceptance_rate is None else \
+                f"{t.acceptance_rate:.0%} ({t.accepted_tokens}/{t.draft_tokens})"
             if t.measured_speedup is not None:
                 speedup = f"{t.measured_speedup:.2f}x measured"
             else:
                 speedup = "-" if t.estimated_speedup is None else f"~{t.estimated_speedup:.1f}x est."
-            table.add_row(method, str(t.turns), str(t.new_tokens), f"{t.tokens_per_s:.1f}", f"{t.tau:.2f}", rate, speedup)
+            table.add_row(method, str(t.turns), str(t.new_tokens), f"{t.tokens_per_s:.1f}", f"{t.tau:.2f}", rate,
+                          speedup)
         self.info.print(table)
         for method, t in used.items():
             if t.acceptance_by_depth:
-                depths = " · ".join(f"{d}: {hit / reached:.0%} ({hit}/{reached})" for d, hit, reached in t.acceptance_by_depth)
+                depths = " · ".join(f"{depth}: {hit / reached:.0%} ({hit}/{reached})"
+                                    for depth, hit, reached in t.acceptance_by_depth)
                 self.info.print(Text(f"{method} acceptance by tree depth  {depths}", style="dim"))
 
     def tree(self, cycle, tokenizer) -> None:
