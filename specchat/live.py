@@ -16,73 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat import settings as settings_mod
 from specchat.chat import Conversation
 from specchat.engine import Engine, GenerationSettings
+from specchat.livesettings import LIVE_KEYS, METHOD_SECTIONS, LiveChatError, method_key, parse_value, with_method_of
 from specchat.sampling import SamplingParams, make_generator
 from specchat.session import ChatSession, TurnEvent, TurnStats
 from specchat.settings import FIELDS, Settings
 from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
 from specchat.transcript import load_transcript, save_transcript
-
-# What `/set KEY VALUE` may change; every other setting needs a restart (or `/method`, `/system`).
-LIVE_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k",
-             "draft_tokens", "show_accept", "compare")
-METHOD_SECTIONS = ("method", "draft")  # the settings a proposer is built from
-TRUE_WORDS, FALSE_WORDS = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
-UNSET_WORDS = ("none", "default")
-
-
-class LiveChatError(ValueError):
-    """A change that cannot be made; the message is one line for the user, and nothing changed."""
-
-
-def parse_value(key: str, value):
-    """A setting's value from text (`/set`) or JSON (`/load`), checked against its type and choices."""
-    choices = FIELDS[key].metadata["choices"]
-    value = _typed_value(key, value)
-    if choices and value is not None and value not in choices:
-        raise LiveChatError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-def _typed_value(key: str, value):
-    kind = settings_mod.field_type(key)
-    optional = FIELDS[key].type.endswith("| None")
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if optional and word in UNSET_WORDS:
-            return None
-        if kind is bool and word in TRUE_WORDS + FALSE_WORDS:
-            return word in TRUE_WORDS
-        if kind in (int, float):
-            try:
-                return kind(word)
-            except ValueError:
-                pass
-        if kind is str:
-            return value
-    elif value is None and optional:
-        return None
-    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
-    elif kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    expected = {bool: "on or off", int: "a whole number", float: "a number", str: "text"}[kind]
-    unset = f" or {UNSET_WORDS[0]}" if optional else ""
-    raise LiveChatError(f"{key} takes {expected}{unset}, got {value!r}")
-
-
-def method_key(settings: Settings) -> tuple:
-    """Everything a proposer is built from: equal keys give interchangeable proposers."""
-    return tuple(getattr(settings, name) for name, f in FIELDS.items() if f.metadata["section"] in METHOD_SECTIONS)
-
-
-def with_method_of(settings: Settings, other: Settings) -> Settings:
-    """`settings` with the method and draft settings of `other`."""
-    return dataclasses.replace(settings, **{name: getattr(other, name) for name, f in FIELDS.items()
-                                            if f.metadata["section"] in METHOD_SECTIONS})
-
 
 @dataclass
 class MethodTotals:

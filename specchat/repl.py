@@ -22,7 +22,8 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 
-from specchat.live import LIVE_KEYS, LiveChatError
+from specchat.livesettings import LIVE_KEYS, LiveChatError
+from specchat.settings import FIELDS
 from specchat.transcript import TranscriptError
 from specchat.ui import ChatUI
 
@@ -122,15 +123,14 @@ class CommandCompleter(Completer):
     """Tab completes command names, /method names, /set keys and on/off."""
 
     def get_completions(self, document, complete_event):
-        from specchat.methods import METHODS
-
         words = document.text_before_cursor.split(" ")
         if not words[0].startswith("/"):
             return
         if len(words) == 1:
             candidates = ["/" + name for name, _, _ in COMMANDS]
         elif len(words) == 2:
-            arguments = {"/method": list(METHODS), "/set": list(LIVE_KEYS), "/compare": ["on", "off"]}
+            arguments = {"/method": list(FIELDS["method"].metadata["choices"]), "/set": list(LIVE_KEYS),
+                         "/compare": ["on", "off"]}
             candidates = arguments.get(words[0], [])
         else:
             candidates = ["on", "off"] if words[0] == "/set" and words[1] in ("show_accept", "compare") else []

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from conftest import load_tiny_target, oracle_head, random_head
 from specchat.cli import main, open_chat, resolve_settings
-from specchat.live import LiveChatError, parse_value
+from specchat.livesettings import LiveChatError, parse_value
 from specchat.repl import block_is_open, history_path, run_repl, unwrap_block
 from specchat.ui import ChatUI
 
@@ -92,6 +92,15 @@ def test_multi_line_messages_with_quotes_and_alt_enter(qwen_dir):
     drive(chat, '"""\nfirst line\n  second line\n"""\n' + f"one{ESC_ENTER}two\n")
     users = [m["content"] for m in chat.session.conversation.messages if m["role"] == "user"]
     assert users == ["first line\n  second line", "one\ntwo"]
+
+
+def test_the_prompt_comes_up_without_importing_torch():
+    # torch and the model load in a background thread; the prompt must not wait for them.
+    import subprocess
+    import sys
+
+    code = "import sys, specchat.cli, specchat.repl; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_block_helpers():
