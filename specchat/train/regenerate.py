@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 
+from specchat.cache import KVCache
 from specchat.train.data import TrainingConversation
 
 DEFAULT_BATCH = 32  # sequences per generate call; a CPU does ~32 tokens per forward for the price of ~1.3
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PROMPT_TOKENS = 1024
+SORT_GROUP_BATCHES = 8
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -60,7 +62,10 @@ def regenerate(conversations: list[TrainingConversation], target, cache_path: Pa
         ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         if len(ids) <= max_prompt_tokens:
             todo.append((len(ids), key, ids, messages))
-    todo.sort(key=lambda item: item[0])  # similar lengths together: little padding
+    # Sort by length only within groups of a few batches: little padding, and a run stopped early
+    # has answered a random sample of the prompts rather than only the shortest ones.
+    group = batch_size * SORT_GROUP_BATCHES
+    todo = [item for start in range(0, len(todo), group) for item in sorted(todo[start : start + group], key=lambda x: x[0])]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids or {0})
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     finished = 0
@@ -75,6 +80,7 @@ def regenerate(conversations: list[TrainingConversation], target, cache_path: Pa
                 attention[row, width - length :] = 1
             output = target.model.generate(
                 input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
+                past_key_values=KVCache(),  # grows in place; the default cache re-concatenates every step
                 max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
                 pad_token_id=pad, eos_token_id=sorted(stop_ids) or None,
