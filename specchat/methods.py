@@ -14,20 +14,19 @@ Jakiro head. Every method is verified by the same exact rules (`specchat.verify`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from specchat.deagle import DeagleParams
 from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.drafting import PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DynamicTreeParams, TreeProposer
 from specchat.lookup import DEFAULT_LOOKUP_TOKENS, PromptLookupProposer
 from specchat.tree import parse_static_tree
 
-# A CPU verifies up to ~16 tokens for the price of one (0.5B, bf16: 158 ms for 16 against 159 ms
-# for 1, 192 ms for 20; README), and every draft step is paid in full, so CPU trees are smaller
-# than the papers' GPU settings. CUDA runs use the papers' numbers.
-CPU_TOTAL_TOKENS, CPU_DEPTH, CPU_TOP_K = 16, 6, 6
+# A CPU verifies a handful of tokens for the price of one (0.5B, bf16, 2 threads: 158 ms for 16
+# against 159 ms for 1, then 192 ms for 20; README), and every draft step is paid in full, so CPU
+# trees are smaller than the papers' GPU settings. On a CPU the verified size comes from the
+# machine's measured cost curve (`specchat.calibrate`), within these bounds; CUDA runs use the
+# papers' numbers.
+CPU_DEPTH, CPU_TOP_K = 6, 6
+CPU_TOTAL_TOKENS_RANGE = (8, 32)
 
 METHODS = {
     "vanilla": "plain decoding",
@@ -45,27 +44,24 @@ class MethodError(ValueError):
     """A method cannot run with the given settings (e.g. it needs a draft head)."""
 
 
-@dataclass(frozen=True)
-class TreeDefaults:
-    total_tokens: int
-    depth: int
-    top_k: int
+def cpu_total_tokens(target) -> int:
+    """The largest verified tree this CPU runs for about the price of one token (measured once, cached)."""
+    from specchat.calibrate import cached_curve
+
+    low, high = CPU_TOTAL_TOKENS_RANGE
+    return min(high, max(low, cached_curve(target).best_total_tokens()))
 
 
-def tree_defaults(device: torch.device) -> TreeDefaults:
-    if device.type == "cuda":
-        return TreeDefaults(PAPER_TOTAL_TOKENS, PAPER_DEPTH, PAPER_TOP_K)
-    return TreeDefaults(CPU_TOTAL_TOKENS, CPU_DEPTH, CPU_TOP_K)
-
-
-def dynamic_params(settings, device: torch.device) -> DynamicTreeParams:
-    defaults = tree_defaults(device)
+def dynamic_params(settings, target) -> DynamicTreeParams:
+    """The tree budget: the flags, else the papers' numbers on CUDA, else this CPU's."""
+    if target.device.type == "cuda":
+        total, depth, top_k = PAPER_TOTAL_TOKENS, PAPER_DEPTH, PAPER_TOP_K
+    else:
+        total = settings.total_tokens or cpu_total_tokens(target)  # measured only when not given
+        depth, top_k = CPU_DEPTH, CPU_TOP_K
     try:
-        return DynamicTreeParams(
-            total_tokens=settings.total_tokens or defaults.total_tokens,
-            depth=settings.depth or defaults.depth,
-            top_k=settings.tree_top_k or defaults.top_k,
-        )
+        return DynamicTreeParams(total_tokens=settings.total_tokens or total, depth=settings.depth or depth,
+                                 top_k=settings.tree_top_k or top_k)
     except ValueError as error:
         raise MethodError(str(error)) from error
 
@@ -133,7 +129,7 @@ def tree_proposer(settings, target) -> TreeProposer:
             raise MethodError(f"--static-tree: {error}") from error
         return TreeProposer(head, target.num_layers, static_paths=paths)
     return TreeProposer(
-        head, target.num_layers, dynamic=dynamic_params(settings, target.device),
+        head, target.num_layers, dynamic=dynamic_params(settings, target),
         deagle=deagle_params(settings) if method == "deagle" else None,
         parallel_last_level=method == "jakiro", reference_attach=settings.jakiro_reference_attach,
     )
