@@ -37,9 +37,12 @@ class MethodTotals:
     accepted_tokens: int = 0
     drafted_at_depth: list[int] = field(default_factory=list)  # [d-1]: cycles whose tree reached depth d
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: ... and had d tokens accepted
-    estimate_seconds: float = 0.0  # real and estimated plain time of the replies with an estimate
+    # Decoding time (prefill left out, see `specchat.speedup`) of the replies with an estimate,
+    # and plain decoding's estimated time for them; then the replies that were compared.
+    estimate_seconds: float = 0.0
     estimate_plain_seconds: float = 0.0
-    compared: list[tuple[int, float, int, float]] = field(default_factory=list)  # (tokens, s, plain tokens, plain s)
+    compared_seconds: float = 0.0
+    compared_plain_seconds: float = 0.0
 
     def add_turn(self, stats: TurnStats) -> None:
         self.turns += 1
@@ -81,10 +84,15 @@ class MethodTotals:
 
     @property
     def measured_speedup(self) -> float | None:
-        tokens, seconds, plain_tokens, plain_seconds = (sum(column) for column in zip(*self.compared or [(0,) * 4]))
-        if not (seconds and plain_seconds and plain_tokens):
-            return None
-        return (tokens / seconds) / (plain_tokens / plain_seconds)
+        return self.compared_plain_seconds / self.compared_seconds if self.compared_seconds > 0 else None
+
+    def add_estimate(self, stats: TurnStats, speedup: float) -> None:
+        self.estimate_seconds += stats.seconds - stats.prefill_seconds
+        self.estimate_plain_seconds += (stats.seconds - stats.prefill_seconds) * speedup
+
+    def add_comparison(self, stats: TurnStats, speedup: float) -> None:
+        self.compared_seconds += stats.seconds - stats.prefill_seconds
+        self.compared_plain_seconds += (stats.seconds - stats.prefill_seconds) * speedup
 
 
 @dataclass
@@ -165,11 +173,12 @@ class LiveChat:
         if turn.method == "vanilla" or turn.stats.new_tokens == 0 or room < 8:
             return report
         stats = turn.stats
+        if stats.new_tokens < 2:
+            return report  # nothing was decoded after the prefill
         report.estimated_speedup = estimated_speedup(stats.new_tokens, stats.seconds, stats.prefill_seconds,
                                                      self.clock.seconds_per_step())
-        totals = self.totals[turn.method]
-        totals.estimate_seconds += stats.seconds
-        totals.estimate_plain_seconds += stats.seconds * report.estimated_speedup
+        if report.estimated_speedup is not None:
+            self.totals[turn.method].add_estimate(stats, report.estimated_speedup)
         return report
 
     def compare_last_turn(self) -> Comparison | None:
@@ -184,9 +193,9 @@ class LiveChat:
             rng = torch.Generator(device=self.session.rng.device)
             rng.set_state(turn.rng_state)
         comparison = compare_plainly(self._plain_engine, self.session.last_prompt_ids, self.session.settings, rng,
-                                     turn.tokens, turn.stats.seconds)
-        self.totals[turn.method].compared.append(
-            (len(turn.tokens), turn.stats.seconds, len(comparison.tokens), comparison.seconds))
+                                     turn.tokens, turn.stats.seconds, turn.stats.prefill_seconds)
+        if comparison.speedup is not None:
+            self.totals[turn.method].add_comparison(turn.stats, comparison.speedup)
         return comparison
 
     # -- changes ---------------------------------------------------------------------------
@@ -238,13 +247,14 @@ class LiveChat:
 
     def _check(self, candidate: Settings) -> GenerationSettings:
         """The generation settings `candidate` gives; LiveChatError if any value is out of range."""
-        from specchat.methods import dynamic_params
+        from specchat.drafting import DynamicTreeParams
 
         if candidate.draft_tokens is not None and candidate.draft_tokens < 1:
             raise LiveChatError(f"draft_tokens must be >= 1, got {candidate.draft_tokens}")
+        tree = {"total_tokens": candidate.total_tokens, "depth": candidate.depth, "top_k": candidate.tree_top_k}
         try:
             sampling = SamplingParams(candidate.temperature, candidate.top_p, candidate.top_k)
-            dynamic_params(candidate, self.engine.target.device)
+            DynamicTreeParams(**{name: value for name, value in tree.items() if value is not None})  # only checks
             return GenerationSettings(candidate.max_new_tokens, sampling, self.session.settings.stop_ids)
         except ValueError as error:
             raise LiveChatError(str(error)) from error

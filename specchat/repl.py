@@ -378,19 +378,21 @@ class Repl:
 
 def describe(chat) -> list[tuple[str, str]]:
     """/show: what the chat runs with."""
-    from specchat.methods import HEAD_METHODS, METHODS, tree_defaults
+    from specchat.methods import METHODS
 
-    settings, target = chat.settings, chat.engine.target
+    settings, target, proposer = chat.settings, chat.engine.target, chat.engine.proposer
     rows = [
         ("model", f"{settings.model}  ({str(target.dtype).removeprefix('torch.')} on {target.device}, "
                   f"context {target.max_context})"),
         ("draft", settings.draft or "-"),
         ("method", f"{settings.method}  ({METHODS[settings.method]})"),
     ]
-    if settings.method in HEAD_METHODS and not settings.static_tree and settings.method != "eagle":
-        defaults = tree_defaults(target.device)
-        rows.append(("tree", f"total_tokens {settings.total_tokens or defaults.total_tokens}, depth "
-                             f"{settings.depth or defaults.depth}, tree_top_k {settings.tree_top_k or defaults.top_k}"))
+    # The tree the proposer really grows: the settings, or the defaults for this device.
+    if getattr(proposer, "static_paths", None) is not None:
+        rows.append(("tree", f"static, {len(proposer.static_paths)} draft tokens"))
+    elif getattr(proposer, "dynamic", None) is not None:
+        tree = proposer.dynamic
+        rows.append(("tree", f"total_tokens {tree.total_tokens}, depth {tree.depth}, tree_top_k {tree.top_k}"))
     rows += [
         ("profile", chat.profile or "-"),
         ("sampling", f"temperature {settings.temperature}, top_p {settings.top_p}, top_k {settings.top_k}, "

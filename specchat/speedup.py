@@ -1,12 +1,14 @@
 """How much faster than plain decoding a reply was: an estimate, or an exact comparison.
 
-Speedup follows Spec-Bench: tokens per second of the method divided by tokens per second of
-plain decoding on the same machine, prefill included on both sides.
+Speedup is measured on the decoding phase: tokens after the first one per second, the prefill
+(prompt processing and the first token) left out on both sides. In a chat the prefill depends on
+what each engine already has cached - the conversation so far, or nothing after a method switch -
+and not on the method, so including it would measure the cache rather than the speculation.
 
 - The *estimate* times a few plain decoding steps of the target at the reply's context length
-  (on the engine's own cache, which is trimmed back afterwards) and assumes plain decoding would
-  have spent the same prefill plus one such step per further token. Timings are kept per
-  context-length bucket, so a session pays for a handful of steps per bucket, not per reply.
+  (on the engine's own cache, which is trimmed back afterwards): plain decoding would have spent
+  one such step per token after the first. Timings are kept per context-length bucket, so a
+  session pays for a handful of steps per bucket, not per reply.
 - The *comparison* decodes the same prompt plainly on a separate engine (same target weights,
   own cache, same settings and random state) and measures the real ratio.
 """
@@ -65,10 +67,17 @@ class PlainStepClock:
         return statistics.median(timings[WARMUP_STEPS:])
 
 
-def estimated_speedup(new_tokens: int, seconds: float, prefill_seconds: float, plain_step_seconds: float) -> float:
-    """Plain decoding's estimated time for the same reply divided by the reply's real time."""
-    plain_seconds = prefill_seconds + max(0, new_tokens - 1) * plain_step_seconds
-    return plain_seconds / seconds if seconds > 0 else 0.0
+def decoding_rate(new_tokens: int, seconds: float, prefill_seconds: float) -> float | None:
+    """Tokens after the first per second of decoding (None if there was no decoding to time)."""
+    decoding_seconds = seconds - prefill_seconds
+    return (new_tokens - 1) / decoding_seconds if new_tokens > 1 and decoding_seconds > 0 else None
+
+
+def estimated_speedup(new_tokens: int, seconds: float, prefill_seconds: float,
+                      plain_step_seconds: float) -> float | None:
+    """The reply's decoding rate over plain decoding's (one `plain_step_seconds` per token)."""
+    rate = decoding_rate(new_tokens, seconds, prefill_seconds)
+    return rate * plain_step_seconds if rate is not None else None
 
 
 @dataclass
@@ -77,29 +86,28 @@ class Comparison:
 
     tokens: list[int]
     seconds: float
-    speedup: float  # tokens/s of the method / tokens/s of plain decoding
+    prefill_seconds: float
+    speedup: float | None  # decoding rate of the method / decoding rate of plain decoding
     identical: bool  # the same token ids
 
     def record(self) -> dict:
-        return {"plain_seconds": round(self.seconds, 4), "plain_tokens_per_s": round(self.tokens_per_s, 3),
-                "speedup": round(self.speedup, 4), "identical": self.identical}
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+        return {"plain_seconds": round(self.seconds, 4), "plain_prefill_seconds": round(self.prefill_seconds, 4),
+                "speedup": None if self.speedup is None else round(self.speedup, 4), "identical": self.identical}
 
 
-def compare_plainly(plain: Engine, prompt_ids: list[int], settings: GenerationSettings,
-                    rng: torch.Generator | None, tokens: list[int], seconds: float) -> Comparison:
-    """Decode `prompt_ids` on the vanilla engine `plain` and compare with a reply of `tokens` in `seconds`."""
-    plain_tokens, plain_seconds = [], 0.0
+def compare_plainly(plain: Engine, prompt_ids: list[int], settings: GenerationSettings, rng: torch.Generator | None,
+                    tokens: list[int], seconds: float, prefill_seconds: float) -> Comparison:
+    """Decode `prompt_ids` on the vanilla engine `plain`; compare with a reply of `tokens` that took
+    `seconds`, `prefill_seconds` of them for the prefill."""
+    plain_tokens, plain_seconds, plain_prefill = [], 0.0, 0.0
     for step in plain.generate(prompt_ids, settings, rng):
         plain_tokens.extend(step.tokens)
         plain_seconds += step.seconds
-    method_rate = len(tokens) / seconds if seconds > 0 else 0.0
-    plain_rate = len(plain_tokens) / plain_seconds if plain_seconds > 0 else 0.0
-    return Comparison(plain_tokens, plain_seconds, method_rate / plain_rate if plain_rate else 0.0,
-                      plain_tokens == tokens)
+        plain_prefill += step.seconds if step.prefill else 0.0
+    method_rate = decoding_rate(len(tokens), seconds, prefill_seconds)
+    plain_rate = decoding_rate(len(plain_tokens), plain_seconds, plain_prefill)
+    speedup = method_rate / plain_rate if method_rate is not None and plain_rate else None
+    return Comparison(plain_tokens, plain_seconds, plain_prefill, speedup, plain_tokens == tokens)
 
 
 def _synchronize(device: torch.device) -> None:

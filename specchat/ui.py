@@ -86,15 +86,17 @@ def stats_line(stats, estimated_speedup: float | None = None, comparison=None) -
     """One line about a reply: tokens, tokens/s, tau, acceptance rate, speedup over plain decoding.
 
     tau counts the bonus token (1.00 for plain decoding); the acceptance rate is accepted draft
-    tokens over the draft tokens the target verified. An estimated speedup is marked "est.";
-    a `comparison` (the reply decoded plainly too) replaces it with the measured ratio.
+    tokens over the draft tokens the target verified. The speedup is the decoding phase's (see
+    `specchat.speedup`): estimated, marked "est.", or measured when a `comparison` (the reply
+    decoded plainly too) is given.
     """
     parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s", f"τ {stats.tau:.2f}"]
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance {stats.acceptance_rate:.0%} ({stats.accepted_tokens}/{stats.draft_tokens} drafted)")
     if comparison is not None:
         verdict = "same answer" if comparison.identical else "answers differ"
-        parts.append(f"{comparison.speedup:.2f}x vs plain, measured ({verdict})")
+        speedup = "-" if comparison.speedup is None else f"{comparison.speedup:.2f}x"
+        parts.append(f"{speedup} vs plain, measured ({verdict})")
     elif estimated_speedup is not None:
         parts.append(f"~{estimated_speedup:.1f}x est.")
     parts.append(f"prefill {stats.prefill_seconds:.2f}s")
