@@ -139,7 +139,7 @@ def answer_once(chat, prompt: str) -> None:
     from specchat.engine import ContextLengthError
     from specchat.ui import ChatUI
 
-    ui = ChatUI.for_streams()
+    ui = ChatUI.for_streams(info_on_stderr=True)
     writer = ui.answer(chat.session.chat_format.decoder() if chat.settings.show_accept else None)
     try:
         for event in chat.reply(prompt):

@@ -25,6 +25,7 @@ from specchat.settings import FIELDS, Settings
 from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
 from specchat.transcript import load_transcript, save_transcript
 
+
 @dataclass
 class MethodTotals:
     """What one method did over the session (all its replies, interrupted ones included)."""

@@ -144,10 +144,12 @@ class ChatUI:
         self.info = info or out
 
     @classmethod
-    def for_streams(cls) -> ChatUI:
+    def for_streams(cls, info_on_stderr: bool = False) -> ChatUI:
+        """Answers on stdout; the rest on stdout too if it is a terminal, else (or if asked) on stderr."""
         out = Console(soft_wrap=True, highlight=False)
-        info = out if out.is_terminal else Console(stderr=True, soft_wrap=True, highlight=False)
-        return cls(out, info)
+        if out.is_terminal and not info_on_stderr:
+            return cls(out, out)
+        return cls(out, Console(stderr=True, soft_wrap=True, highlight=False))
 
     @property
     def can_colour(self) -> bool:
