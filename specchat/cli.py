@@ -251,7 +251,7 @@ def profiles():
 
 @profiles.command(name="list")
 def profiles_list():
-    """Every profile by name: the user's (in the XDG config dir) first, then the shipped ones."""
+    """List the profiles: the user's (in the XDG config dir) first, then the shipped ones."""
     user, shipped = settings_mod.user_profiles(), settings_mod.shipped_profiles()
     rows = [("NAME", "METHOD", "MODEL (+ DRAFT)", "WHERE")]
     rows += [_profile_row(name, source, str(source)) for name, source in user.items()]
@@ -275,9 +275,12 @@ def _profile_row(name: str, source, where: str) -> tuple[str, str, str, str]:
 @click.argument("name", required=False)
 @settings_options
 def profiles_show(name, **options):
-    """The settings NAME resolves to (default: --profile, SPECCHAT_PROFILE or 'default'), and where each
-    value comes from: the command line, the environment, the profile or the defaults. Setting options
-    given here show their effect, exactly as `chat` and `run` would apply them."""
+    """Show the settings a profile resolves to, and where each value comes from.
+
+    NAME defaults to --profile, SPECCHAT_PROFILE or 'default'. Each value comes from the command
+    line, the environment, the profile or the defaults; setting options given here show their
+    effect, exactly as `chat` and `run` would apply them.
+    """
     if name and options.get("profile"):
         raise CommandError("give the profile as NAME or as --profile, not both", EXIT_USAGE)
     options["profile"] = name or options.get("profile")
