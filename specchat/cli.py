@@ -309,6 +309,28 @@ def profiles_show(name, **options):
         click.echo(f"{location.ljust(widths[0])}  {value.ljust(widths[1])}  {origin}")
 
 
+@cli.command(name="bench")
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--methods", default="vanilla,eagle2,pld", show_default=True,
+              help="Comma-separated methods: vanilla, eagle, eagle2, deagle, jakiro, sps, pld, hf-assisted, hf-pld.")
+@click.option("--draft-for", "draft_for", multiple=True, metavar="METHOD=PATH",
+              help="Draft head or model for one method (repeatable); sps and hf-assisted take a small model.")
+@click.option("--limit", type=int, default=None, help="Use the first N questions (a 2-turn MT-bench question is 2 turns).")
+@click.option("--repeat", type=int, default=1, show_default=True, help="Runs over the questions per method.")
+@click.option("--warmup", type=int, default=1, show_default=True, help="Warm-up answers per method (not measured).")
+@click.option("--output", "-o", "output_dir", type=click.Path(file_okay=False), default="bench-results", show_default=True,
+              help="Folder for results.json, results.csv and the plots.")
+@settings_options
+def bench_command(inputs, methods, draft_for, limit, repeat, warmup, output_dir, **options):
+    """Measure methods against plain decoding on prompt files (Spec-Bench protocol)."""
+    from specchat.bench_run import run_bench
+
+    settings, profile = resolve_settings(options)
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    run_bench(list(inputs), chosen, dict(item.split("=", 1) for item in draft_for if "=" in item), settings,
+              profile, limit, repeat, warmup, output_dir)
+
+
 @cli.command(name="train")
 @click.option("--kind", type=click.Choice(["eagle", "eagle3", "jakiro"]), required=True, help="Head format to train.")
 @click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),

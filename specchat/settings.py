@@ -57,7 +57,7 @@ class Settings:
     method: str = _setting("vanilla", "method", "name", "Decoding method.",
                            ("vanilla", "eagle", "eagle2", "deagle", "jakiro", "sps", "pld"))
     total_tokens: int | None = _setting(None, "method", "total_tokens",
-                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: 16).")
+                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: measured, 16 here).")
     depth: int | None = _setting(None, "method", "depth",
                                  "Most draft tokens on one tree path (EAGLE-2 paper: 6, EAGLE-3: 8; CPU default: 6).")
     tree_top_k: int | None = _setting(None, "method", "top_k",

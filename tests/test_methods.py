@@ -139,7 +139,8 @@ def test_saturation_and_mass_can_stop_a_tree_without_momentum():
 
 
 def test_momentum_readings_differ_as_documented():
-    sequence = [[0.5], [0.2], [0.19], [0.05], [0.04]]  # decays at depths 2 and 4 (not consecutive)
+    # rho = 0.9, 0.56, 0.9, 0.44, 0.9: decays (rho < 0.6) at depths 2 and 4, not consecutive.
+    sequence = [[0.9], [0.5], [0.45], [0.2], [0.18]]
     lenient = DepthVote(DeagleParams())
     strict = DepthVote(DeagleParams(consecutive=True))
     for depth, probs in enumerate(sequence, start=1):
