@@ -33,7 +33,7 @@ def default_draft(method: str, target_name: str) -> str | None:
 
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, profile: str, limit, repeat: int,
               warmup: int, output_dir: str) -> None:
-    from specchat.chat import ChatFormat
+    from specchat.chat import ChatFormat, resolve_template
     from specchat.cli import EXIT_USAGE, CommandError, model_loader
     from specchat.engine import Engine, GenerationSettings
     from specchat.inputs import InputError, read_prompts
@@ -57,7 +57,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
     console = Console(stderr=True)
     load_model = model_loader(settings)
     target = load_model(settings.model, settings.gguf_file)
-    chat_format = ChatFormat(target.tokenizer)
+    chat_format = ChatFormat(target.tokenizer, template=resolve_template(settings.chat_template))
     generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
                                     stop_ids=chat_format.stop_ids)
     drafts, skipped = {}, {}

@@ -16,8 +16,37 @@ END_OF_TURN_TOKENS = (
 )
 
 
+# Templates for models whose tokenizer carries none, by name (`--chat-template NAME`).
+# Vicuna v1.1+ (FastChat's "vicuna_v1.1" conversation format: system line, "USER:"/"ASSISTANT:", </s>).
+BUILTIN_TEMPLATES = {
+    "vicuna": (
+        "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + ' ' }}"
+        "{% set rest = messages[1:] %}{% else %}"
+        "{{ 'A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+        "helpful, detailed, and polite answers to the user\\'s questions. ' }}{% set rest = messages %}{% endif %}"
+        "{% for message in rest %}{% if message['role'] == 'user' %}{{ 'USER: ' + message['content'] + ' ' }}"
+        "{% else %}{{ 'ASSISTANT: ' + message['content'] + '</s>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+    ),
+}
+
+
 class TemplateError(ValueError):
     """The tokenizer cannot format a conversation."""
+
+
+def resolve_template(spec: str | None) -> str | None:
+    """A template given by name (BUILTIN_TEMPLATES) or as a path to a Jinja file; None keeps the tokenizer's."""
+    if not spec:
+        return None
+    if spec in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[spec]
+    try:
+        with open(spec, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise TemplateError(f"--chat-template {spec}: not a built-in template "
+                            f"({', '.join(BUILTIN_TEMPLATES)}) and not a readable file ({error.strerror})") from error
 
 
 @dataclass
@@ -41,10 +70,12 @@ class Conversation:
 class ChatFormat:
     """The chat template and end-of-turn tokens of one tokenizer."""
 
-    def __init__(self, tokenizer, extra_stop_ids: tuple[int, ...] = ()):
-        if not getattr(tokenizer, "chat_template", None):
+    def __init__(self, tokenizer, extra_stop_ids: tuple[int, ...] = (), template: str | None = None):
+        self.template = template or getattr(tokenizer, "chat_template", None)
+        if not self.template:
             raise TemplateError(
-                "the model's tokenizer has no chat template; specchat needs an instruct/chat model"
+                "the model's tokenizer has no chat template; specchat needs an instruct/chat model "
+                f"(or give one: --chat-template {' | '.join(BUILTIN_TEMPLATES)} | FILE.jinja)"
             )
         self.tokenizer = tokenizer
         vocab = tokenizer.get_vocab()
@@ -59,7 +90,8 @@ class ChatFormat:
         """Token ids of the conversation followed by the start of an assistant reply."""
         return list(
             self.tokenizer.apply_chat_template(
-                conversation.as_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+                conversation.as_messages(), chat_template=self.template, add_generation_prompt=True,
+                tokenize=True, return_dict=False,
             )
         )
 

@@ -8,6 +8,7 @@ interrupted. Errors are one line on stderr, never a traceback (set SPECCHAT_DEBU
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -68,7 +69,7 @@ def model_loader(settings: Settings):
 
 def build_session(settings: Settings):
     """Load the target (and the method's drafter) and open a chat session."""
-    from specchat.chat import ChatFormat, TemplateError
+    from specchat.chat import ChatFormat, TemplateError, resolve_template
     from specchat.engine import Engine, GenerationSettings
     from specchat.sampling import SamplingParams, make_generator
     from specchat.session import ChatSession
@@ -89,7 +90,7 @@ def build_session(settings: Settings):
     load_model = model_loader(settings)
     try:
         target = load_model(settings.model, settings.gguf_file)
-        chat_format = ChatFormat(target.tokenizer)
+        chat_format = ChatFormat(target.tokenizer, template=resolve_template(settings.chat_template))
     except (ModelLoadError, TemplateError) as error:
         raise CommandError(str(error)) from error
     generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
@@ -429,4 +430,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         sys.stderr.close()  # the reader went away (e.g. `| head`); nothing left to say
+        sys.exit(EXIT_RUNTIME)
+    except (RuntimeError, ValueError, OSError, MemoryError) as error:
+        # Anything not already turned into a message: one line, unless a traceback is asked for.
+        if os.environ.get("SPECCHAT_DEBUG"):
+            raise
+        click.echo(f"specchat: error: {type(error).__name__}: {error} (SPECCHAT_DEBUG=1 shows where)", err=True)
         sys.exit(EXIT_RUNTIME)

@@ -45,6 +45,9 @@ class Settings:
     device: str = _setting("auto", "model", "device", "Device: auto, cpu, cuda or cuda:N.")
     quantize: str = _setting("none", "model", "quantize", "Load the target 8-bit or 4-bit with bitsandbytes.",
                              ("none", "8bit", "4bit"))
+    chat_template: str | None = _setting(None, "model", "chat_template",
+                                         "Chat template for a tokenizer that has none: a built-in name (vicuna) "
+                                         "or a Jinja file.")
     trust_remote_code: bool = _setting(False, "model", "trust_remote_code",
                                        "Allow model code from the model's repository to run (off unless asked).")
     # [draft]

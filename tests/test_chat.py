@@ -50,3 +50,18 @@ def test_streamed_reply_text_equals_the_reply(tokenizer):
     session = ChatSession(StubEngine(), ChatFormat(tokenizer), GenerationSettings())
     streamed = "".join(event.text for event in session.reply("hi"))
     assert streamed == session.conversation.messages[-1]["content"] == tokenizer.decode(emoji[:5])
+
+
+def test_builtin_template_for_tokenizers_without_one(tokenizer):
+    from specchat.chat import resolve_template
+
+    bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer)
+    conversation = Conversation()
+    conversation.add_user("hi")
+    conversation.add_assistant("hello")
+    conversation.add_user("bye")
+    text = bare.decode(ChatFormat(bare, template=resolve_template("vicuna")).prompt_ids(conversation))
+    assert text.startswith("A chat between a curious user and an artificial intelligence assistant.")
+    assert text.endswith("USER: hi ASSISTANT: hello</s>USER: bye ASSISTANT:")
+    with pytest.raises(TemplateError, match="not a built-in template"):
+        resolve_template("/no/such/template.jinja")
