@@ -1,0 +1,64 @@
+"""`specchat bench`: the Spec-Bench statistics, the outputs, and a run end to end on a tiny model."""
+
+import json
+
+import pytest
+
+from specchat.bench import TurnResult, calibration, summarize
+from specchat.cli import main
+
+
+def turn(method, question, turn_index, tokens, seconds, forwards, response="same", category="writing", **extra):
+    return TurnResult(method=method, question=question, category=category, turn=turn_index, repeat=0,
+                      response=response, new_tokens=tokens, seconds=seconds, target_forwards=forwards, **extra)
+
+
+def test_speedup_is_the_ratio_of_mean_per_question_speeds():
+    results = [
+        turn("vanilla", 1, 0, 10, 1.0, 10), turn("vanilla", 1, 1, 10, 1.0, 10),  # question 1: 10 tok/s
+        turn("vanilla", 2, 0, 30, 1.0, 30),  # question 2: 30 tok/s -> mean 20
+        turn("eagle2", 1, 0, 10, 0.5, 4, draft_tokens=30, accepted_tokens=6),
+        turn("eagle2", 1, 1, 10, 0.5, 4, response="different", draft_tokens=30, accepted_tokens=6),  # 20 tok/s
+        turn("eagle2", 2, 0, 30, 0.5, 10, draft_tokens=90, accepted_tokens=20),  # 60 tok/s -> mean 40
+    ]
+    summary = summarize(results, greedy=True)
+    overall = summary["eagle2"]["overall"]
+    assert summary["vanilla"]["overall"]["tokens_per_s"] == 20.0
+    assert overall["tokens_per_s"] == 40.0 and overall["speedup"] == 2.0
+    assert overall["tau"] == round(50 / 18, 3)
+    assert overall["acceptance_rate"] == round(32 / 150, 4)
+    assert overall["identical"] == round(2 / 3, 4)
+    assert summarize(results, greedy=False)["eagle2"]["overall"]["identical"] is None
+
+
+def test_calibration_counts_only_reachable_nodes():
+    # root -> a (0.9, accepted) -> c (0.8, rejected); root -> b (0.05): c is reachable via a.
+    cycle = {"parents": [-1, -1, 0, 2], "probs": [0.9, 0.05, 0.8, 0.95], "accepted": [0]}
+    points = calibration([turn("eagle2", 1, 0, 2, 1.0, 1, cycles=[cycle])], "eagle2")
+    counted = sum(count for _, _, count in points)
+    assert counted == 3  # node 3's parent (c) was rejected: not reachable
+    high = [p for p in points if p[0] > 0.85][0]
+    assert high[1] == 1.0  # the 0.9 node was accepted
+
+
+def test_bench_end_to_end_writes_tables_json_csv_and_plots(qwen_dir, tmp_path, capsys):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": ["hi", "more"]})
+                                 for i, c in ((1, "writing"), (2, "coding"))) + "\n")
+    out = tmp_path / "bench"
+    args = ["bench", str(prompts), "--model", str(qwen_dir), "--dtype", "float32", "--max-new-tokens", "6",
+            "--methods", "pld,hf-pld,eagle2", "--output", str(out), "--warmup", "0"]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+        raise SystemExit(0)
+    err = capsys.readouterr().err
+    assert done.value.code == 0, err
+    assert "skipping eagle2" in err  # no head bundled for a tiny model and none given: said, not crashed
+    data = json.loads((out / "results.json").read_text())
+    assert set(data["summary"]) == {"vanilla", "pld", "hf-pld"}
+    assert {"overall", "writing", "coding"} <= set(data["summary"]["pld"])
+    assert data["summary"]["pld"]["overall"]["identical"] == 1.0  # lossless at temperature 0
+    assert len(data["turns"]) == 3 * 2 * 2
+    assert (out / "results.csv").read_text().startswith("method,category,tokens_per_s,speedup")
+    for name in ("speedup.png", "calibration.png", "acceptance_by_depth.png", "memory.png"):
+        assert (out / name).stat().st_size > 1000
