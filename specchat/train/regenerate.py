@@ -23,6 +23,9 @@ DEFAULT_BATCH = 32  # sequences per generate call; a CPU does ~32 tokens per for
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 SORT_GROUP_BATCHES = 8
+# A batch holds at most batch_size * (TYPICAL_PROMPT + max_new_tokens) cached positions: every
+# decoding step reads all of them, so long prompts share a batch with fewer others.
+TYPICAL_PROMPT = 128
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -70,8 +73,7 @@ def regenerate(conversations: list[TrainingConversation], target, cache_path: Pa
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     finished = 0
     with open(cache_path, "a", encoding="utf-8") as sink:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
+        for batch in _batches(todo, batch_size, batch_size * (TYPICAL_PROMPT + max_new_tokens), max_new_tokens):
             width = max(length for length, *_ in batch)
             input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
             attention = torch.zeros((len(batch), width), dtype=torch.long)
@@ -99,3 +101,16 @@ def regenerate(conversations: list[TrainingConversation], target, cache_path: Pa
                 progress(finished, len(todo))
     return [TrainingConversation(done[key]["messages"], f"regenerated#{key[:8]}") for key in prompts
             if key in done and done[key]["messages"][-1]["content"].strip()]
+
+
+def _batches(todo: list, rows: int, budget: int, max_new_tokens: int):
+    """Consecutive batches of at most `rows` prompts and `budget` cached positions (padded)."""
+    batch: list = []
+    for item in todo:
+        width = max([item[0]] + [length for length, *_ in batch])
+        if batch and (len(batch) >= rows or (len(batch) + 1) * (width + max_new_tokens) > budget):
+            yield batch
+            batch = []
+        batch.append(item)
+    if batch:
+        yield batch
