@@ -184,6 +184,16 @@ class LayerConfig:
     def rope(self) -> Rope:
         return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
 
+    def layer_dict(self, architecture: str = "LlamaForCausalLM") -> dict:
+        """The Llama-style config.json fields every head format writes."""
+        return {
+            "architectures": [architecture], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling, "qkv_bias": self.qkv_bias,
+        }
+
 
 def read_layer_config(raw: dict, where: str) -> dict:
     """The shared fields of a head config.json, checked; returns kwargs for a LayerConfig subclass."""

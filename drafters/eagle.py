@@ -35,14 +35,7 @@ class EagleConfig(LayerConfig):
         return cls(**read_layer_config(raw, where), bias=bool(raw.get("bias", True)))
 
     def to_dict(self) -> dict:
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-            "bias": self.bias, "qkv_bias": self.qkv_bias,
-        }
+        return {**self.layer_dict(), "bias": self.bias}
 
 
 class EagleLayer(nn.Module):

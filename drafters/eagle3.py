@@ -52,14 +52,7 @@ class Eagle3Config(LayerConfig):
         )
 
     def to_dict(self) -> dict:
-        out = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-            "qkv_bias": self.qkv_bias,
-        }
+        out = {**self.layer_dict("LlamaForCausalLMEagle3"), "draft_vocab_size": self.draft_vocab_size}
         if self.target_hidden_size:
             out["target_hidden_size"] = self.target_hidden_size
         return out

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table

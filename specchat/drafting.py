@@ -17,7 +17,7 @@ import torch
 from specchat.cache import KVCache
 from specchat.deagle import DeagleParams, DepthVote
 from specchat.engine import GenerationSettings
-from specchat.tree import MC_SIM_7B_63, DraftTree
+from specchat.tree import DraftTree
 
 # EAGLE-2 (Li et al. 2024, arXiv 2406.16858) reference settings: 60 tokens verified per cycle
 # (root included), 6 draft levels (the code's depth=5 counts expansions after the first level),

@@ -20,14 +20,14 @@ from specchat.chat import Conversation
 from specchat.engine import Engine, GenerationSettings
 from specchat.livesettings import LIVE_KEYS, METHOD_SECTIONS, LiveChatError, method_key, parse_value, with_method_of
 from specchat.sampling import SamplingParams, make_generator
-from specchat.session import ChatSession, TurnEvent, TurnStats
+from specchat.session import ChatSession, Rates, TurnEvent, TurnStats
 from specchat.settings import FIELDS, Settings
 from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
 from specchat.transcript import load_transcript, save_transcript
 
 
 @dataclass
-class MethodTotals:
+class MethodTotals(Rates):
     """What one method did over the session (all its replies, interrupted ones included)."""
 
     turns: int = 0
@@ -60,18 +60,6 @@ class MethodTotals:
         for depth in range(1, reached + 1):
             self.drafted_at_depth[depth - 1] += 1
             self.accepted_at_depth[depth - 1] += accepted >= depth
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
     def acceptance_by_depth(self) -> list[tuple[int, int, int]]:

@@ -18,8 +18,25 @@ from specchat.chat import ChatFormat, Conversation
 from specchat.engine import Engine, GenerationSettings, StepResult
 
 
+class Rates:
+    """The field's derived numbers, for any counter with new_tokens, seconds, target_forwards,
+    draft_tokens and accepted_tokens."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+
 @dataclass
-class TurnStats:
+class TurnStats(Rates):
     """Counters for one reply."""
 
     new_tokens: int = 0
@@ -46,18 +63,6 @@ class TurnStats:
         elif step.cycle is not None:
             self.accept_lengths.append(len(step.tokens))
         self.finish_reason = step.finish_reason or self.finish_reason
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     def record(self) -> dict:
         """The fields a `run` turn record carries (besides prompt and response)."""

@@ -227,3 +227,43 @@ def _topological_prefix(parents, limit):
         if len(keep) < limit and (parent < 0 or parent in keep):
             keep.append(node)
     return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line and statistics helpers
+
+
+def invoke(args, capsys, monkeypatch=None, stdin=None):
+    """Run `specchat ARGS` in-process; returns (exit status, stdout, stderr)."""
+    import io
+
+    from specchat.cli import main
+
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as done:
+        main(args)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
+def tiny(model_dir, *extra):
+    """Command-line options that select a tiny model folder, exactly and quickly."""
+    return ["--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6", *extra]
+
+
+def exact_two_token_distribution(target, prompt, top_k):
+    """p(x1, x2) of plain sampling at temperature 1 with top-k, from cache-free forwards."""
+    def p_next(ids):
+        logits = target.model(torch.tensor([ids])).logits[0, -1]
+        return torch.softmax(torch.where(logits >= logits.topk(top_k).values[-1], logits, -torch.inf), -1)
+
+    joint = {}
+    with torch.no_grad():
+        p1 = p_next(prompt)
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 = p_next(prompt + [x1])
+            for x2 in p2.nonzero().flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specchat.chat import ChatFormat, Conversation, IncrementalDecoder, TemplateError
+from specchat.chat import ChatFormat, Conversation, TemplateError
 
 
 def test_stop_ids_come_from_the_vocabulary(tokenizer):

@@ -1,25 +1,10 @@
 """The command line end to end on a tiny model: records, exit codes and one-line errors."""
 
-import io
 import json
 
 import pytest
 
-from specchat.cli import main
-
-
-def invoke(args, capsys, stdin=None, monkeypatch=None):
-    if stdin is not None:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    with pytest.raises(SystemExit) as done:
-        main(args)
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return done.value.code, out, err
-
-
-def tiny(model_dir, *extra):
-    return ["--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6", *extra]
+from conftest import invoke, tiny
 
 
 def test_run_writes_one_record_per_line_with_all_fields(qwen_dir, tmp_path, capsys):

@@ -1,7 +1,6 @@
 """Embedded models: chunks found through importlib, checked, and clear errors otherwise."""
 
 import hashlib
-import sys
 
 import pytest
 

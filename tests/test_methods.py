@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import load_tiny_target, oracle_head, random_head
+from conftest import exact_two_token_distribution, load_tiny_target, oracle_head, random_head
 from specchat.deagle import DeagleParams, DepthVote
 from specchat.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.drafting import DynamicTreeParams, TreeProposer
@@ -64,21 +64,6 @@ def test_drafts_that_are_right_get_accepted(method, bigram):
     steps = list(engine.generate(prompt, settings))
     assert [t for s in steps for t in s.tokens] == tokens_of(Engine(bigram), prompt, settings)
     assert max(len(s.tokens) for s in steps[1:]) >= 4
-
-
-def exact_two_token_distribution(model, prompt, top_k):
-    def p_next(ids):
-        logits = model.model(torch.tensor([ids])).logits[0, -1]
-        return torch.softmax(torch.where(logits >= logits.topk(top_k).values[-1], logits, -torch.inf), -1)
-
-    joint = {}
-    with torch.no_grad():
-        p1 = p_next(prompt)
-        for x1 in p1.nonzero().flatten().tolist():
-            p2 = p_next(prompt + [x1])
-            for x2 in p2.nonzero().flatten().tolist():
-                joint[(x1, x2)] = float(p1[x1] * p2[x2])
-    return joint
 
 
 @pytest.mark.parametrize("method", ["deagle", "jakiro", "sps"])

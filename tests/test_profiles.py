@@ -1,24 +1,13 @@
 """Profiles from the user's side: the shipped ones, `specchat profiles list|show`, and precedence
 (command line > SPECCHAT_* environment > profile > defaults) all the way into a real run."""
 
-import io
 import json
 
 import pytest
 
 from specchat import settings
-from specchat.cli import main
 from specchat.settings import read_profile, shipped_profiles
-
-
-def invoke(args, capsys, monkeypatch=None, stdin=None):
-    if stdin is not None:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    with pytest.raises(SystemExit) as done:
-        main(args)
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return done.value.code, out, err
+from conftest import invoke
 
 
 def origins(show_output: str) -> dict[str, tuple[str, str]]:

@@ -13,8 +13,8 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
-from conftest import load_tiny_target, oracle_head, random_head
-from specchat.cli import main, open_chat, resolve_settings
+from conftest import invoke, load_tiny_target, oracle_head, random_head, tiny
+from specchat.cli import open_chat, resolve_settings
 from specchat.livesettings import LiveChatError, parse_value
 from specchat.repl import block_is_open, history_path, run_repl, unwrap_block
 from specchat.ui import ChatUI
@@ -213,20 +213,6 @@ def test_parse_value():
 
 
 # -- piping and exit codes -----------------------------------------------------------------------
-
-
-def invoke(args, capsys, monkeypatch, stdin=None):
-    if stdin is not None:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    with pytest.raises(SystemExit) as done:
-        main(args)
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return done.value.code, out, err
-
-
-def tiny(model_dir, *extra):
-    return ["--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6", *extra]
 
 
 def test_piped_chat_keeps_stdout_plain_and_compares_on_request(qwen_dir, capsys, monkeypatch):

@@ -2,9 +2,8 @@
 sampled output follows the target distribution, and the caches stay consistent."""
 
 import pytest
-import torch
 
-from conftest import load_tiny_target, oracle_head, random_head
+from conftest import exact_two_token_distribution, load_tiny_target, oracle_head, random_head
 from specchat.chat import ChatFormat, Conversation
 from specchat.drafting import DynamicTreeParams, TreeProposer
 from specchat.engine import Engine, GenerationSettings
@@ -117,22 +116,6 @@ def test_greedy_cycles_report_what_was_drafted_and_accepted(bigram):
         assert step.tokens[-1] == cycle.bonus
         record = cycle.record()
         assert set(record) >= {"root", "tokens", "parents", "probs", "depths", "accepted", "bonus"}
-
-
-def exact_two_token_distribution(target, prompt, top_k):
-    """p(x1, x2) of plain sampling at temperature 1 with top-k, from cache-free forwards."""
-    def p_next(ids):
-        logits = target.model(torch.tensor([ids])).logits[0, -1]
-        return torch.softmax(torch.where(logits >= logits.topk(top_k).values[-1], logits, -torch.inf), -1)
-
-    joint = {}
-    with torch.no_grad():
-        p1 = p_next(prompt)
-        for x1 in p1.nonzero().flatten().tolist():
-            p2 = p_next(prompt + [x1])
-            for x2 in p2.nonzero().flatten().tolist():
-                joint[(x1, x2)] = float(p1[x1] * p2[x2])
-    return joint
 
 
 @pytest.mark.parametrize("case", ["eagle-often-right", "eagle3-random"])

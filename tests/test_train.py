@@ -10,7 +10,7 @@ from drafters import load_head
 from drafters.common import UnrolledKeys
 from specchat.cache import KVCache
 from specchat.train.data import encode, read_conversations
-from specchat.train.features import FeatureStore, extract
+from specchat.train.features import extract
 from specchat.train.regenerate import regenerate
 from specchat.train.trainer import TrainConfig, build_head, draft_vocabulary, sequence_loss, train
 
