@@ -63,6 +63,14 @@ def test_malformed_records_are_skipped_counted_and_named(tmp_path):
     assert "skipped" in report.summary()
 
 
+def test_an_opening_greeting_without_a_prompt_is_dropped(tmp_path, tokenizer):
+    record = {"conversations": [{"from": "system", "value": "S"}, {"from": "gpt", "value": "Hello!"},
+                                {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    conversations, _ = read_conversations([write(tmp_path, "greeting.json", json.dumps([record]))])
+    assert [m["role"] for m in conversations[0].messages] == ["system", "user", "assistant"]
+    assert encode(conversations[0].messages, tokenizer, max_tokens=500) is not None
+
+
 def test_loss_mask_covers_the_assistant_turns_only(tokenizer):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"},

@@ -156,6 +156,13 @@ def parse_record(record) -> list[dict] | str:
     return "unknown shape"
 
 
+def _without_unprompted_answers(messages: list[dict]) -> list[dict]:
+    """Drop assistant messages before the first user message: ShareGPT has records that open with
+    the model's greeting, which answers no prompt and which no chat template renders on its own."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+
+
 def read_conversations(paths: list[str]) -> tuple[list[TrainingConversation], ReadReport]:
     report = ReadReport()
     conversations = []
@@ -171,6 +178,7 @@ def read_conversations(paths: list[str]) -> tuple[list[TrainingConversation], Re
             if not any(m["role"] == "user" for m in parsed):
                 report.skip(where, "no user message")
                 continue
+            parsed = _without_unprompted_answers(parsed)
             conversations.append(TrainingConversation(parsed, where))
             report.read += 1
     return conversations, report
