@@ -231,6 +231,9 @@ def _aggregate(rows: list[TurnResult], vanilla_answers: dict | None) -> dict:
         "tau": round(tokens / forwards, 3) if forwards else None,
         "acceptance_rate": round(sum(r.accepted_tokens for r in rows) / drafted, 4) if drafted else None,
         "identical": None,
+        # Depth of the deepest verified node per cycle, and (DEAGLE) the depth where drafting stopped.
+        "tree_depth": _mean([max(c["depths"]) for r in rows for c in r.cycles if c.get("depths")]),
+        "stop_depth": _mean([c["stop_depth"] for r in rows for c in r.cycles if "stop_depth" in c]),
     }
     if vanilla_answers:
         compared = [r for r in rows if (r.question, r.turn, r.repeat) in vanilla_answers]
@@ -238,6 +241,10 @@ def _aggregate(rows: list[TurnResult], vanilla_answers: dict | None) -> dict:
             same = sum(r.response == vanilla_answers[(r.question, r.turn, r.repeat)] for r in compared)
             out["identical"] = round(same / len(compared), 4)
     return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +260,8 @@ def write_outputs(folder: Path, results: list[TurnResult], summary: dict, memory
     (folder / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "turns": records}, indent=1))
     with open(folder / "results.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
-        columns = ["tokens_per_s", "speedup", "tau", "acceptance_rate", "identical", "peak_memory_mib", "questions",
-                   "turns", "new_tokens"]
+        columns = ["tokens_per_s", "speedup", "tau", "acceptance_rate", "identical", "tree_depth", "stop_depth",
+                   "peak_memory_mib", "questions", "turns", "new_tokens"]
         writer.writerow(["method", "category"] + columns)
         for method, categories in summary.items():
             for category, numbers in categories.items():

@@ -31,6 +31,16 @@ def test_speedup_is_the_ratio_of_mean_per_question_speeds():
     assert summarize(results, greedy=False)["eagle2"]["overall"]["identical"] is None
 
 
+def test_tree_and_stop_depths_are_means_over_cycles():
+    deep = {"depths": [1, 2, 3, 3], "stop_depth": 4}
+    shallow = {"depths": [1, 1], "stop_depth": 2}
+    summary = summarize([turn("deagle", 1, 0, 4, 1.0, 2, cycles=[deep, shallow]),
+                         turn("eagle2", 1, 0, 4, 1.0, 2, cycles=[{"depths": [1, 2]}])], greedy=True)
+    assert summary["deagle"]["overall"]["tree_depth"] == 2.0
+    assert summary["deagle"]["overall"]["stop_depth"] == 3.0
+    assert summary["eagle2"]["overall"]["stop_depth"] is None
+
+
 def test_calibration_counts_only_reachable_nodes():
     # root -> a (0.9, accepted) -> c (0.8, rejected); root -> b (0.05): c is reachable via a.
     cycle = {"parents": [-1, -1, 0, 2], "probs": [0.9, 0.05, 0.8, 0.95], "accepted": [0]}

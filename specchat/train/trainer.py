@@ -247,6 +247,11 @@ def learning_rate(config: TrainConfig, step: int, total: int) -> float:
     return config.learning_rate * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def _autocast(target):
+    """bf16 matmuls on a CPU, where fp32 ones are several times slower; the fp32 weights stay the master copy."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu")
+
+
 def train(head, target, store, train_ids: list[int], held_out: list[int], config: TrainConfig, output: Path,
           resume: bool = False, progress=None) -> TrainState:
     """Optimise `head` on the stored sequences; checkpoints under output/checkpoint."""
@@ -283,7 +288,7 @@ def train(head, target, store, train_ids: list[int], held_out: list[int], config
                 order = list(train_ids)
                 rng.shuffle(order)
             seq = store.sequence(order.pop())
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu"):
+            with _autocast(target):
                 loss, hits = sequence_loss(head, seq, config, lm_rows, vocab, in_vocab)
             length = len(seq["tokens"])
             (loss * length / config.batch_tokens).backward()
@@ -301,7 +306,8 @@ def train(head, target, store, train_ids: list[int], held_out: list[int], config
                      window_hits[0] / max(1, window_hits[1]))
         window_loss, window_hits = [], [0, 0]
         if held_out and (state.step % config.eval_every == 0 or state.step == total_steps):
-            accuracy = evaluate(head, store, held_out[: config.eval_sequences], config, lm_rows, vocab, in_vocab)
+            with _autocast(target):
+                accuracy = evaluate(head, store, held_out[: config.eval_sequences], config, lm_rows, vocab, in_vocab)
             state.evaluations.append({"step": state.step, "tokens_seen": state.tokens_seen, "top1_by_step": accuracy})
         if state.step % config.checkpoint_every == 0 or state.step == total_steps:
             checkpoint.mkdir(parents=True, exist_ok=True)
