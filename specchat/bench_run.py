@@ -20,23 +20,13 @@ from specchat import bench
 from specchat.bench import ALL_METHODS, PEER_METHODS, GenerateRunner, PeakMemory, SessionRunner
 
 
-def default_draft(method: str, target_name: str) -> str | None:
-    """The draft a method uses when none is given: a bundled head, or the smaller embedded model."""
-    from specchat.embedded import DEFAULT_MODEL
-    from specchat.heads import bundled_head_for
-
-    if method in ("sps", "hf-assisted"):
-        return DEFAULT_MODEL if target_name == "qwen2.5-coder-1.5b-instruct" else None
-    return bundled_head_for(target_name, method)
-
-
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, profile: str, limit, repeat: int,
               warmup: int, output_dir: str) -> None:
     from specchat.chat import ChatFormat, resolve_template
     from specchat.cli import EXIT_USAGE, CommandError, model_loader
     from specchat.engine import Engine, GenerationSettings
     from specchat.inputs import InputError, read_prompts
-    from specchat.methods import MethodError, build_proposer, needs_draft
+    from specchat.methods import MethodError, build_proposer, default_draft, needs_draft
     from specchat.sampling import SamplingParams, make_generator
     from specchat.session import ChatSession
 

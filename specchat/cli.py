@@ -76,10 +76,10 @@ def build_session(settings: Settings):
     from specchat.target import ModelLoadError
 
     from drafters import HeadLoadError
-    from specchat.methods import MethodError, build_proposer, needs_draft
+    from specchat.methods import MethodError, build_proposer, effective_draft, needs_draft
 
     wanted = needs_draft(settings.method)
-    if wanted and not settings.draft:
+    if wanted and not effective_draft(settings):
         raise CommandError(f"--method {settings.method} needs --draft: {wanted}", EXIT_USAGE)
     try:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
@@ -208,6 +208,7 @@ def answer_record(chat, record, settings: Settings, trace_file=None, ui=None) ->
     With a `ui` (`--format text`), answers stream to it as they come, statistics below each.
     """
     from specchat.engine import ContextLengthError
+    from specchat.methods import effective_draft
     from specchat.ui import stats_line
 
     session = chat.session
@@ -242,7 +243,7 @@ def answer_record(chat, record, settings: Settings, trace_file=None, ui=None) ->
             ui.end_answer()
             ui.note(stats_line(session.last_stats, comparison=comparison))
     return {"id": record.id, "category": record.category, "method": settings.method,
-            "model": settings.model, "draft": settings.draft, "turns": turns}
+            "model": settings.model, "draft": effective_draft(settings), "turns": turns}
 
 
 @cli.group()

@@ -200,7 +200,7 @@ class LiveChat:
 
     def switch_method(self, name: str, draft: str | None = None) -> None:
         """Decode with another method from now on; its draft is loaded on first use."""
-        from specchat.methods import METHODS, needs_draft
+        from specchat.methods import METHODS, effective_draft, needs_draft
 
         if name not in METHODS:
             raise LiveChatError(f"unknown method {name!r} (known: {', '.join(METHODS)})")
@@ -209,7 +209,7 @@ class LiveChat:
             changes.update(draft=draft, draft_kind=None)
         candidate = dataclasses.replace(self.settings, **changes)
         wanted = needs_draft(name)
-        if wanted and not candidate.draft:
+        if wanted and not effective_draft(candidate):
             raise LiveChatError(f"{name} needs {wanted}: /method {name} DRAFT")
         self._apply(candidate)
 

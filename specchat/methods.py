@@ -14,6 +14,8 @@ Jakiro head. Every method is verified by the same exact rules (`specchat.verify`
 
 from __future__ import annotations
 
+import dataclasses
+
 from specchat.deagle import DeagleParams
 from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.drafting import PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DynamicTreeParams, TreeProposer
@@ -86,6 +88,24 @@ def needs_draft(method: str) -> str | None:
     return None
 
 
+def default_draft(method: str, target_name: str) -> str | None:
+    """The draft a method uses when none is given: a head bundled for this target, or (sps) the
+    smaller embedded model that shares its tokenizer."""
+    from specchat.embedded import DEFAULT_MODEL
+    from specchat.heads import bundled_head_for
+
+    if method in ("sps", "hf-assisted"):
+        return DEFAULT_MODEL if target_name == "qwen2.5-coder-1.5b-instruct" else None
+    return bundled_head_for(target_name, method)
+
+
+def effective_draft(settings) -> str | None:
+    """`--draft` if given, else the default draft of the method for this target (None for no draft)."""
+    if not needs_draft(settings.method):
+        return settings.draft
+    return settings.draft or default_draft(settings.method, settings.model)
+
+
 def build_proposer(settings, target, load_model=None):
     """The proposer for `settings.method` (None for plain decoding).
 
@@ -96,8 +116,8 @@ def build_proposer(settings, target, load_model=None):
         raise MethodError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
     if method == "vanilla":
         return None
-    wanted = needs_draft(method)
-    if wanted and not settings.draft:
+    wanted, draft_name = needs_draft(method), effective_draft(settings)
+    if wanted and not draft_name:
         raise MethodError(f"--method {method} needs --draft: {wanted}")
     if method == "pld":
         try:
@@ -106,13 +126,13 @@ def build_proposer(settings, target, load_model=None):
         except ValueError as error:
             raise MethodError(str(error)) from error
     if method == "sps":
-        draft = load_model(settings.draft)
+        draft = load_model(draft_name)
         try:
             check_tokenizers(target, draft)
         except TokenizerMismatch as error:
             raise MethodError(str(error)) from error
         return DraftModelProposer(draft, target.vocab_size, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
-    return tree_proposer(settings, target)
+    return tree_proposer(dataclasses.replace(settings, draft=draft_name), target)
 
 
 def tree_proposer(settings, target) -> TreeProposer:

@@ -310,17 +310,17 @@ class Repl:
         self.ui.note("system prompt removed" if chat.settings.system is None else "system prompt set")
 
     def do_method(self, chat, argument: str) -> None:
-        from specchat.methods import METHODS, needs_draft
+        from specchat.methods import METHODS, effective_draft, needs_draft
 
         if not argument:
             known = ", ".join(f"{method} ({what})" for method, what in METHODS.items())
             self.ui.note(f"method {chat.settings.method}; known: {known}")
             return
         name, _, draft = argument.partition(" ")
-        loads = bool(needs_draft(name) and (draft or chat.settings.draft))
+        loads = bool(needs_draft(name))
         with self.ui.busy(f"loading the draft for {name}...", active=loads):
             chat.switch_method(name, draft.strip() or None)
-        self.ui.note(f"method {name}: {METHODS[name]}" + (f" (draft {chat.settings.draft})" if loads else ""))
+        self.ui.note(f"method {name}: {METHODS[name]}" + (f" (draft {effective_draft(chat.settings)})" if loads else ""))
 
     def do_set(self, chat, argument: str) -> None:
         if not argument:
@@ -378,13 +378,13 @@ class Repl:
 
 def describe(chat) -> list[tuple[str, str]]:
     """/show: what the chat runs with."""
-    from specchat.methods import METHODS
+    from specchat.methods import METHODS, effective_draft
 
     settings, target, proposer = chat.settings, chat.engine.target, chat.engine.proposer
     rows = [
         ("model", f"{settings.model}  ({str(target.dtype).removeprefix('torch.')} on {target.device}, "
                   f"context {target.max_context})"),
-        ("draft", settings.draft or "-"),
+        ("draft", effective_draft(settings) or "-"),
         ("method", f"{settings.method}  ({METHODS[settings.method]})"),
     ]
     # The tree the proposer really grows: the settings, or the defaults for this device.

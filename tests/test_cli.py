@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import invoke, tiny
+from conftest import invoke, load_tiny_target, random_head, tiny
 
 
 def test_run_writes_one_record_per_line_with_all_fields(qwen_dir, tmp_path, capsys):
@@ -47,8 +47,8 @@ def test_piped_chat_answers_on_stdout_and_reports_on_stderr(qwen_dir, capsys, mo
 @pytest.mark.parametrize("args,code,message", [
     (["run", "-", "--model", "/no/such/model"], 1, "no model named '/no/such/model'"),
     (["run", "-", "--model", "README.md"], 1, "is a file but not a model"),
-    (["run", "-", "--method", "eagle2"], 2, "--method eagle2 needs --draft: a draft head"),
-    (["run", "-", "--method", "sps"], 2, "--method sps needs --draft: a small draft model"),
+    (["run", "-", "--model", "/no/bundled/head", "--method", "eagle2"], 2, "--method eagle2 needs --draft: a draft head"),
+    (["run", "-", "--model", "/no/bundled/head", "--method", "sps"], 2, "--method sps needs --draft: a small draft model"),
     (["run", "-", "--temperature", "-1"], 2, "temperature must be >= 0"),
     (["run", "-", "--profile", "nope"], 2, "no profile named 'nope'"),
 ])
@@ -58,6 +58,21 @@ def test_bad_invocations_fail_in_one_line(args, code, message, capsys, monkeypat
     got, out, err = invoke(args, capsys, stdin="question\n", monkeypatch=monkeypatch)
     assert got == code
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_head_bundled_for_the_target_is_used_when_no_draft_is_given(qwen_dir, tmp_path, capsys, monkeypatch):
+    from drafters import save_head
+
+    save_head(random_head("eagle3", load_tiny_target(qwen_dir)), tmp_path / "tiny-eagle3")
+    monkeypatch.setattr("specchat.heads.bundled_heads", lambda: {"tiny-eagle3": tmp_path / "tiny-eagle3"})
+    monkeypatch.setattr("specchat.heads.DEFAULT_HEADS", {str(qwen_dir): {"eagle2": "tiny-eagle3"}})
+    code, out, err = invoke(["run", "-", *tiny(qwen_dir), "--method", "eagle2"], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["draft"] == "tiny-eagle3" and record["method"] == "eagle2"
+    assert record["turns"][0]["draft_seconds"] > 0  # the head really drafted
+    code, _, err = invoke(["run", "-", *tiny(qwen_dir), "--method", "jakiro"], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and "--method jakiro needs --draft" in err  # no head bundled for jakiro
 
 
 def test_a_missing_head_is_a_runtime_error(qwen_dir, capsys, monkeypatch):
