@@ -7,6 +7,7 @@ interrupted. Errors are one line on stderr, never a traceback (set SPECCHAT_DEBU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -56,6 +57,20 @@ def resolve_settings(options: dict) -> tuple[Settings, str]:
         raise CommandError(str(error), EXIT_USAGE) from error
 
 
+def plain_unless_drafted(settings: Settings, options: dict) -> tuple[Settings, str | None]:
+    """A profile's method comes with a draft for the profile's model. With another --model that has
+    none, and no --method or --draft, chat and run decode plainly (and say so) rather than fail
+    on a flag the user never gave. Returns the settings and the note to show, if any."""
+    from specchat.heads import effective_draft, needs_draft
+
+    if options.get("model") and not options.get("method") and not options.get("draft") \
+            and needs_draft(settings.method) and not effective_draft(settings):
+        note = (f"no {settings.method} draft for {settings.model}: plain decoding "
+                f"(--method and --draft choose one)")
+        return dataclasses.replace(settings, method="vanilla"), note
+    return settings, None
+
+
 def model_loader(settings: Settings):
     """`load(name, gguf_file=None)`: loads a model (the target, or a draft model) the way `settings` say."""
     from specchat.target import ModelSpec, load_target
@@ -67,8 +82,9 @@ def model_loader(settings: Settings):
     return load_model
 
 
-def build_session(settings: Settings):
-    """Load the target (and the method's drafter) and open a chat session."""
+def build_session(settings: Settings, note: str | None = None):
+    """Load the target (and the method's drafter) and open a chat session; `note` is shown once the
+    target has loaded (so that a model that cannot load is the only message)."""
     from specchat.chat import ChatFormat, TemplateError, resolve_template
     from specchat.engine import Engine, GenerationSettings
     from specchat.sampling import SamplingParams, make_generator
@@ -78,21 +94,23 @@ def build_session(settings: Settings):
     from drafters import HeadLoadError
     from specchat.methods import MethodError, build_proposer, effective_draft, needs_draft
 
-    wanted = needs_draft(settings.method)
-    if wanted and not effective_draft(settings):
-        raise CommandError(f"--method {settings.method} needs --draft: {wanted}", EXIT_USAGE)
     try:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
     except ValueError as error:
         raise CommandError(str(error), EXIT_USAGE) from error
     if settings.max_new_tokens < 1:
         raise CommandError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}", EXIT_USAGE)
+    wanted = needs_draft(settings.method)
+    if wanted and not effective_draft(settings):
+        raise CommandError(f"--method {settings.method} needs --draft: {wanted}", EXIT_USAGE)
     load_model = model_loader(settings)
     try:
         target = load_model(settings.model, settings.gguf_file)
         chat_format = ChatFormat(target.tokenizer, template=resolve_template(settings.chat_template))
     except (ModelLoadError, TemplateError) as error:
         raise CommandError(str(error)) from error
+    if note:
+        click.echo(f"specchat: {note}", err=True)
     generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
                                     stop_ids=chat_format.stop_ids)
     try:
@@ -106,11 +124,11 @@ def build_session(settings: Settings):
     return ChatSession(engine, chat_format, generation, rng, system=settings.system)
 
 
-def open_chat(settings: Settings, profile: str | None):
+def open_chat(settings: Settings, profile: str | None, note: str | None = None):
     """The session for `settings`, wrapped so that its method and settings can change mid-chat."""
     from specchat.live import LiveChat
 
-    return LiveChat(build_session(settings), settings, profile, model_loader(settings))
+    return LiveChat(build_session(settings, note), settings, profile, model_loader(settings))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -124,14 +142,17 @@ def cli():
 def chat(**options):
     """Chat in the terminal; with a pipe on stdin, answer what it holds and exit."""
     settings, profile = resolve_settings(options)
+    settings, note = plain_unless_drafted(settings, options)
     if not sys.stdin.isatty():
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise CommandError("empty prompt (stdin held no text)", EXIT_USAGE)
-        answer_once(open_chat(settings, profile), prompt)
+        answer_once(open_chat(settings, profile, note), prompt)
         return
     from specchat.repl import run_repl
 
+    if note:  # now: once the prompt is up, a line from the loading thread would cut into it
+        click.echo(f"specchat: {note}", err=True)
     run_repl(lambda: open_chat(settings, profile), settings.model)
 
 
@@ -176,11 +197,12 @@ def run(inputs, output, output_format, trace, **options):
     from specchat.ui import ChatUI
 
     settings, profile = resolve_settings(options)
+    settings, note = plain_unless_drafted(settings, options)
     try:
         records = read_prompts(list(inputs) or ["-"])
     except InputError as error:
         raise CommandError(str(error), EXIT_USAGE) from error
-    chat = open_chat(settings, profile)
+    chat = open_chat(settings, profile, note)
     failures = 0
     with ExitStack() as files:
         sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=False))

@@ -19,6 +19,7 @@ import dataclasses
 from specchat.deagle import DeagleParams
 from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.drafting import PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DynamicTreeParams, TreeProposer
+from specchat.heads import HEAD_METHODS, default_draft, effective_draft, needs_draft  # noqa: F401 (re-exported)
 from specchat.lookup import DEFAULT_LOOKUP_TOKENS, PromptLookupProposer
 from specchat.tree import parse_static_tree
 
@@ -39,7 +40,6 @@ METHODS = {
     "sps": "speculative sampling with a small draft model",
     "pld": "prompt lookup (n-gram matches, no draft model)",
 }
-HEAD_METHODS = ("eagle", "eagle2", "deagle", "jakiro")
 
 
 class MethodError(ValueError):
@@ -77,33 +77,6 @@ def deagle_params(settings) -> DeagleParams:
         )
     except ValueError as error:
         raise MethodError(str(error)) from error
-
-
-def needs_draft(method: str) -> str | None:
-    """What `--draft` must name for a method, or None if it takes no draft."""
-    if method in HEAD_METHODS:
-        return "a draft head (folder or hub id; EAGLE-1/2, EAGLE-3 or Jakiro format)"
-    if method == "sps":
-        return "a small draft model sharing the target's tokenizer (like --model)"
-    return None
-
-
-def default_draft(method: str, target_name: str) -> str | None:
-    """The draft a method uses when none is given: a head bundled for this target, or (sps) the
-    smaller embedded model that shares its tokenizer."""
-    from specchat.embedded import DEFAULT_MODEL
-    from specchat.heads import bundled_head_for
-
-    if method in ("sps", "hf-assisted"):
-        return DEFAULT_MODEL if target_name == "qwen2.5-coder-1.5b-instruct" else None
-    return bundled_head_for(target_name, method)
-
-
-def effective_draft(settings) -> str | None:
-    """`--draft` if given, else the default draft of the method for this target (None for no draft)."""
-    if not needs_draft(settings.method):
-        return settings.draft
-    return settings.draft or default_draft(settings.method, settings.model)
 
 
 def build_proposer(settings, target, load_model=None):

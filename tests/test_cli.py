@@ -42,6 +42,8 @@ def test_piped_chat_answers_on_stdout_and_reports_on_stderr(qwen_dir, capsys, mo
     code, out, err = invoke(["chat", *tiny(qwen_dir)], capsys, stdin="hi\n", monkeypatch=monkeypatch)
     assert code == 0 and out.endswith("\n")
     assert "tok/s" in err and "τ 1.00" in err
+    # The default profile's method drafts with a head bundled for its own model; this one has none.
+    assert "draft for " + str(qwen_dir) + ": plain decoding" in err
 
 
 @pytest.mark.parametrize("args,code,message", [

@@ -14,7 +14,7 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
 from conftest import invoke, load_tiny_target, oracle_head, random_head, tiny
-from specchat.cli import open_chat, resolve_settings
+from specchat.cli import open_chat, plain_unless_drafted, resolve_settings
 from specchat.livesettings import LiveChatError, parse_value
 from specchat.repl import block_is_open, history_path, run_repl, unwrap_block
 from specchat.ui import ChatUI
@@ -25,7 +25,8 @@ ESC_ENTER, CTRL_C, CTRL_D = "\x1b\r", "\x03", "\x04"
 def new_chat(model_dir, **overrides):
     options = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_new_tokens": 8, **overrides}
     settings, profile = resolve_settings(options)
-    return open_chat(settings, profile)
+    settings, note = plain_unless_drafted(settings, options)  # as `specchat chat` does
+    return open_chat(settings, profile, note)
 
 
 def drive(chat, keys: str, terminal: bool = False) -> str:
