@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from drafters import eagle, eagle3, jakiro
-from drafters.common import HeadLoadError, read_config, read_weights
+from drafters.common import HeadLoadError, read_config, read_weights, write_weights
 
 # kind -> (name, how its keys look, loader)
 FORMATS = {
@@ -86,8 +86,9 @@ def load_head(name: str, target, kind: str | None = None):
     return head
 
 
-def save_head(head, folder, dtype=None) -> None:
-    """Write a head in its published format: config.json + model.safetensors (shared tensors excluded)."""
+def save_head(head, folder, dtype=None, max_shard_bytes: int | None = None) -> None:
+    """Write a head in its published format: config.json + model.safetensors (shared tensors
+    excluded), split into indexed shards past `max_shard_bytes`."""
     import json
 
     from safetensors.torch import save_file
@@ -100,7 +101,7 @@ def save_head(head, folder, dtype=None) -> None:
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         state[key] = tensor.contiguous().cpu()
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    write_weights(state, folder, max_shard_bytes)
     (folder / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
     if head.kind in ("eagle", "jakiro") and head.draft_to_target is not None:
         save_file({"token_ids": head.draft_to_target.cpu()}, folder / DRAFT_VOCAB_FILE)

@@ -227,23 +227,77 @@ def read_config(folder: Path) -> dict:
         raise HeadLoadError(f"{path}: not valid JSON ({error})") from error
 
 
-def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """The head's state dict from model.safetensors, or pytorch_model.bin loaded with weights_only."""
-    safetensors_path, pickle_path = folder / "model.safetensors", folder / "pytorch_model.bin"
-    if safetensors_path.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
+
+def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The head's state dict from model.safetensors, from shards listed in model.safetensors.index.json
+    (the Hugging Face sharded layout), or from pytorch_model.bin loaded with weights_only."""
+    safetensors_path, index_path, pickle_path = folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX, folder / "pytorch_model.bin"
+    if safetensors_path.is_file():
+        return _read_safetensors(safetensors_path), safetensors_path
+    if index_path.is_file():
         try:
-            return load_file(safetensors_path), safetensors_path
-        except (SafetensorError, OSError) as error:
-            raise HeadLoadError(f"{safetensors_path}: cannot read ({error})") from error
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise HeadLoadError(f"{index_path}: not a safetensors index ({error})") from error
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors = _read_safetensors(folder / shard)
+            wrong = [key for key in tensors if weight_map.get(key) != shard]
+            if wrong:
+                raise HeadLoadError(f"{folder / shard}: holds {', '.join(wrong[:4])}, which the index places elsewhere")
+            state.update(tensors)
+        absent = [key for key in weight_map if key not in state]
+        if absent:
+            raise HeadLoadError(f"{index_path}: lists {', '.join(absent[:4])}, which no shard holds")
+        return state, index_path
     if pickle_path.is_file():
         try:
             return torch.load(pickle_path, map_location="cpu", weights_only=True), pickle_path
         except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as error:
             raise HeadLoadError(f"{pickle_path}: cannot read with weights_only=True ({error})") from error
-    raise HeadLoadError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    raise HeadLoadError(f"{folder}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX} or pytorch_model.bin")
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise HeadLoadError(f"{path}: cannot read ({error})") from error
+
+
+def write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None = None) -> list[Path]:
+    """Write `state` as model.safetensors, or, past `max_shard_bytes`, as numbered shards with an
+    index (the Hugging Face layout, which other engines read too). Returns the files written."""
+    from safetensors.torch import save_file
+
+    for stale in [folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX, *folder.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(state, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+        return [folder / WEIGHTS_FILE]
+    shards, size = [{}], 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    written, weight_map = [], {}
+    for number, shard in enumerate(shards, 1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        written.append(folder / name)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [*written, folder / WEIGHTS_INDEX]
 
 
 def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: Path,

@@ -391,11 +391,13 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, output_dir,
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Where regenerated answers and features are kept (default: under the cache, keyed by model and data).")
 @click.option("--prepare-only/--no-prepare-only", default=False, help="Stop after regeneration and feature extraction.")
+@click.option("--max-shard-mb", type=float, default=None,
+              help="Split the weights into indexed shards of at most this many MB (default: one file).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for shuffling, splitting and initialisation.")
 def train_command(kind, data_files, output, model, gguf_file, dtype, device, profile, regenerate, regenerate_batch,
                   regenerate_max_tokens, regenerate_temperature, max_tokens, limit, draft_vocab, intermediate_size,
                   ttt_steps, epochs, max_steps, lr, warmup, batch_tokens, held_out, eval_every, checkpoint_every,
-                  resume, work_dir, prepare_only, seed):
+                  resume, work_dir, prepare_only, max_shard_mb, seed):
     """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
     from pathlib import Path
 
@@ -432,7 +434,8 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
                              batch_tokens=batch_tokens, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
                              intermediate_size=intermediate_size, eval_every=eval_every,
                              checkpoint_every=checkpoint_every, seed=seed)
-        record = pipeline.train_head(target, store, config, Path(output), summary, resume, log, bars.training)
+        shard = int(max_shard_mb * 2**20) if max_shard_mb else None
+        record = pipeline.train_head(target, store, config, Path(output), summary, resume, log, bars.training, shard)
     accuracy = record["held_out_top1"][-1]["top1_by_step"] if record["held_out_top1"] else []
     log(f"wrote {output} ({record['steps']} steps, {record['tokens_seen']:,} tokens; "
         f"held-out top-1 by step {accuracy})")

@@ -38,6 +38,22 @@ def test_round_trip_through_the_published_format(kind, target, tmp_path):
         assert torch.equal(loaded.draft_to_target, head.draft_to_target)
 
 
+def test_sharded_weights_round_trip_and_a_missing_shard_is_named(target, tmp_path):
+    import json
+
+    head = random_head("eagle3", target, seed=2)
+    save_head(head, tmp_path / "head", max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "head" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (tmp_path / "head" / "model.safetensors").exists()
+    torch.testing.assert_close(outputs(load_head(str(tmp_path / "head"), target), target), outputs(head, target))
+    (tmp_path / "head" / shards[-1]).unlink()
+    with pytest.raises(HeadLoadError, match=shards[-1]):
+        load_head(str(tmp_path / "head"), target)
+    save_head(head, tmp_path / "head")  # one file again: the shards and the index go
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_pickle_checkpoint_with_its_own_embedding_loads(target, tmp_path):
     head = random_head("eagle", target, seed=2)
     state = {k: v.clone() for k, v in head.state_dict().items()}  # includes embed_tokens.weight

@@ -45,3 +45,14 @@ def test_greedy_run_on_the_default_model_is_deterministic(shared_cache, tmp_path
     assert first["turns"][0]["response"].strip()  # it says something
     stamp = json.loads(next(shared_cache.glob("models/*/specchat-source.json")).read_text())
     assert stamp["sha256"] == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def test_the_default_profile_drafts_with_its_bundled_head_losslessly_in_float32(shared_cache, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Write a Python function that checks whether a string is a palindrome.\n")
+    args = ["run", str(prompts), "--dtype", "float32", "--max-new-tokens", "48", "--compare"]
+    record = json.loads(run_cli(args, capsys))
+    turn = record["turns"][0]
+    assert record["method"] != "vanilla" and record["draft"].startswith("qwen2.5-coder-0.5b-")
+    assert turn["identical"] is True  # token for token what plain decoding says
+    assert turn["tau"] > 1.5  # the trained head gets drafts accepted on an easy coding prompt

@@ -123,7 +123,7 @@ def split(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]
 
 
 def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, data_summary: dict, resume: bool,
-               log, progress) -> dict:
+               log, progress, max_shard_bytes: int | None = None) -> dict:
     """Train one head on the store and write it (published format + training.json) to `output`."""
     train_ids, held_out = split(len(store), data_summary.get("held_out_fraction", DEFAULT_HELD_OUT), config.seed)
     size = config.draft_vocab or PAPER_DRAFT_VOCAB
@@ -134,7 +134,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
     started = time.perf_counter()
     state = train(head, target, store, train_ids, held_out, config, output, resume=resume, progress=progress)
     output.mkdir(parents=True, exist_ok=True)
-    save_head(head, output, dtype=torch.bfloat16)
+    save_head(head, output, dtype=torch.bfloat16, max_shard_bytes=max_shard_bytes)
     record = {
         "specchat_version": __version__,
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
