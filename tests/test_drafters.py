@@ -142,7 +142,7 @@ def test_kind_mismatch_and_missing_files(target, tmp_path):
     with pytest.raises(HeadLoadError, match="no config.json"):
         load_head(str(tmp_path / "empty"), target)
     (tmp_path / "empty" / "config.json").write_text("{}")
-    with pytest.raises(HeadLoadError, match="no model.safetensors or pytorch_model.bin"):
+    with pytest.raises(HeadLoadError, match="no model.safetensors, model.safetensors.index.json or pytorch_model.bin"):
         load_head(str(tmp_path / "empty"), target)
     with pytest.raises(HeadLoadError, match="cannot reach the Hugging Face hub"):
         load_head("someone/no-such-head", target)
