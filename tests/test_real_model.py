@@ -55,4 +55,4 @@ def test_the_default_profile_drafts_with_its_bundled_head_losslessly_in_float32(
     turn = record["turns"][0]
     assert record["method"] != "vanilla" and record["draft"].startswith("qwen2.5-coder-0.5b-")
     assert turn["identical"] is True  # token for token what plain decoding says
-    assert turn["tau"] > 1.5  # the trained head gets drafts accepted on an easy coding prompt
+    assert turn["tau"] > 1.2  # a trained head gets drafts accepted (a random one stays near 1.0)
