@@ -26,7 +26,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
     from specchat.cli import EXIT_USAGE, CommandError, model_loader
     from specchat.engine import Engine, GenerationSettings
     from specchat.inputs import InputError, read_prompts
-    from specchat.methods import MethodError, build_proposer, default_draft, needs_draft
+    from specchat.heads import default_draft, needs_draft
+    from specchat.methods import MethodError, build_proposer
     from specchat.sampling import SamplingParams, make_generator
     from specchat.session import ChatSession
 

@@ -92,7 +92,8 @@ def build_session(settings: Settings, note: str | None = None):
     from specchat.target import ModelLoadError
 
     from drafters import HeadLoadError
-    from specchat.methods import MethodError, build_proposer, effective_draft, needs_draft
+    from specchat.heads import effective_draft, needs_draft
+    from specchat.methods import MethodError, build_proposer
 
     try:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
@@ -230,7 +231,7 @@ def answer_record(chat, record, settings: Settings, trace_file=None, ui=None) ->
     With a `ui` (`--format text`), answers stream to it as they come, statistics below each.
     """
     from specchat.engine import ContextLengthError
-    from specchat.methods import effective_draft
+    from specchat.heads import effective_draft
     from specchat.ui import stats_line
 
     session = chat.session

@@ -200,7 +200,8 @@ class LiveChat:
 
     def switch_method(self, name: str, draft: str | None = None) -> None:
         """Decode with another method from now on; its draft is loaded on first use."""
-        from specchat.methods import METHODS, effective_draft, needs_draft
+        from specchat.heads import effective_draft, needs_draft
+        from specchat.methods import METHODS
 
         if name not in METHODS:
             raise LiveChatError(f"unknown method {name!r} (known: {', '.join(METHODS)})")

@@ -19,7 +19,7 @@ import dataclasses
 from specchat.deagle import DeagleParams
 from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.drafting import PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DynamicTreeParams, TreeProposer
-from specchat.heads import HEAD_METHODS, default_draft, effective_draft, needs_draft  # noqa: F401 (re-exported)
+from specchat.heads import effective_draft, needs_draft
 from specchat.lookup import DEFAULT_LOOKUP_TOKENS, PromptLookupProposer
 from specchat.tree import parse_static_tree
 

@@ -310,7 +310,8 @@ class Repl:
         self.ui.note("system prompt removed" if chat.settings.system is None else "system prompt set")
 
     def do_method(self, chat, argument: str) -> None:
-        from specchat.methods import METHODS, effective_draft, needs_draft
+        from specchat.heads import effective_draft, needs_draft
+        from specchat.methods import METHODS
 
         if not argument:
             known = ", ".join(f"{method} ({what})" for method, what in METHODS.items())
@@ -378,7 +379,8 @@ class Repl:
 
 def describe(chat) -> list[tuple[str, str]]:
     """/show: what the chat runs with."""
-    from specchat.methods import METHODS, effective_draft
+    from specchat.heads import effective_draft
+    from specchat.methods import METHODS
 
     settings, target, proposer = chat.settings, chat.engine.target, chat.engine.proposer
     rows = [
