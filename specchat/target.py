@@ -192,7 +192,16 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
         raise ModelLoadError(str(error)) from error
     folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
     stamp = _read_stamp(folder)
-    if stamp and stamp.get("sha256") == model.sha256 and stamp.get("chunks") == embedded.fingerprint(chunks):
+    if stamp and stamp.get("sha256") == model.sha256:
+        if stamp.get("chunks") == embedded.fingerprint(chunks):
+            return folder
+        # Same model installed elsewhere (a new virtual environment, a reinstall): hashing the
+        # chunks takes seconds, converting again a minute or more.
+        try:
+            embedded.verify(model, chunks)
+        except embedded.EmbeddedModelError as error:
+            raise ModelLoadError(str(error)) from error
+        _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": embedded.fingerprint(chunks)}, indent=1))
         return folder
     gguf_dir = cache_dir() / "gguf"
     gguf_dir.mkdir(parents=True, exist_ok=True)

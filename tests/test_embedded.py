@@ -1,10 +1,12 @@
 """Embedded models: chunks found through importlib, checked, and clear errors otherwise."""
 
 import hashlib
+import json
 
 import pytest
+import torch
 
-from specchat import embedded
+from specchat import embedded, target
 from specchat.target import ModelLoadError, ModelSpec, locate
 
 
@@ -59,3 +61,32 @@ def test_offline_hub_id_fails_fast_with_a_hint(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match=r"cannot reach the Hugging Face hub.*--model qwen2.5-coder-0.5b-instruct"):
         locate(ModelSpec(model="Qwen/Qwen2.5-Coder-0.5B-Instruct"), None)
+
+
+def _converted_folder(cache, model, stamp_chunks):
+    """A finished conversion in the cache, as an earlier install would have left it."""
+    folder = cache / "models" / f"{model.name}-float32"
+    folder.mkdir(parents=True)
+    (folder / target.STAMP).write_text(json.dumps({"embedded": model.name, "sha256": model.sha256,
+                                                    "dtype": "float32", "chunks": stamp_chunks}))
+    return folder
+
+
+def test_a_conversion_from_another_install_is_reused_after_checking_the_chunks(fake_chunks, tmp_path, monkeypatch):
+    model, _ = fake_chunks
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(target, "convert_gguf", lambda *args: pytest.fail("converted again"))
+    folder = _converted_folder(tmp_path / "cache", model, [["/old/venv/part01.bin", 3000, 0]])
+    assert target.embedded_folder(model, torch.float32) == folder
+    stamp = json.loads((folder / target.STAMP).read_text())
+    assert stamp["chunks"] == embedded.fingerprint(embedded.chunk_files(model))
+
+
+def test_chunks_that_changed_under_an_old_conversion_are_an_error(fake_chunks, tmp_path, monkeypatch):
+    model, _ = fake_chunks
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    part = embedded.chunk_files(model)[1]
+    part.write_bytes(b"corrupted" + part.read_bytes()[9:])
+    _converted_folder(tmp_path / "cache", model, [])
+    with pytest.raises(ModelLoadError, match="pip install --force-reinstall"):
+        target.embedded_folder(model, torch.float32)
