@@ -32,6 +32,18 @@ class CommandError(click.ClickException):
         click.echo(f"specchat: error: {self.format_message()}", err=True)
 
 
+class SettingOption(click.Option):
+    """An option whose bad value from SPECCHAT_* names the variable, not the flag the user never typed."""
+
+    def process_value(self, ctx, value):
+        try:
+            return super().process_value(ctx, value)
+        except click.BadParameter as error:
+            if ctx.get_parameter_source(self.name) is not click.core.ParameterSource.ENVIRONMENT:
+                raise
+            raise click.BadParameter(error.message, ctx=ctx, param_hint=f"environment variable {self.envvar}") from error
+
+
 def settings_options(command):
     """Add one option per setting (with its SPECCHAT_* environment variable) plus --profile."""
     for name in reversed(list(FIELDS)):
@@ -40,11 +52,11 @@ def settings_options(command):
         kind = settings_mod.field_type(name)
         if kind is bool:
             option = click.option(f"{flag}/--no-{flag[2:]}", default=None, envvar=settings_mod.env_name(name),
-                                  help=meta["help"])
+                                  help=meta["help"], cls=SettingOption)
         else:
             click_type = click.Choice(meta["choices"]) if meta["choices"] else kind
             option = click.option(flag, type=click_type, default=None, envvar=settings_mod.env_name(name),
-                                  help=meta["help"], show_envvar=False)
+                                  help=meta["help"], show_envvar=False, cls=SettingOption)
         command = option(command)
     return click.option("--profile", envvar="SPECCHAT_PROFILE",
                         help="Profile name or .toml path (default: the 'default' profile).")(command)

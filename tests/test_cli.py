@@ -62,6 +62,17 @@ def test_bad_invocations_fail_in_one_line(args, code, message, capsys, monkeypat
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("variable,value,flag", [("SPECCHAT_TEMPERATURE", "warm", "--temperature"),
+                                                 ("SPECCHAT_METHOD", "fastest", "--method")])
+def test_a_bad_environment_value_names_the_variable(variable, value, flag, capsys, monkeypatch):
+    monkeypatch.setenv(variable, value)
+    code, _, err = invoke(["run", "-"], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and f"environment variable {variable}: {value!r}" in err and flag not in err
+    monkeypatch.delenv(variable)
+    code, _, err = invoke(["run", "-", flag, value], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and f"'{flag}'" in err and variable not in err
+
+
 def test_a_head_bundled_for_the_target_is_used_when_no_draft_is_given(qwen_dir, tmp_path, capsys, monkeypatch):
     from drafters import save_head
 
