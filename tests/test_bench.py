@@ -1,6 +1,7 @@
 """`specchat bench`: the Spec-Bench statistics, the outputs, and a run end to end on a tiny model."""
 
 import json
+import re
 
 import pytest
 
@@ -64,6 +65,8 @@ def test_bench_end_to_end_writes_tables_json_csv_and_plots(qwen_dir, tmp_path, c
     err = capsys.readouterr().err
     assert done.value.code == 0, err
     assert "skipping eagle2" in err  # no head bundled for a tiny model and none given: said, not crashed
+    per_turn = re.findall(r"^(\S+) \d+/\d+: question \d turn \d, \d+ tokens, [\d.]+ tok/s, τ [\d.]+$", err, re.M)
+    assert sorted(set(per_turn)) == ["hf-pld", "pld", "vanilla"] and len(per_turn) == 3 * 4  # a log gets a line per turn
     data = json.loads((out / "results.json").read_text())
     assert set(data["summary"]) == {"vanilla", "pld", "hf-pld"}
     assert {"overall", "writing", "coding"} <= set(data["summary"]["pld"])
