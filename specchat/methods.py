@@ -1,7 +1,7 @@
 """Decoding methods by name, and what each needs to run.
 
 vanilla  plain decoding, one target forward per token
-eagle    EAGLE-1: a static draft tree (`--static-tree`, default mc_sim_7b_63) from a draft head
+eagle    EAGLE-1: a static draft tree (`--static-tree`; default mc_sim_7b_63 within `--total-tokens`)
 eagle2   EAGLE-2: a dynamic draft tree (`--total-tokens`, `--depth`, `--tree-top-k`) from a draft head
 deagle   DEAGLE: the EAGLE-2 tree, deepened only while its survival signals hold (`specchat.deagle`)
 jakiro   Jakiro: the EAGLE-2 tree from a Jakiro MoE head, last level drafted in parallel
@@ -21,7 +21,7 @@ from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, Token
 from specchat.drafting import PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DynamicTreeParams, TreeProposer
 from specchat.heads import effective_draft, needs_draft
 from specchat.lookup import DEFAULT_LOOKUP_TOKENS, PromptLookupProposer
-from specchat.tree import parse_static_tree
+from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 
 # A CPU verifies a handful of tokens for the price of one (0.5B, bf16, 2 threads: 158 ms for 16
 # against 159 ms for 1, then 192 ms for 20; README), and every draft step is paid in full, so CPU
@@ -66,6 +66,14 @@ def dynamic_params(settings, target) -> DynamicTreeParams:
                                  top_k=settings.tree_top_k or top_k)
     except ValueError as error:
         raise MethodError(str(error)) from error
+
+
+def default_static_tree(settings, target) -> tuple:
+    """EAGLE-1's mc_sim_7b_63, trimmed to its most accepted nodes where the verify budget is smaller."""
+    nodes = dynamic_params(settings, target).total_tokens - 1
+    if nodes >= len(MC_SIM_7B_63):
+        return MC_SIM_7B_63
+    return trim_static_tree(MC_SIM_7B_63, nodes, MC_SIM_7B_63_ACCEPTED)
 
 
 def deagle_params(settings) -> DeagleParams:
@@ -114,13 +122,14 @@ def tree_proposer(settings, target) -> TreeProposer:
     method = settings.method
     kind = "jakiro" if method == "jakiro" else settings.draft_kind
     head = load_head(settings.draft, target, kind=kind)
-    static = settings.static_tree if method != "eagle" else (settings.static_tree or "mc_sim_7b_63")
-    if static:
+    if settings.static_tree:
         try:
-            paths = parse_static_tree(static)
+            paths = parse_static_tree(settings.static_tree)
         except ValueError as error:
             raise MethodError(f"--static-tree: {error}") from error
         return TreeProposer(head, target.num_layers, static_paths=paths)
+    if method == "eagle":
+        return TreeProposer(head, target.num_layers, static_paths=default_static_tree(settings, target))
     return TreeProposer(
         head, target.num_layers, dynamic=dynamic_params(settings, target),
         deagle=deagle_params(settings) if method == "deagle" else None,

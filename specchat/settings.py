@@ -66,8 +66,8 @@ class Settings:
     tree_top_k: int | None = _setting(None, "method", "top_k",
                                       "Children per expanded node in the dynamic tree (papers: 10; CPU default: 6).")
     static_tree: str | None = _setting(None, "method", "static_tree",
-                                       "Static tree for eagle (default mc_sim_7b_63) or, if given, for jakiro: "
-                                       "a name or a JSON list of rank paths.")
+                                       "Static tree for eagle (default: mc_sim_7b_63, its most accepted nodes within "
+                                       "--total-tokens) or, if given, for jakiro: a name or a JSON list of rank paths.")
     draft_tokens: int | None = _setting(None, "method", "draft_tokens",
                                         "Tokens per drafted chain for sps (default 3) and pld (default 10).")
     pld_max_ngram: int = _setting(3, "method", "pld_max_ngram", "pld: longest n-gram looked up.")

@@ -25,6 +25,34 @@ MC_SIM_7B_63 = (
 )
 STATIC_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
 
+# Cycles (per 1,000) in which each MC_SIM_7B_63 node was accepted, in its order: measured with
+# the bundled EAGLE head on Qwen2.5-Coder-0.5B-Instruct over the first 20 AlpacaEval prompts
+# (`specchat run … --method eagle --static-tree mc_sim_7b_63 --trace`, 1,093 cycles, temperature 0).
+# It ranks the nodes when the tree is trimmed to a smaller verify budget (a CPU's 16 tokens).
+MC_SIM_7B_63_ACCEPTED = (
+    291, 91, 57, 43,
+    79, 13, 18, 9, 5, 4, 3, 4,
+    14, 9, 4, 2, 1, 1, 0, 0,
+    3, 3, 1,
+    1, 2,
+)
+
+
+def trim_static_tree(paths, nodes: int, accepted) -> tuple[tuple[int, ...], ...]:
+    """The `nodes` paths most often accepted (`accepted[i]` for `paths[i]`), as a tree.
+
+    A node is accepted only with its parent, so the most accepted nodes already form a tree;
+    ties go to the shallower node, which keeps that true.
+    """
+    order = sorted(range(len(paths)), key=lambda i: (-accepted[i], len(paths[i]), paths[i]))
+    kept: list[tuple[int, ...]] = []
+    for i in order:
+        if len(kept) == nodes:
+            break
+        if len(paths[i]) == 1 or paths[i][:-1] in kept:
+            kept.append(paths[i])
+    return tuple(sorted(kept, key=lambda path: (len(path), path)))
+
 
 @dataclass
 class DraftTree:

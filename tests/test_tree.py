@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specchat.drafting import _select
-from specchat.tree import MC_SIM_7B_63, DraftTree, parse_static_tree
+from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
 
 
 def test_mc_sim_7b_63_has_the_published_shape():
@@ -34,6 +34,35 @@ def test_static_tree_parsing():
         parse_static_tree("[[0], [1, 0]]")
     with pytest.raises(ValueError, match="JSON list"):
         parse_static_tree("not-a-tree")
+
+
+def test_trimming_keeps_the_most_accepted_nodes_as_a_tree():
+    paths = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    accepted = (500, 200, 300, 40, 90, 120)
+    assert trim_static_tree(paths, 4, accepted) == ((0,), (1,), (0, 0), (0, 0, 0))
+    assert trim_static_tree(paths, 2, accepted) == ((0,), (0, 0))
+    # A child counted above its parent (not from one trace, but possible in a hand-made table) waits for it.
+    assert trim_static_tree(paths, 2, (10, 5, 1, 1, 50, 1)) == ((0,), (1,))
+
+
+@pytest.mark.parametrize("nodes", [1, 8, 15, 24])
+def test_the_measured_mc_sim_trim_is_a_tree_of_the_asked_size(nodes):
+    trimmed = trim_static_tree(MC_SIM_7B_63, nodes, MC_SIM_7B_63_ACCEPTED)
+    assert len(trimmed) == nodes and set(trimmed) <= set(MC_SIM_7B_63)
+    assert all(len(path) == 1 or path[:-1] in trimmed for path in trimmed)
+    assert len(MC_SIM_7B_63_ACCEPTED) == len(MC_SIM_7B_63)
+
+
+def test_eagle_verifies_the_static_tree_within_the_token_budget():
+    from types import SimpleNamespace
+
+    from specchat.methods import default_static_tree
+    from specchat.settings import Settings
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert default_static_tree(Settings(method="eagle", total_tokens=16), cpu) == \
+        trim_static_tree(MC_SIM_7B_63, 15, MC_SIM_7B_63_ACCEPTED)
+    assert default_static_tree(Settings(method="eagle", total_tokens=60), cpu) == MC_SIM_7B_63
 
 
 def test_selection_keeps_a_connected_tree_of_the_best_paths():
