@@ -30,6 +30,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
     from specchat.methods import MethodError, build_proposer
     from specchat.sampling import SamplingParams, make_generator
     from specchat.session import ChatSession
+    from specchat.target import ModelLoadError
 
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
@@ -53,8 +54,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
     drafts, skipped = {}, {}
     for method in methods:
         wanted = needs_draft(method) or ("a smaller model with the same tokenizer" if method == "hf-assisted" else None)
-        draft = draft_for.get(method) or (settings.draft if method not in ("sps", "hf-assisted") else None) \
-            or default_draft(method, settings.model)
+        # A --draft of the wrong kind for a method (a head for sps) fails to load and skips that method, said.
+        draft = (draft_for.get(method) or settings.draft or default_draft(method, settings.model)) if wanted else None
         if wanted and not draft:
             skipped[method] = f"needs a draft ({wanted}); give one with --draft-for {method}=PATH"
         drafts[method] = draft
@@ -84,7 +85,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
             try:
                 runner, owned = _runner(method, method_settings, target, chat_format, generation, make_generator,
                                         build_proposer, Engine, ChatSession, load_model)
-            except (MethodError, ValueError, OSError) as error:
+            except (MethodError, ModelLoadError, ValueError, OSError) as error:  # HeadLoadError is a ValueError
                 console.print(f"[red]skipping {method}: {error}[/red]")
                 skipped[method] = str(error)
                 continue

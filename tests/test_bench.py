@@ -75,3 +75,32 @@ def test_bench_end_to_end_writes_tables_json_csv_and_plots(qwen_dir, tmp_path, c
     assert (out / "results.csv").read_text().startswith("method,category,tokens_per_s,speedup")
     for name in ("speedup.png", "calibration.png", "acceptance_by_depth.png", "memory.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def _bench(args, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", *args, "--dtype", "float32", "--max-new-tokens", "4", "--warmup", "0"])
+        raise SystemExit(0)
+    return done.value.code, capsys.readouterr().err
+
+
+def test_draft_goes_to_every_method_that_drafts_and_a_misfit_is_skipped(qwen_dir, tmp_path, capsys):
+    from conftest import load_tiny_target, random_head
+    from drafters import save_head
+
+    head = tmp_path / "head"
+    save_head(random_head("eagle", load_tiny_target(qwen_dir)), head)
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "coding", "turns": ["hi"]}) + "\n")
+    # A small model as --draft: sps drafts with it.
+    code, err = _bench([str(prompts), "--model", str(qwen_dir), "--methods", "sps", "--draft", str(qwen_dir),
+                        "-o", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    data = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert data["meta"]["drafts"]["sps"] == str(qwen_dir) and data["summary"]["sps"]["overall"]["identical"] == 1.0
+    # A head as --draft: eagle2 drafts with it; sps cannot load it as a model and is skipped, said.
+    code, err = _bench([str(prompts), "--model", str(qwen_dir), "--methods", "eagle2,sps", "--draft", str(head),
+                        "-o", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    assert "skipping sps" in err
+    assert set(json.loads((tmp_path / "b" / "results.json").read_text())["summary"]) == {"vanilla", "eagle2"}
