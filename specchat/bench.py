@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from specchat.inputs import PromptRecord
+from specchat.session import Rates
 
 PEER_METHODS = ("hf-assisted", "hf-pld")
 ALL_METHODS = ("vanilla", "eagle", "eagle2", "deagle", "jakiro", "sps", "pld") + PEER_METHODS
@@ -39,7 +40,7 @@ CALIBRATION_BINS = 10
 
 
 @dataclass
-class TurnResult:
+class TurnResult(Rates):
     method: str
     question: object
     category: str | None

@@ -91,14 +91,13 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
                 continue
 
             def on_turn(result, method=method):
-                speed = f"{result.new_tokens / max(result.seconds, 1e-9):.1f} tok/s"
+                speed = f"{result.tokens_per_s:.1f} tok/s"
                 progress.advance(task)
                 progress.update(task, info=speed)
                 if not console.is_terminal:  # a log file gets no live bar: one line per turn instead
-                    tau = result.new_tokens / max(result.target_forwards, 1)
                     console.print(f"{method} {progress.tasks[0].completed:.0f}/{turns_total}: question "
                                   f"{result.question} turn {result.turn + 1}, {result.new_tokens} tokens, "
-                                  f"{speed}, τ {tau:.2f}", highlight=False)
+                                  f"{speed}, τ {result.tau:.2f}", highlight=False)
 
             try:
                 with PeakMemory(target.device) as peak:

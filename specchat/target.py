@@ -191,9 +191,9 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
     except embedded.EmbeddedModelError as error:
         raise ModelLoadError(str(error)) from error
     folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
-    stamp = _read_stamp(folder)
+    stamp, installed = _read_stamp(folder), embedded.fingerprint(chunks)
     if stamp and stamp.get("sha256") == model.sha256:
-        if stamp.get("chunks") == embedded.fingerprint(chunks):
+        if stamp.get("chunks") == installed:
             return folder
         # Same model installed elsewhere (a new virtual environment, a reinstall): hashing the
         # chunks takes seconds, converting again a minute or more.
@@ -201,7 +201,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
             embedded.verify(model, chunks)
         except embedded.EmbeddedModelError as error:
             raise ModelLoadError(str(error)) from error
-        _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": embedded.fingerprint(chunks)}, indent=1))
+        _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": installed}, indent=1))
         return folder
     gguf_dir = cache_dir() / "gguf"
     gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
         raise ModelLoadError(str(error)) from error
     try:
         source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
-                  "chunks": embedded.fingerprint(chunks)}
+                  "chunks": installed}
         if folder.exists():
             shutil.rmtree(folder)
         convert_gguf(gguf_path, dtype, folder, source)

@@ -3,10 +3,8 @@
 import json
 import re
 
-import pytest
-
+from conftest import invoke, load_tiny_target, random_head
 from specchat.bench import TurnResult, calibration, summarize
-from specchat.cli import main
 
 
 def turn(method, question, turn_index, tokens, seconds, forwards, response="same", category="writing", **extra):
@@ -59,11 +57,8 @@ def test_bench_end_to_end_writes_tables_json_csv_and_plots(qwen_dir, tmp_path, c
     out = tmp_path / "bench"
     args = ["bench", str(prompts), "--model", str(qwen_dir), "--dtype", "float32", "--max-new-tokens", "6",
             "--methods", "pld,hf-pld,eagle2", "--output", str(out), "--warmup", "0"]
-    with pytest.raises(SystemExit) as done:
-        main(args)
-        raise SystemExit(0)
-    err = capsys.readouterr().err
-    assert done.value.code == 0, err
+    code, _, err = invoke(args, capsys)
+    assert code == 0, err
     assert "skipping eagle2" in err  # no head bundled for a tiny model and none given: said, not crashed
     per_turn = re.findall(r"^(\S+) \d+/\d+: question \d turn \d, \d+ tokens, [\d.]+ tok/s, τ [\d.]+$", err, re.M)
     assert sorted(set(per_turn)) == ["hf-pld", "pld", "vanilla"] and len(per_turn) == 3 * 4  # a log gets a line per turn
@@ -78,14 +73,11 @@ def test_bench_end_to_end_writes_tables_json_csv_and_plots(qwen_dir, tmp_path, c
 
 
 def _bench(args, capsys):
-    with pytest.raises(SystemExit) as done:
-        main(["bench", *args, "--dtype", "float32", "--max-new-tokens", "4", "--warmup", "0"])
-        raise SystemExit(0)
-    return done.value.code, capsys.readouterr().err
+    code, _, err = invoke(["bench", *args, "--dtype", "float32", "--max-new-tokens", "4", "--warmup", "0"], capsys)
+    return code, err
 
 
 def test_draft_goes_to_every_method_that_drafts_and_a_misfit_is_skipped(qwen_dir, tmp_path, capsys):
-    from conftest import load_tiny_target, random_head
     from drafters import save_head
 
     head = tmp_path / "head"
