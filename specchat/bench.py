@@ -7,9 +7,8 @@ its wall time (prefill included); a method's speedup = mean per-question speed /
 measured in the same run. tau = new tokens / target forward passes (bonus included); at
 temperature 0 the identical-output rate counts the turns whose answer equals vanilla's.
 
-Peers run in the same process on the same target: `hf-assisted` (transformers assisted
-generation with a smaller model of the same tokenizer as assistant) and `hf-pld` (transformers
-prompt lookup). Their target forwards are counted with a forward hook.
+Peers (`specchat.peers`) run other tools' implementations on the same target and prompts: every
+runner answers a turn and returns the same statistics record (`specchat.stats.Stats`).
 
 Peak memory is the largest resident set size sampled while a method runs (CUDA: peak allocated).
 """
@@ -17,42 +16,35 @@ Peak memory is the largest resident set size sampled while a method runs (CUDA: 
 from __future__ import annotations
 
 import csv
-import gc
 import json
 import math
 import os
 import threading
-import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from specchat.chat import ChatSession
 from specchat.inputs import PromptRecord
-from specchat.session import Rates
+from specchat.methods import PLAIN
+from specchat.stats import Stats
 
-PEER_METHODS = ("hf-assisted", "hf-pld")
-ALL_METHODS = ("vanilla", "eagle", "eagle2", "deagle", "jakiro", "sps", "pld") + PEER_METHODS
-HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens default
 RSS_SAMPLE_SECONDS = 0.05
 CALIBRATION_BINS = 10
 
 
-@dataclass
-class TurnResult(Rates):
+@dataclass(kw_only=True)
+class TurnResult(Stats):
+    """One answered turn: which it was, the answer, its statistics and its draft cycles."""
+
     method: str
     question: object
     category: str | None
     turn: int
     repeat: int
     response: str
-    new_tokens: int
-    seconds: float
-    target_forwards: int
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accept_lengths: list[int] = field(default_factory=list)
     cycles: list[dict] = field(default_factory=list)  # trace records (tree, accepted), for the plots
 
 
@@ -61,74 +53,30 @@ class TurnResult(Rates):
 
 
 class SessionRunner:
-    """A specchat method: the engine with the method's proposer."""
+    """A specchat method: the engine with the method's proposer.
 
-    def __init__(self, session):
+    A runner answers the turns of one record after `start`; `turn` returns the answer, its
+    statistics and its draft cycles. The peers of `specchat.peers` are runners too.
+    """
+
+    def __init__(self, session: ChatSession):
         self.session = session
+
+    def close(self) -> None:
+        pass
 
     def start(self, record: PromptRecord, system: str | None) -> None:
         self.session.conversation.system = record.system if record.system is not None else system
         self.session.clear()
         self.session.conversation.messages.extend(record.history)
 
-    def turn(self, prompt: str) -> dict:
+    def turn(self, prompt: str) -> tuple[str, Stats, list[dict]]:
         text, cycles = [], []
         for event in self.session.reply(prompt):
             text.append(event.text)
             if event.step.cycle is not None:
                 cycles.append(event.step.cycle.record())
-        stats = self.session.last_stats
-        return {"response": "".join(text), "new_tokens": stats.new_tokens, "seconds": stats.seconds,
-                "target_forwards": stats.target_forwards, "draft_tokens": stats.draft_tokens,
-                "accepted_tokens": stats.accepted_tokens, "accept_lengths": stats.accept_lengths, "cycles": cycles}
-
-
-class GenerateRunner:
-    """A transformers `generate` peer (assisted generation or prompt lookup) on the same target."""
-
-    def __init__(self, target, chat_format, settings, generate_kwargs: dict, rng_seed: int | None):
-        self.target, self.chat_format, self.settings = target, chat_format, settings
-        self.kwargs = generate_kwargs
-        self.seed = rng_seed
-        self.forwards = 0
-        self._hook = target.model.register_forward_pre_hook(self._count)  # every target forward passes here
-        self.conversation = None
-
-    def close(self) -> None:
-        self._hook.remove()
-
-    def _count(self, module, args) -> None:
-        self.forwards += 1
-
-    def start(self, record: PromptRecord, system: str | None) -> None:
-        from specchat.chat import Conversation
-
-        self.conversation = Conversation(system=record.system if record.system is not None else system)
-        self.conversation.messages.extend(record.history)
-
-    @torch.inference_mode()
-    def turn(self, prompt: str) -> dict:
-        self.conversation.add_user(prompt)
-        ids = torch.tensor([self.chat_format.prompt_ids(self.conversation)], device=self.target.device)
-        sampling = self.settings.sampling
-        if not sampling.greedy and self.seed is not None:
-            torch.manual_seed(self.seed)
-        self.forwards = 0
-        start = time.perf_counter()
-        output = self.target.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.settings.max_new_tokens,
-            do_sample=not sampling.greedy, temperature=sampling.temperature or None,
-            top_p=sampling.top_p if not sampling.greedy else None, top_k=sampling.top_k or None,
-            eos_token_id=sorted(self.settings.stop_ids), pad_token_id=min(self.settings.stop_ids), **self.kwargs)
-        seconds = time.perf_counter() - start
-        new = output[0, ids.shape[1]:].tolist()
-        decoder = self.chat_format.decoder()
-        decoder.push(new)
-        decoder.flush()
-        self.conversation.add_assistant(decoder.text)
-        return {"response": decoder.text, "new_tokens": len(new), "seconds": seconds,
-                "target_forwards": self.forwards, "draft_tokens": 0, "accepted_tokens": 0,
-                "accept_lengths": [], "cycles": []}
+        return "".join(text), self.session.last_stats, cycles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,9 +136,9 @@ def run_method(method: str, runner, records: list[PromptRecord], system: str | N
         for record in records:
             runner.start(record, system)
             for index, prompt in enumerate(record.turns):
-                outcome = runner.turn(prompt)
+                response, stats, cycles = runner.turn(prompt)
                 result = TurnResult(method=method, question=record.id, category=record.category, turn=index,
-                                    repeat=repeat, **outcome)
+                                    repeat=repeat, response=response, cycles=cycles, **vars(stats))
                 results.append(result)
                 on_turn(result)
     return results
@@ -201,7 +149,7 @@ def summarize(results: list[TurnResult], greedy: bool) -> dict:
     by_method = defaultdict(list)
     for result in results:
         by_method[result.method].append(result)
-    vanilla_answers = {(r.question, r.turn, r.repeat): r.response for r in by_method.get("vanilla", [])}
+    vanilla_answers = {(r.question, r.turn, r.repeat): r.response for r in by_method.get(PLAIN, [])}
     summary = {}
     for method, rows in by_method.items():
         categories = sorted({r.category or "all" for r in rows})
@@ -209,7 +157,7 @@ def summarize(results: list[TurnResult], greedy: bool) -> dict:
         for category in ["overall"] + (categories if len(categories) > 1 else []):
             chosen = [r for r in rows if category == "overall" or (r.category or "all") == category]
             summary[method][category] = _aggregate(chosen, vanilla_answers if greedy else None)
-    vanilla = summary.get("vanilla", {})
+    vanilla = summary.get(PLAIN, {})
     for method, categories in summary.items():
         for category, numbers in categories.items():
             base = vanilla.get(category, {}).get("tokens_per_s")
@@ -223,14 +171,14 @@ def _aggregate(rows: list[TurnResult], vanilla_answers: dict | None) -> dict:
         per_question[(r.question, r.repeat)][0] += r.new_tokens
         per_question[(r.question, r.repeat)][1] += r.seconds
     speeds = [tokens / seconds for tokens, seconds in per_question.values() if seconds > 0]
-    tokens = sum(r.new_tokens for r in rows)
-    forwards = sum(r.target_forwards for r in rows)
-    drafted = sum(r.draft_tokens for r in rows)
+    total = Stats()
+    for r in rows:
+        total += r
     out = {
-        "questions": len(per_question), "turns": len(rows), "new_tokens": tokens,
+        "questions": len(per_question), "turns": len(rows), "new_tokens": total.new_tokens,
         "tokens_per_s": round(sum(speeds) / len(speeds), 3) if speeds else 0.0,
-        "tau": round(tokens / forwards, 3) if forwards else None,
-        "acceptance_rate": round(sum(r.accepted_tokens for r in rows) / drafted, 4) if drafted else None,
+        "tau": None if total.tau is None else round(total.tau, 3),
+        "acceptance_rate": None if total.acceptance_rate is None else round(total.acceptance_rate, 4),
         "identical": None,
         # Depth of the deepest verified node per cycle, and (DEAGLE) the depth where drafting stopped.
         "tree_depth": _mean([max(c["depths"]) for r in rows for c in r.cycles if c.get("depths")]),
@@ -271,13 +219,19 @@ def write_outputs(folder: Path, results: list[TurnResult], summary: dict, memory
 
 
 def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -> list[Path]:
+    # matplotlib loads only when plots are written, and draws off-screen.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def save(fig, path: Path) -> Path:
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
     written = []
-    methods = [m for m in summary if m != "vanilla"]
+    methods = [m for m in summary if m != PLAIN]
     # 1. Speedup by method and category.
     categories = sorted({c for m in summary.values() for c in m if c != "overall"}) + ["overall"]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(methods)) / 3), 4))
@@ -290,7 +244,7 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
     ax.set_ylabel("speedup over vanilla (tokens/s)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    written.append(_save(fig, folder / "speedup.png"))
+    written.append(save(fig, folder / "speedup.png"))
     # 2. Draft confidence against measured acceptance (EAGLE-2's calibration figure).
     fig, ax = plt.subplots(figsize=(5, 4))
     for method in methods:
@@ -302,7 +256,7 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
     ax.set_ylabel("measured acceptance rate")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    written.append(_save(fig, folder / "calibration.png"))
+    written.append(save(fig, folder / "calibration.png"))
     # 3. Acceptance by tree depth.
     fig, ax = plt.subplots(figsize=(5, 4))
     for method in methods:
@@ -315,23 +269,15 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
     ax.set_ylabel("share of cycles accepting >= d draft tokens")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    written.append(_save(fig, folder / "acceptance_by_depth.png"))
+    written.append(save(fig, folder / "acceptance_by_depth.png"))
     # 4. Peak memory.
     fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(memory)), 4))
     ax.bar(list(memory), list(memory.values()))
     ax.set_ylabel("peak memory (MiB)")
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
-    written.append(_save(fig, folder / "memory.png"))
+    written.append(save(fig, folder / "memory.png"))
     return written
-
-
-def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 def calibration(results: list[TurnResult], method: str) -> list[tuple[float, float, int]]:
@@ -364,9 +310,3 @@ def table_rows(summary: dict, category: str) -> list[list[str]]:
                          show(numbers["tau"], ".2f"), show(numbers["acceptance_rate"], ".1%"),
                          show(numbers["identical"], ".0%"), show(numbers.get("peak_memory_mib"), ".0f")])
     return rows
-
-
-def release(*objects) -> None:
-    """Let a method's models and caches go before the next method is measured."""
-    del objects
-    gc.collect()

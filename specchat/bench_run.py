@@ -8,6 +8,7 @@ finished is summarised and written.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 import time
 from pathlib import Path
@@ -16,44 +17,33 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from specchat import bench
-from specchat.bench import ALL_METHODS, PEER_METHODS, GenerateRunner, PeakMemory, SessionRunner
+from specchat import app, bench, peers
+from specchat.bench import PeakMemory, SessionRunner
+from specchat.errors import SpecchatError
+from specchat.inputs import read_prompts
+from specchat.machine import hardware
+from specchat.methods import METHODS, PLAIN, MethodError, default_draft
+from specchat.settings import Settings
 
 
-def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, profile: str, limit, repeat: int,
+def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
               warmup: int, output_dir: str) -> None:
-    from specchat.chat import ChatFormat, resolve_template
-    from specchat.cli import EXIT_USAGE, CommandError, model_loader
-    from specchat.engine import Engine, GenerationSettings
-    from specchat.inputs import InputError, read_prompts
-    from specchat.heads import default_draft, needs_draft
-    from specchat.methods import MethodError, build_proposer
-    from specchat.sampling import SamplingParams, make_generator
-    from specchat.session import ChatSession
-    from specchat.target import ModelLoadError
-
-    unknown = [m for m in methods if m not in ALL_METHODS]
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise CommandError(f"unknown method {', '.join(unknown)} (known: {', '.join(ALL_METHODS)})", EXIT_USAGE)
-    if "vanilla" not in methods:
-        methods = ["vanilla"] + methods  # speedups are relative to vanilla measured in the same run
-    try:
-        records = read_prompts(inputs)[: limit or None]
-    except InputError as error:
-        raise CommandError(str(error), EXIT_USAGE) from error
-    try:
-        sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
-    except ValueError as error:
-        raise CommandError(str(error), EXIT_USAGE) from error
+        raise MethodError(f"unknown method {', '.join(unknown)} (known: {', '.join(METHODS)})")
+    if PLAIN not in methods:
+        methods = [PLAIN] + methods  # speedups are relative to plain decoding measured in the same run
+    records = read_prompts(inputs)[: limit or None]
+    # Runs repeat exactly: a run without --seed samples with seed 0.
+    settings = dataclasses.replace(settings, method=PLAIN, seed=0 if settings.seed is None else settings.seed)
+    sampling = app.check(settings)
     console = Console(stderr=True)
-    load_model = model_loader(settings)
-    target = load_model(settings.model, settings.gguf_file)
-    chat_format = ChatFormat(target.tokenizer, template=resolve_template(settings.chat_template))
-    generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
-                                    stop_ids=chat_format.stop_ids)
+    target, chat_format = app.load_chat_model(settings)
+    generation = app.generation_settings(settings, sampling, chat_format)
+    load_model = app.model_loader(settings)
     drafts, skipped = {}, {}
     for method in methods:
-        wanted = needs_draft(method) or ("a smaller model with the same tokenizer" if method == "hf-assisted" else None)
+        wanted = METHODS[method].draft
         # A --draft of the wrong kind for a method (a head for sps) fails to load and skips that method, said.
         draft = (draft_for.get(method) or settings.draft or default_draft(method, settings.model)) if wanted else None
         if wanted and not draft:
@@ -68,11 +58,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
         "model": settings.model, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
         "max_new_tokens": generation.max_new_tokens, "temperature": settings.temperature, "repeat": repeat,
         "warmup": warmup, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": "specchat " + " ".join(sys.argv[1:]),
+        "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
-    from specchat.train.trainer import hardware
-
-    meta["hardware"] = hardware()
     interrupted = False
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console)
@@ -80,12 +67,10 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
         task = progress.add_task("bench", total=turns_total, info="")
         for method in methods:
             progress.update(task, description=method)
-            method_settings = dataclasses.replace(settings, method=method if method not in PEER_METHODS else "vanilla",
-                                                  draft=drafts.get(method))
             try:
-                runner, owned = _runner(method, method_settings, target, chat_format, generation, make_generator,
-                                        build_proposer, Engine, ChatSession, load_model)
-            except (MethodError, ModelLoadError, ValueError, OSError) as error:  # HeadLoadError is a ValueError
+                runner, owned = _runner(dataclasses.replace(settings, method=method, draft=drafts[method]),
+                                        target, chat_format, generation, load_model)
+            except SpecchatError as error:
                 console.print(f"[red]skipping {method}: {error}[/red]")
                 skipped[method] = str(error)
                 continue
@@ -106,9 +91,9 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
                 interrupted = True
             finally:
                 memory[method] = peak.peak
-                if isinstance(runner, GenerateRunner):
-                    runner.close()
-                bench.release(runner, owned)
+                runner.close()
+                del runner, owned  # the method's drafter or assistant goes before the next one is measured
+                gc.collect()
             if interrupted:
                 break
     meta["interrupted"] = interrupted
@@ -128,16 +113,10 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings, 
         raise KeyboardInterrupt
 
 
-def _runner(method, settings, target, chat_format, generation, make_generator, build_proposer, Engine, ChatSession,
-            load_model):
-    """The runner for a method, and whatever it loaded that should be released afterwards."""
-    if method == "hf-pld":
-        return GenerateRunner(target, chat_format, generation, {"prompt_lookup_num_tokens": bench.HF_PLD_TOKENS},
-                              settings.seed), None
-    if method == "hf-assisted":
-        assistant = load_model(settings.draft)
-        return GenerateRunner(target, chat_format, generation, {"assistant_model": assistant.model}, settings.seed), assistant
-    proposer = build_proposer(settings, target, load_model)
-    rng = make_generator(settings.seed if settings.seed is not None else 0, target.device)
-    session = ChatSession(Engine(target, proposer), chat_format, generation, rng, system=settings.system)
-    return SessionRunner(session), proposer
+def _runner(settings: Settings, target, chat_format, generation, load_model):
+    """The runner for `settings.method`, and whatever it loaded that should be let go afterwards."""
+    entry = METHODS[settings.method]
+    if entry.peer:
+        return peers.BUILDERS[entry.build](settings, target, chat_format, generation, load_model)
+    session = app.open_session(settings, target, chat_format, generation, load_model)
+    return SessionRunner(session), session.engine.proposer

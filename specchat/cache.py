@@ -6,7 +6,7 @@ and compaction copies the accepted entries down next to the committed prefix. No
 changes the length of a cache, so whoever owns it always knows what it holds.
 
 `KVCache` plugs into the transformers `Cache` API, so the stock Llama/Qwen2 modeling code writes
-into it unchanged; the draft heads in `drafters/` use the same class for their own cache.
+into it unchanged; the draft heads (`specchat.drafters`) use the same class for their own cache.
 """
 
 from __future__ import annotations
@@ -122,3 +122,10 @@ class KVCache(Cache):
         return sum(
             layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in self.layers if layer.is_initialized
         )
+
+
+def causal_mask(cached: int, new: int, device) -> torch.Tensor:
+    """[1, 1, new, cached + new] (True = may attend): everything cached plus the causal triangle of the new positions."""
+    mask = torch.ones(new, cached + new, dtype=torch.bool, device=device)
+    mask[:, cached:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    return mask[None, None]

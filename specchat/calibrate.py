@@ -12,11 +12,11 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from specchat.cache import KVCache
+from specchat.cache import KVCache, causal_mask
+from specchat.machine import cache_dir, device_name, synchronize
 
 SIZES = (1, 4, 8, 12, 16, 20, 24, 32, 48)
 CONTEXT = 256  # tokens already cached while timing (a typical chat turn)
@@ -36,14 +36,7 @@ class Curve:
 
 
 def _key(target) -> str:
-    cpu = ""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
-    except OSError:
-        pass
-    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu
-    return f"{target.name}|{str(target.dtype)}|{device}|{torch.get_num_threads()}"
+    return f"{target.name}|{str(target.dtype)}|{device_name(target.device)}|{torch.get_num_threads()}"
 
 
 @torch.inference_mode()
@@ -55,17 +48,14 @@ def measure(target, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS)
     result = {}
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=generator).to(target.device)
-        mask = torch.ones(1, 1, n, context + n, dtype=torch.bool, device=target.device)
-        mask[0, 0, :, context:] = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+        mask = causal_mask(context, n, target.device)
         positions = torch.arange(context, context + n, device=target.device)[None]
         times = []
         for _ in range(repeats + 1):  # the first run warms kernels up and is not counted
-            if target.device.type == "cuda":
-                torch.cuda.synchronize(target.device)
+            synchronize(target.device)
             start = time.perf_counter()
             target.forward(ids, cache, positions=positions, mask=mask, logits_for="all")
-            if target.device.type == "cuda":
-                torch.cuda.synchronize(target.device)
+            synchronize(target.device)
             times.append(time.perf_counter() - start)
             cache.trim(context)
         result[n] = round(sorted(times[1:])[len(times[1:]) // 2] * 1000, 2)
@@ -74,8 +64,6 @@ def measure(target, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS)
 
 def cached_curve(target) -> Curve:
     """The curve for this machine and target, measured on first use (a few seconds)."""
-    from specchat.target import cache_dir
-
     path = cache_dir() / "verify-cost.json"
     try:
         known = json.loads(path.read_text())

@@ -1,13 +1,21 @@
-"""Conversations as text on one side and token ids on the other.
+"""A chat with the model: conversations as text on one side, token ids on the other.
 
 The engine sees only token ids. This module turns a list of chat messages into the prompt ids
-through the model's own chat template, names the tokens that end a turn, and turns generated
-ids back into text incrementally for streaming.
+through the model's own chat template, names the tokens that end a turn, turns generated ids
+back into text incrementally for streaming, and holds the session that does all three around
+the engine, one reply at a time, counting what each reply took (`specchat.stats`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import torch
+
+from specchat.engine import Engine, GenerationSettings, StepResult
+from specchat.errors import SpecchatError
+from specchat.stats import Stats
 
 # Special tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Phi,
 # Gemma, plain EOS). Only those present in a tokenizer's vocabulary are used.
@@ -31,7 +39,7 @@ BUILTIN_TEMPLATES = {
 }
 
 
-class TemplateError(ValueError):
+class TemplateError(SpecchatError, ValueError):
     """The tokenizer cannot format a conversation."""
 
 
@@ -140,3 +148,64 @@ class IncrementalDecoder:
         self.released = len(self.ids)
         self.text = full
         return piece
+
+
+# ---------------------------------------------------------------------------------------------
+# The session
+
+
+@dataclass
+class TurnEvent:
+    """One streamed piece of a reply: the step and the text it made printable."""
+
+    text: str
+    step: StepResult
+
+
+class ChatSession:
+    """A conversation with the target: keeps the messages, streams replies, counts."""
+
+    def __init__(self, engine: Engine, chat_format: ChatFormat, settings: GenerationSettings,
+                 rng: torch.Generator | None = None, system: str | None = None):
+        self.engine = engine
+        self.chat_format = chat_format
+        self.settings = settings
+        self.rng = rng
+        self.conversation = Conversation(system=system)
+        self.last_stats: Stats | None = None
+        self.last_prompt_ids: list[int] = []  # what the target's cache held before the latest reply
+
+    def clear(self) -> None:
+        self.conversation = Conversation(system=self.conversation.system)
+
+    def prompt_ids(self) -> list[int]:
+        return self.chat_format.prompt_ids(self.conversation)
+
+    def reply(self, user_text: str) -> Iterator[TurnEvent]:
+        """Add the user's message and stream the assistant's reply.
+
+        The reply joins the conversation when the stream ends; if the consumer stops early
+        (Ctrl-C), the partial reply is kept and marked `"interrupted": True`.
+        """
+        self.conversation.add_user(user_text)
+        prompt = self.last_prompt_ids = self.prompt_ids()
+        decoder = self.chat_format.decoder()
+        stats = self.last_stats = Stats()
+        finished = False
+        try:
+            for step in self.engine.generate(prompt, self.settings, self.rng):
+                stats.add_step(step)
+                text = decoder.push(step.tokens)
+                if step.finish_reason:  # the last step also releases what the decoder held back
+                    text += decoder.flush()
+                yield TurnEvent(text=text, step=step)
+            finished = True
+        finally:
+            if stats.new_tokens == 0:
+                self.conversation.messages.pop()  # nothing was answered (e.g. the prompt was too long)
+            else:
+                decoder.flush()
+                message = {"role": "assistant", "content": decoder.text}
+                if not finished:
+                    message["interrupted"] = True
+                self.conversation.messages.append(message)

@@ -1,35 +1,35 @@
-"""The `specchat` command line: `chat`, `run` and friends.
+"""The `specchat` command line: `chat`, `run`, `bench`, `train` and `profiles`.
 
-Exit status: 0 success; 1 a runtime error (a model or head that cannot be loaded, a prompt
-longer than the context, ...); 2 a usage error (bad option, profile or prompt file); 130
-interrupted. Errors are one line on stderr, never a traceback (set SPECCHAT_DEBUG=1 for one).
+Commands only parse their options and hand them to the assembly layer (`specchat.app`), the
+batch runner (`specchat.batch`) or the bench (`specchat.bench_run`). Exit status: 0 success;
+1 a runtime error (a model or head that cannot be loaded, a prompt longer than the context, ...);
+2 a usage error (bad option, profile or prompt file); 130 interrupted. Errors are one line on
+stderr, never a traceback (set SPECCHAT_DEBUG=1 for one).
+
+torch and transformers load only inside the commands that need them (marked where imported),
+so `--help`, `profiles` and the chat prompt come up at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
+from contextlib import ExitStack
+from pathlib import Path
 
 import click
+from rich.console import Console
 
 from specchat import settings as settings_mod
-from specchat.inputs import InputError
+from specchat.errors import SpecchatError, UsageError
+from specchat.inputs import read_prompts
+from specchat.methods import HEAD_FORMATS, METHODS, plain_unless_drafted
+from specchat.repl import run_repl
 from specchat.settings import FIELDS, ProfileError, Settings
+from specchat.ui import ChatUI, TrainingProgress
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-class CommandError(click.ClickException):
-    """A one-line error with the exit status it should produce."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_RUNTIME):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-    def show(self, file=None) -> None:
-        click.echo(f"specchat: error: {self.format_message()}", err=True)
 
 
 class SettingOption(click.Option):
@@ -63,85 +63,15 @@ def settings_options(command):
 
 
 def resolve_settings(options: dict) -> tuple[Settings, str]:
-    try:
-        return settings_mod.resolve({k: options.get(k) for k in FIELDS}, options.get("profile"))
-    except ProfileError as error:
-        raise CommandError(str(error), EXIT_USAGE) from error
+    return settings_mod.resolve({k: options.get(k) for k in FIELDS}, options.get("profile"))
 
 
-def plain_unless_drafted(settings: Settings, options: dict) -> tuple[Settings, str | None]:
-    """A profile's method comes with a draft for the profile's model. With another --model that has
-    none, and no --method or --draft, chat and run decode plainly (and say so) rather than fail
-    on a flag the user never gave. Returns the settings and the note to show, if any."""
-    from specchat.heads import effective_draft, needs_draft
+def open_chat(settings: Settings, profile: str, note: str | None = None):
+    """The chat for `settings`; `note` is shown once the target has loaded (so that a model that
+    cannot load gives the only message)."""
+    from specchat import app  # torch and transformers load here
 
-    if options.get("model") and not options.get("method") and not options.get("draft") \
-            and needs_draft(settings.method) and not effective_draft(settings):
-        note = (f"no {settings.method} draft for {settings.model}: plain decoding "
-                f"(--method and --draft choose one)")
-        return dataclasses.replace(settings, method="vanilla"), note
-    return settings, None
-
-
-def model_loader(settings: Settings):
-    """`load(name, gguf_file=None)`: loads a model (the target, or a draft model) the way `settings` say."""
-    from specchat.target import ModelSpec, load_target
-
-    def load_model(name: str, gguf_file: str | None = None):
-        return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
-                                     quantize=settings.quantize, trust_remote_code=settings.trust_remote_code))
-
-    return load_model
-
-
-def build_session(settings: Settings, note: str | None = None):
-    """Load the target (and the method's drafter) and open a chat session; `note` is shown once the
-    target has loaded (so that a model that cannot load is the only message)."""
-    from specchat.chat import ChatFormat, TemplateError, resolve_template
-    from specchat.engine import Engine, GenerationSettings
-    from specchat.sampling import SamplingParams, make_generator
-    from specchat.session import ChatSession
-    from specchat.target import ModelLoadError
-
-    from drafters import HeadLoadError
-    from specchat.heads import effective_draft, needs_draft
-    from specchat.methods import MethodError, build_proposer
-
-    try:
-        sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
-    except ValueError as error:
-        raise CommandError(str(error), EXIT_USAGE) from error
-    if settings.max_new_tokens < 1:
-        raise CommandError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}", EXIT_USAGE)
-    wanted = needs_draft(settings.method)
-    if wanted and not effective_draft(settings):
-        raise CommandError(f"--method {settings.method} needs --draft: {wanted}", EXIT_USAGE)
-    load_model = model_loader(settings)
-    try:
-        target = load_model(settings.model, settings.gguf_file)
-        chat_format = ChatFormat(target.tokenizer, template=resolve_template(settings.chat_template))
-    except (ModelLoadError, TemplateError) as error:
-        raise CommandError(str(error)) from error
-    if note:
-        click.echo(f"specchat: {note}", err=True)
-    generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling,
-                                    stop_ids=chat_format.stop_ids)
-    try:
-        proposer = build_proposer(settings, target, load_model)
-    except MethodError as error:
-        raise CommandError(str(error), EXIT_USAGE) from error
-    except (HeadLoadError, ModelLoadError) as error:
-        raise CommandError(str(error)) from error
-    engine = Engine(target, proposer)
-    rng = make_generator(settings.seed, target.device)
-    return ChatSession(engine, chat_format, generation, rng, system=settings.system)
-
-
-def open_chat(settings: Settings, profile: str | None, note: str | None = None):
-    """The session for `settings`, wrapped so that its method and settings can change mid-chat."""
-    from specchat.live import LiveChat
-
-    return LiveChat(build_session(settings, note), settings, profile, model_loader(settings))
+    return app.open_chat(settings, profile, (lambda: click.echo(f"specchat: {note}", err=True)) if note else None)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -159,11 +89,9 @@ def chat(**options):
     if not sys.stdin.isatty():
         prompt = sys.stdin.read()
         if not prompt.strip():
-            raise CommandError("empty prompt (stdin held no text)", EXIT_USAGE)
+            raise UsageError("empty prompt (stdin held no text)")
         answer_once(open_chat(settings, profile, note), prompt)
         return
-    from specchat.repl import run_repl
-
     if note:  # now: once the prompt is up, a line from the loading thread would cut into it
         click.echo(f"specchat: {note}", err=True)
     run_repl(lambda: open_chat(settings, profile), settings.model)
@@ -171,16 +99,11 @@ def chat(**options):
 
 def answer_once(chat, prompt: str) -> None:
     """Answer one prompt like a Unix tool: the answer on stdout, the statistics line on stderr."""
-    from specchat.engine import ContextLengthError
-    from specchat.ui import ChatUI
-
     ui = ChatUI.for_streams(info_on_stderr=True)
     writer = ui.answer(chat.session.chat_format.decoder() if chat.settings.show_accept else None)
     try:
         for event in chat.reply(prompt):
             writer.write(event)
-    except ContextLengthError as error:
-        raise CommandError(str(error)) from error
     finally:
         writer.close()
     ui.end_answer()
@@ -202,83 +125,20 @@ def answer_once(chat, prompt: str) -> None:
 @settings_options
 def run(inputs, output, output_format, trace, **options):
     """Answer prompt files (.txt, .jsonl, or - for stdin); one JSON record per line of input."""
-    from contextlib import ExitStack
-
-    from rich.console import Console
-
-    from specchat.inputs import read_prompts
-    from specchat.ui import ChatUI
+    from specchat import batch  # torch and transformers load here
 
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
-    try:
-        records = read_prompts(list(inputs) or ["-"])
-    except InputError as error:
-        raise CommandError(str(error), EXIT_USAGE) from error
+    records = read_prompts(list(inputs) or ["-"])
     chat = open_chat(settings, profile, note)
-    failures = 0
     with ExitStack() as files:
         sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=False))
         trace_file = files.enter_context(open(trace, "w", encoding="utf-8")) if trace else None
         ui = ChatUI(Console(file=sink, soft_wrap=True), Console(stderr=True, soft_wrap=True)) \
             if output_format == "text" else None
-        for done, record in enumerate(records):
-            try:
-                result = answer_record(chat, record, settings, trace_file, ui)
-            except KeyboardInterrupt:
-                click.echo(f"\nspecchat: interrupted; kept the {done - failures} finished records", err=True)
-                raise
-            if result is None:
-                failures += 1
-            elif ui is None:
-                sink.write(json.dumps(result, ensure_ascii=False) + "\n")
-                sink.flush()  # records are written as they complete, so a failure later loses nothing
+        failures = batch.answer_records(chat, records, sink, trace_file, ui, warn=lambda line: click.echo(line, err=True))
     if failures:
-        raise CommandError(f"{failures} of {len(records)} prompts failed (see above)")
-
-
-def answer_record(chat, record, settings: Settings, trace_file=None, ui=None) -> dict | None:
-    """Answer every turn of one prompt record in a fresh conversation; None if it failed.
-
-    With a `ui` (`--format text`), answers stream to it as they come, statistics below each.
-    """
-    from specchat.engine import ContextLengthError
-    from specchat.heads import effective_draft
-    from specchat.ui import stats_line
-
-    session = chat.session
-    session.conversation.system = record.system if record.system is not None else settings.system
-    session.clear()
-    session.conversation.messages.extend(record.history)
-    turns = []
-    for turn_index, prompt in enumerate(record.turns):
-        pieces, cycle_index = [], 0
-        writer = ui.answer(session.chat_format.decoder() if settings.show_accept else None) if ui else None
-        try:
-            for event in chat.reply(prompt):
-                pieces.append(event.text)
-                if writer is not None:
-                    writer.write(event)
-                if trace_file is not None and event.step.cycle is not None:
-                    line = {"id": record.id, "turn": turn_index, "cycle": cycle_index, **event.step.cycle.record()}
-                    if cycle_index == 0:
-                        line["context_ids"] = session.last_prompt_ids
-                    trace_file.write(json.dumps(line) + "\n")
-                    cycle_index += 1
-        except ContextLengthError as error:
-            click.echo(f"specchat: error: {record.where}: {error}", err=True)
-            return None
-        finally:
-            if writer is not None:
-                writer.close()
-        comparison = chat.compare_last_turn() if settings.compare else None
-        turn = {"prompt": prompt, "response": "".join(pieces), **session.last_stats.record()}
-        turns.append({**turn, **comparison.record()} if comparison else turn)
-        if ui is not None:
-            ui.end_answer()
-            ui.note(stats_line(session.last_stats, comparison=comparison))
-    return {"id": record.id, "category": record.category, "method": settings.method,
-            "model": settings.model, "draft": effective_draft(settings), "turns": turns}
+        raise SpecchatError(f"{failures} of {len(records)} prompts failed (see above)")
 
 
 @cli.group()
@@ -319,7 +179,7 @@ def profiles_show(name, **options):
     effect, exactly as `chat` and `run` would apply them.
     """
     if name and options.get("profile"):
-        raise CommandError("give the profile as NAME or as --profile, not both", EXIT_USAGE)
+        raise UsageError("give the profile as NAME or as --profile, not both")
     options["profile"] = name or options.get("profile")
     settings, profile = resolve_settings(options)
     source = settings_mod.find_profile(profile)
@@ -349,7 +209,7 @@ def profiles_show(name, **options):
 @cli.command(name="bench")
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--methods", default="vanilla,eagle2,pld", show_default=True,
-              help="Comma-separated methods: vanilla, eagle, eagle2, deagle, jakiro, sps, pld, hf-assisted, hf-pld.")
+              help=f"Comma-separated methods: {', '.join(METHODS)}.")
 @click.option("--draft-for", "draft_for", multiple=True, metavar="METHOD=PATH",
               help="Draft head or model for one method (repeatable); sps and hf-assisted take a small model.")
 @click.option("--limit", type=int, default=None, help="Use the first N questions (a 2-turn MT-bench question is 2 turns).")
@@ -360,7 +220,7 @@ def profiles_show(name, **options):
 @settings_options
 def bench_command(inputs, methods, draft_for, limit, repeat, warmup, output_dir, **options):
     """Measure methods against plain decoding on prompt files (Spec-Bench protocol)."""
-    from specchat.bench_run import run_bench
+    from specchat.bench_run import run_bench  # torch and transformers load here
 
     settings, profile = resolve_settings(options)
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
@@ -369,7 +229,7 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, output_dir,
 
 
 @cli.command(name="train")
-@click.option("--kind", type=click.Choice(["eagle", "eagle3", "jakiro"]), required=True, help="Head format to train.")
+@click.option("--kind", type=click.Choice(HEAD_FORMATS), required=True, help="Head format to train.")
 @click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
               help="Training data (ShareGPT JSON, chat/Alpaca/prompt JSONL); repeat for several files.")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the trained head.")
@@ -412,19 +272,13 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
                   ttt_steps, epochs, max_steps, lr, warmup, batch_tokens, held_out, eval_every, checkpoint_every,
                   resume, work_dir, prepare_only, max_shard_mb, seed):
     """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
-    from pathlib import Path
-
-    from specchat.target import ModelLoadError, ModelSpec, load_target
-    from specchat.train import data as data_mod
+    from specchat import app  # torch and transformers load here
     from specchat.train import pipeline
     from specchat.train.trainer import TrainConfig
-    from specchat.ui import TrainingProgress
 
-    settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile})
-    try:
-        target = load_target(ModelSpec(model=settings.model, gguf_file=settings.gguf_file, dtype=dtype, device=device))
-    except ModelLoadError as error:
-        raise CommandError(str(error)) from error
+    settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile, "dtype": dtype,
+                                    "device": device, "quantize": "none"})
+    target = app.model_loader(settings)(settings.model, settings.gguf_file)
     target.model.requires_grad_(False)
     options = pipeline.PrepareOptions(
         data=list(data_files), regenerate=regenerate, regenerate_batch=regenerate_batch,
@@ -434,11 +288,7 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
     log = lambda message: click.echo(f"specchat train: {message}", err=True)  # noqa: E731
     log(f"work folder {work}")
     with TrainingProgress() as bars:
-        try:
-            store, summary = pipeline.prepare(target, options, work, need_aux=kind == "eagle3", log=log,
-                                              progress=bars.stage)
-        except (data_mod.DataError, pipeline.TrainError) as error:
-            raise CommandError(str(error), EXIT_USAGE) from error
+        store, summary = pipeline.prepare(target, options, work, need_aux=kind == "eagle3", log=log, progress=bars.stage)
         if prepare_only:
             log(f"prepared {len(store)} sequences in {work}")
             return
@@ -459,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(args=argv, standalone_mode=False, prog_name="specchat")
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
+    except SpecchatError as error:
+        click.echo(f"specchat: error: {error}", err=True)
+        sys.exit(error.exit_code)
     except click.ClickException as error:
         error.show()
         sys.exit(error.exit_code)

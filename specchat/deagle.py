@@ -30,13 +30,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only for annotations: this module runs before torch loads (settings read its defaults)
+    import torch
 
 # Thresholds from the DEAGLE paper.
 TAU_S = 0.15
 TAU_RHO = 0.6
 MIN_DEPTH = 2
+MASS_NODES = ("beam", "all")
+EXPECTED_OVER = ("verified", "beam")
 
 
 @dataclass(frozen=True)
@@ -44,14 +48,14 @@ class DeagleParams:
     tau_s: float = TAU_S
     tau_rho: float = TAU_RHO
     min_depth: int = MIN_DEPTH
-    mass_nodes: str = "beam"  # beam | all
-    expected_over: str = "verified"  # verified | beam
+    mass_nodes: str = MASS_NODES[0]
+    expected_over: str = EXPECTED_OVER[0]
     expected_plus_bonus: bool = False
     consecutive: bool = False
 
     def __post_init__(self):
-        if self.mass_nodes not in ("beam", "all") or self.expected_over not in ("verified", "beam"):
-            raise ValueError("mass_nodes is beam|all and expected_over is verified|beam")
+        if self.mass_nodes not in MASS_NODES or self.expected_over not in EXPECTED_OVER:
+            raise ValueError(f"mass_nodes is {'|'.join(MASS_NODES)} and expected_over is {'|'.join(EXPECTED_OVER)}")
         if self.min_depth < 1:
             raise ValueError("min_depth must be >= 1")
 

@@ -47,6 +47,9 @@ class DraftModelProposer:
         self.context_ids: list[int] = []  # committed context, as the engine reported it
         self.cached_ids: list[int] = []  # the tokens whose entries the draft cache holds
 
+    def describe(self) -> str:
+        return f"chains of {self.k} tokens from {self.draft.name}"
+
     def _sync_cache(self) -> None:
         """Keep only the cache entries that still agree with the committed context."""
         shared = 0

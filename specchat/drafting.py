@@ -1,4 +1,12 @@
-"""Drafting with a draft head: the EAGLE-1 static tree and the EAGLE-2 dynamic tree.
+"""Drafting with a draft head: the head's cache kept in step with the context, and the trees it grows.
+
+`TreeProposer` runs the head; a tree shape decides what to draft with it:
+
+- `StaticTree`  EAGLE-1: a fixed tree of child ranks, filled in level by level;
+- `DynamicTree` EAGLE-2: expand the most probable nodes level by level, keep the best overall;
+- `DeagleTree`  the EAGLE-2 tree, deepened only while DEAGLE's vote allows (`specchat.deagle`);
+- `JakiroTree`  the EAGLE-2 tree whose last level comes from the two-ahead output of the forward
+  before it (a Jakiro head), one draft forward fewer.
 
 The head keeps its own KV cache. Entry j of it is the head's step on (the target's feature at
 position j, the token at position j + 1), at RoPE position j, which is EAGLE's convention. After
@@ -10,12 +18,14 @@ trimmed away afterwards, since only committed context belongs in the cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from specchat.cache import KVCache
+from specchat.cache import causal_mask
 from specchat.deagle import DeagleParams, DepthVote
+from specchat.drafters import DraftHead
+from specchat.drafters.layers import HeadCache
 from specchat.engine import GenerationSettings
 from specchat.tree import DraftTree
 
@@ -37,33 +47,20 @@ class DynamicTreeParams:
 
 
 class TreeProposer:
-    """Proposes draft trees with a draft head (see `drafters/`)."""
+    """Proposes draft trees of one shape with a draft head (see `specchat.drafters`)."""
 
-    def __init__(self, head, num_target_layers: int, static_paths: tuple | None = None,
-                 dynamic: DynamicTreeParams | None = None, deagle: DeagleParams | None = None,
-                 parallel_last_level: bool = False, reference_attach: bool = False):
-        """
-        Args:
-            static_paths: draft this fixed tree (EAGLE-1) instead of a dynamic one.
-            dynamic: the EAGLE-2 tree budget.
-            deagle: stop deepening by DEAGLE's vote (see `specchat.deagle`).
-            parallel_last_level: Jakiro: the last level comes from the two-ahead output of the
-                forward before it (needs a head with `forward_both`).
-            reference_attach: Jakiro: attach that level by row, as the reference code does.
-        """
-        if parallel_last_level and not hasattr(head, "forward_both"):
-            raise ValueError("a parallel last level needs a head that predicts two tokens ahead (Jakiro)")
+    def __init__(self, head: DraftHead, num_target_layers: int, shape: StaticTree | DynamicTree):
+        shape.check(head)
         self.head = head
+        self.shape = shape
         self.feature_layers = head.feature_layers(num_target_layers)
-        self.static_paths = static_paths
-        self.dynamic = dynamic or DynamicTreeParams()
-        self.deagle = deagle
-        self.parallel_last_level = parallel_last_level
-        self.reference_attach = reference_attach
-        self.cache = KVCache()
+        self.cache = HeadCache()
         self.consumed = 0  # cache entries of committed context pairs
         self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on
         self.pending_tokens: list[int] = []  # the tokens at those positions
+
+    def describe(self) -> str:
+        return self.shape.describe()
 
     # -- Proposer protocol -----------------------------------------------------------------
 
@@ -88,31 +85,26 @@ class TreeProposer:
     def propose(self, root: int, settings: GenerationSettings, rng, max_depth: int, max_nodes: int) -> DraftTree:
         root_hidden = self._context_pass(root)
         try:
-            if self.static_paths is not None:
-                return self._grow_static(root_hidden, max_depth, max_nodes)
-            return self._grow_dynamic(root_hidden, max_depth, max_nodes)
+            return self.shape.grow(self, root_hidden, max_depth, max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
 
-    # -- drafting --------------------------------------------------------------------------
+    # -- the head's steps, for the tree shapes -----------------------------------------------
 
     def _context_pass(self, root: int) -> torch.Tensor:
         """Feed the pending (feature, next token) pairs; return the output that predicts the root's children."""
         features = torch.cat(self.pending_features)
-        device = features.device
         count = len(self.pending_tokens)
-        next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=device)
-        positions = torch.arange(self.consumed, self.consumed + count, device=device)
-        mask = torch.ones(count, self.consumed + count, dtype=torch.bool, device=device)
-        mask[:, self.consumed:] = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-        out = self.head(features, next_tokens, positions, mask[None, None], self.cache)
+        next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
+        positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
+        out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device), self.cache)
         self.consumed += count
         self.pending_features, self.pending_tokens = [], []
         return out[-1]
 
-    def _feed(self, parent_hidden: torch.Tensor, tokens: torch.Tensor, depth: int,
-              ancestor_entries: list[list[int]], both: bool = False):
-        """Run the head on m tree nodes of one depth.
+    def feed(self, parent_hidden: torch.Tensor, tokens: torch.Tensor, depth: int,
+             ancestor_entries: list[list[int]], both: bool = False):
+        """Run the head on m tree nodes of one depth, each attending to the context, its ancestors' entries and itself.
 
         Returns their outputs, their two-ahead outputs (when `both`, else None) and their cache entries.
         """
@@ -129,13 +121,33 @@ class TreeProposer:
             return out, right, entries
         return self.head(parent_hidden, tokens, positions, mask[None, None], self.cache), None, entries
 
-    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+    def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.head.log_probs(outputs)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         table = self.head.draft_to_target
         return draft_ids if table is None else table[draft_ids]
 
-    def _grow_static(self, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
-        """EAGLE-1: a fixed tree of child ranks, filled in level by level."""
-        paths = sorted((p for p in self.static_paths if len(p) <= max_depth), key=lambda p: (len(p), p))[:max_nodes]
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-1
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """EAGLE-1: a fixed tree of child ranks (paths from the root, e.g. `specchat.tree.MC_SIM_7B_63`)."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    def check(self, head: DraftHead) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"static, {len(self.paths)} draft tokens"
+
+    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
+        """Fill the tree in level by level: the head runs once per level on the nodes that have children."""
+        paths = sorted((p for p in self.paths if len(p) <= max_depth), key=lambda p: (len(p), p))[:max_nodes]
         index = {path: i for i, path in enumerate(paths)}
         tokens, probs = [0] * len(paths), [0.0] * len(paths)
         hidden_of, entries_of = {(): root_hidden}, {(): []}
@@ -143,16 +155,15 @@ class TreeProposer:
             level = [p for p in paths if len(p) == depth]
             parents = sorted({p[:-1] for p in level})
             if depth > 1:  # feed the parents (depth - 1 nodes with children) to get their outputs
-                out, _, entries = self._feed(
+                out, _, entries = drafter.feed(
                     torch.stack([hidden_of[p[:-1]] for p in parents]),
                     torch.tensor([tokens[index[p]] for p in parents], device=root_hidden.device),
                     depth - 1, [entries_of[p[:-1]] for p in parents])
                 for row, parent in enumerate(parents):
                     hidden_of[parent], entries_of[parent] = out[row], entries_of[parent[:-1]] + [entries[row]]
-            rows = torch.stack([hidden_of[p] for p in parents])
-            logp = self.head.log_probs(rows)
+            logp = drafter.log_probs(torch.stack([hidden_of[p] for p in parents]))
             top_logp, top_ids = logp.topk(max(p[-1] for p in level) + 1, dim=-1)
-            top_tokens = self._to_target(top_ids).tolist()
+            top_tokens = drafter.to_target(top_ids).tolist()
             for path in level:
                 row = parents.index(path[:-1])
                 tokens[index[path]] = top_tokens[row][path[-1]]
@@ -160,64 +171,129 @@ class TreeProposer:
         return DraftTree(tokens=tokens, parents=[index.get(p[:-1], -1) for p in paths],
                          depths=[len(p) for p in paths], probs=probs)
 
-    def _grow_dynamic(self, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
-        """EAGLE-2: expand the top-k nodes by path probability, then keep the best nodes overall.
 
-        With `parallel_last_level` (Jakiro) the deepest level is not drafted by its own forward:
-        the forward one level earlier also predicts two tokens ahead, and those predictions become
-        the children of the nodes expanded last. With `deagle`, a vote after each level may stop
-        the deepening early.
-        """
-        params = self.dynamic
-        k, depth = params.top_k, min(params.depth, max_depth)
-        keep = min(params.total_tokens - 1, max_nodes)
-        logp = self.head.log_probs(root_hidden[None])[0]
-        top_logp, top_ids = logp.topk(k)
+# ---------------------------------------------------------------------------------------------
+# EAGLE-2 and its variants
+
+
+@dataclass
+class Growth:
+    """One cycle of a dynamic tree: every candidate node so far, and the beam to expand next."""
+
+    table: _NodeTable
+    beam: torch.Tensor  # node indices to expand next (on the CPU)
+    beam_hidden: torch.Tensor | None  # the head's outputs at those nodes
+    beam_scores: list[torch.Tensor]  # per depth, the path log-probabilities of the beam nodes
+    entries_of: dict[int, list[int]] = field(default_factory=lambda: {-1: []})  # node -> its path's cache entries
+    info: dict = field(default_factory=dict)  # what the trace should know (DEAGLE's votes)
+    two_ahead: tuple | None = None  # Jakiro: (nodes fed, top-k of their two-ahead predictions)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2: expand the top-k nodes by path probability, level by level, then keep the best nodes overall."""
+
+    params: DynamicTreeParams = DynamicTreeParams()
+
+    def check(self, head: DraftHead) -> None:
+        pass
+
+    def describe(self) -> str:
+        p = self.params
+        return f"total_tokens {p.total_tokens}, depth {p.depth}, tree_top_k {p.top_k}"
+
+    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
+        return self._grow(drafter, root_hidden, max_depth, max_nodes)
+
+    def _grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int,
+              stop=None) -> DraftTree:
+        """The EAGLE-2 loop; `stop(level, growth, keep)` may end the deepening before each level's forward."""
+        k, depth = self.params.top_k, min(self.params.depth, max_depth)
+        keep = min(self.params.total_tokens - 1, max_nodes)
+        top_logp, top_ids = drafter.log_probs(root_hidden[None])[0].topk(k)
         table = _NodeTable()
-        table.add(self._to_target(top_ids), torch.full((k,), -1), 1, top_logp, top_logp)
-        beam = torch.arange(k)  # node indices to expand next
-        beam_hidden = root_hidden.expand(k, -1)
-        beam_scores = [top_logp]  # per depth, the scores of the nodes kept for expansion
-        entries_of = {-1: []}
-        parallel = self.parallel_last_level and depth >= 3
-        vote = DepthVote(self.deagle) if self.deagle else None
-        info, two_ahead = {}, None
+        table.add(drafter.to_target(top_ids), torch.full((k,), -1), 1, top_logp, top_logp)
+        growth = Growth(table, beam=torch.arange(k), beam_hidden=root_hidden.expand(k, -1), beam_scores=[top_logp])
         for level in range(1, depth):
-            if vote is not None:
-                fired = vote.decide(level, beam_scores[-1], table.level_scores(level), table.scores(),
-                                    torch.cat(beam_scores), keep)
-                if fired:
-                    info.update(stop_depth=level, votes=fired)
-                    break
-            if parallel and level == depth - 1:
-                child_logp, child_ids = self._attach_two_ahead(beam, table, two_ahead)
-            else:
-                on_device = beam.to(root_hidden.device)
-                ancestors = [entries_of[p] for p in table.parents()[beam].tolist()]
-                out, right, entries = self._feed(beam_hidden, table.tokens()[on_device], level, ancestors,
-                                                 both=parallel and level == depth - 2)
-                for row, node in enumerate(beam.tolist()):
-                    entries_of[node] = ancestors[row] + [entries[row]]
-                if right is not None:
-                    two_ahead = (beam, self.head.log_probs(right).topk(k, dim=-1))
-                child_logp, child_ids = self.head.log_probs(out).topk(k, dim=-1)  # [k, k]
-            child_scores = table.scores()[beam.to(child_logp.device)][:, None] + child_logp
+            if stop is not None and stop(level, growth, keep):
+                break
+            child_logp, child_ids, out = self.children(drafter, growth, level, depth)  # each [k, k]
+            child_scores = table.scores()[growth.beam.to(child_logp.device)][:, None] + child_logp
             first_child = len(table)
-            table.add(self._to_target(child_ids).flatten(), beam.repeat_interleave(k), level + 1,
+            table.add(drafter.to_target(child_ids).flatten(), growth.beam.repeat_interleave(k), level + 1,
                       child_logp.flatten(), child_scores.flatten())
             best = child_scores.flatten().topk(k).indices
-            beam, beam_hidden = first_child + best.cpu(), (None if parallel and level == depth - 1 else out[best // k])
-            beam_scores.append(child_scores.flatten()[best])
-        else:
-            if vote is not None:
-                info["stop_depth"] = depth
-        if vote is not None:
-            info["depth_votes"] = vote.history
+            growth.beam = first_child + best.cpu()
+            growth.beam_hidden = None if out is None else out[best // k]
+            growth.beam_scores.append(child_scores.flatten()[best])
         tree = _select(table.tokens(), table.parents(), table.depths(), table.logps(), table.scores(), keep)
-        tree.info = info
+        tree.info = growth.info
         return tree
 
-    def _attach_two_ahead(self, beam: torch.Tensor, table: "_NodeTable", two_ahead):
+    def children(self, drafter: TreeProposer, growth: Growth, level: int, depth: int):
+        """The top-k children of each beam node: (log-probabilities, draft ids, the beam's head outputs)."""
+        out, _ = self.feed_beam(drafter, growth, level)
+        child_logp, child_ids = drafter.log_probs(out).topk(self.params.top_k, dim=-1)
+        return child_logp, child_ids, out
+
+    @staticmethod
+    def feed_beam(drafter: TreeProposer, growth: Growth, level: int, both: bool = False):
+        """Run the head on the beam nodes (at depth `level`); returns their outputs (and two-ahead outputs)."""
+        on_device = growth.beam.to(growth.beam_hidden.device)
+        ancestors = [growth.entries_of[p] for p in growth.table.parents()[growth.beam].tolist()]
+        out, right, entries = drafter.feed(growth.beam_hidden, growth.table.tokens()[on_device], level, ancestors, both)
+        for row, node in enumerate(growth.beam.tolist()):
+            growth.entries_of[node] = ancestors[row] + [entries[row]]
+        return out, right
+
+
+@dataclass(frozen=True)
+class DeagleTree(DynamicTree):
+    """DEAGLE: the EAGLE-2 tree, with a vote after each scored level that may stop the deepening."""
+
+    deagle: DeagleParams = DeagleParams()
+
+    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
+        vote = DepthVote(self.deagle)  # one per cycle
+
+        def stop(level: int, growth: Growth, keep: int) -> bool:
+            fired = vote.decide(level, growth.beam_scores[-1], growth.table.level_scores(level), growth.table.scores(),
+                                torch.cat(growth.beam_scores), keep)
+            if fired:
+                growth.info.update(stop_depth=level, votes=fired)
+            return bool(fired)
+
+        tree = self._grow(drafter, root_hidden, max_depth, max_nodes, stop)
+        tree.info.setdefault("stop_depth", min(self.params.depth, max_depth))
+        tree.info["depth_votes"] = vote.history
+        return tree
+
+
+@dataclass(frozen=True)
+class JakiroTree(DynamicTree):
+    """Jakiro: the deepest level is not drafted by its own forward. The forward one level earlier
+    also predicts two tokens ahead (`forward_both`), and those predictions become the children of
+    the nodes expanded last. Trees of depth 1-2 grow as EAGLE-2's.
+    """
+
+    reference_attach: bool = False  # attach that level by row, as the reference code does
+
+    def check(self, head: DraftHead) -> None:
+        if not head.predicts_two_ahead:
+            raise ValueError("a parallel last level needs a head that predicts two tokens ahead (Jakiro)")
+
+    def children(self, drafter: TreeProposer, growth: Growth, level: int, depth: int):
+        if depth < 3 or level < depth - 2:
+            return super().children(drafter, growth, level, depth)
+        if level == depth - 2:  # the last forward: also predict the level after next
+            out, right = self.feed_beam(drafter, growth, level, both=True)
+            growth.two_ahead = (growth.beam, drafter.log_probs(right).topk(self.params.top_k, dim=-1))
+            child_logp, child_ids = drafter.log_probs(out).topk(self.params.top_k, dim=-1)
+            return child_logp, child_ids, out
+        child_logp, child_ids = self._attach_two_ahead(growth.beam, growth.table, growth.two_ahead)
+        return child_logp, child_ids, None
+
+    def _attach_two_ahead(self, beam: torch.Tensor, table: _NodeTable, two_ahead):
         """Children for the nodes of `beam` from the two-ahead predictions of their parents' forward.
 
         Parent-correct by default: a node gets the predictions made at its own parent. The
@@ -232,6 +308,7 @@ class TreeProposer:
             rows = torch.tensor([row_of[p] for p in table.parents()[beam].tolist()])
         rows = rows.to(logp.device)
         return logp[rows], ids[rows]
+
 
 def _select(tokens, parents, depths, logps, scores, keep: int) -> DraftTree:
     """Keep the `keep` best nodes by path probability (ties: shallower first), as a connected tree.

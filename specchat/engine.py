@@ -6,7 +6,7 @@ Three thin layers, bottom up:
    accept → compact cycle) each produce a `StepResult`.
 2. `Engine.generate` streams the `StepResult`s of one reply: prefill, then steps, until an
    end-of-turn token, the token budget or the context limit.
-3. `specchat.session` adds text, conversations and statistics; the CLI consumes only that.
+3. `specchat.chat.ChatSession` adds text, conversations and statistics; the UI consumes only that.
 
 The engine owns the target's KV cache and the list of token ids it holds (`context_ids`), and
 changes both only through explicit trims and compactions. A new reply reuses the longest cached
@@ -25,25 +25,24 @@ from typing import Protocol
 import torch
 
 from specchat.cache import KVCache
+from specchat.errors import ContextLengthError
+from specchat.machine import synchronize
 from specchat.sampling import SamplingParams, sample, target_probs
+from specchat.settings import Settings
 from specchat.target import Target
 from specchat.tree import Cycle, DraftTree
-from specchat.verify import accept
+from specchat.verify import accept, verify_inputs
 
 # Long prompts are prefilled in pieces of this many tokens, which bounds the size of the
 # attention mask and scores without changing the result.
 PREFILL_CHUNK = 512
 
 
-class ContextLengthError(ValueError):
-    """The prompt does not fit in the model's context."""
-
-
 @dataclass(frozen=True)
 class GenerationSettings:
     """What one reply may do: how many tokens, how they are drawn, what ends it."""
 
-    max_new_tokens: int = 512
+    max_new_tokens: int = Settings.max_new_tokens  # user-facing defaults are declared once, in specchat.settings
     sampling: SamplingParams = SamplingParams()
     stop_ids: frozenset[int] = frozenset()
 
@@ -107,6 +106,9 @@ class Proposer(Protocol):
         """A draft tree growing from `root` (the newest token, not yet in the context), at most
         `max_depth` deep and `max_nodes` large; `rng` is the run's random stream."""
 
+    def describe(self) -> str:
+        """What it drafts, in a few words (for /show)."""
+
 
 class Engine:
     """Generates replies from a target model, optionally speculating with a proposer."""
@@ -138,8 +140,7 @@ class Engine:
         return length
 
     def _sync(self) -> None:
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize(self.target.device)
+        synchronize(self.target.device)
 
     # -- the layers ----------------------------------------------------------------------------
 
@@ -242,7 +243,7 @@ class Engine:
             tree = DraftTree([], [], [], [])
         self._sync()
         drafted = time.perf_counter()
-        ids, positions, mask = tree.verify_inputs(root, cached, self.target.device)
+        ids, positions, mask = verify_inputs(tree, root, cached, self.target.device)
         out = self.target.forward(ids, self.cache, positions=positions, mask=mask, logits_for="all",
                                   feature_layers=self.proposer.feature_layers)
         self._sync()

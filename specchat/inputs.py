@@ -19,8 +19,10 @@ import json
 import sys
 from dataclasses import dataclass, field
 
+from specchat.errors import UsageError
 
-class InputError(ValueError):
+
+class InputError(UsageError, ValueError):
     """A prompt file cannot be used; the message names the file and line."""
 
 

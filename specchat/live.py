@@ -16,26 +16,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.chat import Conversation
+from specchat.chat import ChatSession, Conversation, TurnEvent
+from specchat.drafting import DynamicTreeParams
 from specchat.engine import Engine, GenerationSettings
-from specchat.livesettings import LIVE_KEYS, METHOD_SECTIONS, LiveChatError, method_key, parse_value, with_method_of
+from specchat.errors import SpecchatError
+from specchat.livesettings import (LIVE_KEYS, METHOD_SECTIONS, LiveChatError, method_key, parse_value, show_value,
+                                  with_method_of)
+from specchat.methods import CHAT_METHODS, METHODS, PLAIN, effective_draft, needs_draft
+from specchat.proposers import build_proposer
 from specchat.sampling import SamplingParams, make_generator
-from specchat.session import ChatSession, Rates, TurnEvent, TurnStats
 from specchat.settings import FIELDS, Settings
 from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
+from specchat.stats import Stats
 from specchat.transcript import load_transcript, save_transcript
 
 
 @dataclass
-class MethodTotals(Rates):
+class MethodTotals(Stats):
     """What one method did over the session (all its replies, interrupted ones included)."""
 
     turns: int = 0
-    new_tokens: int = 0
-    seconds: float = 0.0
-    target_forwards: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
     drafted_at_depth: list[int] = field(default_factory=list)  # [d-1]: cycles whose tree reached depth d
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: ... and had d tokens accepted
     # Decoding time (prefill left out, see `specchat.speedup`) of the replies with an estimate,
@@ -45,13 +45,9 @@ class MethodTotals(Rates):
     compared_seconds: float = 0.0
     compared_plain_seconds: float = 0.0
 
-    def add_turn(self, stats: TurnStats) -> None:
+    def add_turn(self, stats: Stats) -> None:
         self.turns += 1
-        self.new_tokens += stats.new_tokens
-        self.seconds += stats.seconds
-        self.target_forwards += stats.target_forwards
-        self.draft_tokens += stats.draft_tokens
-        self.accepted_tokens += stats.accepted_tokens
+        Stats.__iadd__(self, stats)
 
     def add_cycle(self, depths: list[int], accepted: int) -> None:
         reached = max(depths, default=0)
@@ -75,11 +71,11 @@ class MethodTotals(Rates):
     def measured_speedup(self) -> float | None:
         return self.compared_plain_seconds / self.compared_seconds if self.compared_seconds > 0 else None
 
-    def add_estimate(self, stats: TurnStats, speedup: float) -> None:
+    def add_estimate(self, stats: Stats, speedup: float) -> None:
         self.estimate_seconds += stats.seconds - stats.prefill_seconds
         self.estimate_plain_seconds += (stats.seconds - stats.prefill_seconds) * speedup
 
-    def add_comparison(self, stats: TurnStats, speedup: float) -> None:
+    def add_comparison(self, stats: Stats, speedup: float) -> None:
         self.compared_seconds += stats.seconds - stats.prefill_seconds
         self.compared_plain_seconds += (stats.seconds - stats.prefill_seconds) * speedup
 
@@ -92,14 +88,14 @@ class Turn:
     rng_state: torch.Tensor | None
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
-    stats: TurnStats | None = None
+    stats: Stats | None = None
 
 
 @dataclass
 class TurnReport:
     """What the statistics line says about one reply."""
 
-    stats: TurnStats
+    stats: Stats
     estimated_speedup: float | None = None
     comparison: Comparison | None = None
 
@@ -159,7 +155,7 @@ class LiveChat:
         assert turn is not None and turn.stats is not None, "report() follows a reply"
         report = TurnReport(turn.stats)
         room = self.engine.target.max_context - self.engine.cache.length
-        if turn.method == "vanilla" or turn.stats.new_tokens == 0 or room < 8:
+        if turn.method == PLAIN or turn.stats.new_tokens == 0 or room < 8:
             return report
         stats = turn.stats
         if stats.new_tokens < 2:
@@ -200,11 +196,8 @@ class LiveChat:
 
     def switch_method(self, name: str, draft: str | None = None) -> None:
         """Decode with another method from now on; its draft is loaded on first use."""
-        from specchat.heads import effective_draft, needs_draft
-        from specchat.methods import METHODS
-
-        if name not in METHODS:
-            raise LiveChatError(f"unknown method {name!r} (known: {', '.join(METHODS)})")
+        if name not in CHAT_METHODS:
+            raise LiveChatError(f"unknown method {name!r} (known: {', '.join(CHAT_METHODS)})")
         changes = {"method": name}
         if draft is not None:
             changes.update(draft=draft, draft_kind=None)
@@ -237,8 +230,6 @@ class LiveChat:
 
     def _check(self, candidate: Settings) -> GenerationSettings:
         """The generation settings `candidate` gives; LiveChatError if any value is out of range."""
-        from specchat.drafting import DynamicTreeParams
-
         if candidate.draft_tokens is not None and candidate.draft_tokens < 1:
             raise LiveChatError(f"draft_tokens must be >= 1, got {candidate.draft_tokens}")
         tree = {"total_tokens": candidate.total_tokens, "depth": candidate.depth, "top_k": candidate.tree_top_k}
@@ -261,13 +252,9 @@ class LiveChat:
         self._proposers[key] = proposer
 
     def _build_proposer(self, candidate: Settings):
-        from drafters import HeadLoadError
-        from specchat.methods import MethodError, build_proposer
-        from specchat.target import ModelLoadError
-
         try:
             return build_proposer(candidate, self.engine.target, self.load_model)
-        except (MethodError, HeadLoadError, ModelLoadError) as error:
+        except SpecchatError as error:  # a method that cannot run, a head or model that cannot load
             raise LiveChatError(str(error)) from error
 
     # -- transcripts -----------------------------------------------------------------------
@@ -301,3 +288,28 @@ class LiveChat:
                                                  messages=[dict(message) for message in document["messages"]])
         self.last_turn = self.last_cycle = None
         return notes
+
+    # -- what it runs with -----------------------------------------------------------------
+
+    def describe(self) -> list[tuple[str, str]]:
+        """/show: model, draft, method, drafting, settings and conversation, as (name, value) rows."""
+        settings, target, proposer = self.settings, self.engine.target, self.engine.proposer
+        rows = [
+            ("model", f"{settings.model}  ({str(target.dtype).removeprefix('torch.')} on {target.device}, "
+                      f"context {target.max_context})"),
+            ("draft", effective_draft(settings) or "-"),
+            ("method", f"{settings.method}  ({METHODS[settings.method].summary})"),
+        ]
+        if proposer is not None:  # what the proposer really drafts: the settings, or this device's defaults
+            rows.append(("drafting", proposer.describe()))
+        return rows + [
+            ("profile", self.profile or "-"),
+            ("sampling", f"temperature {settings.temperature}, top_p {settings.top_p}, top_k {settings.top_k}, "
+                         f"seed {show_value(settings.seed)}"),
+            ("max_new_tokens", str(settings.max_new_tokens)),
+            ("show_accept", show_value(settings.show_accept)),
+            ("compare", show_value(settings.compare)),
+            ("system", repr(settings.system) if settings.system else "-"),
+            ("conversation", f"{len(self.session.conversation.messages)} messages, "
+                             f"{len(self.engine.context_ids)} tokens cached"),
+        ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from specchat import settings as settings_mod
+from specchat.errors import SpecchatError
 from specchat.settings import FIELDS, Settings
 
 # What `/set KEY VALUE` may change; every other setting needs a restart (or `/method`, `/system`).
@@ -20,7 +21,7 @@ TRUE_WORDS, FALSE_WORDS = ("on", "true", "yes", "1"), ("off", "false", "no", "0"
 UNSET_WORDS = ("none", "default")
 
 
-class LiveChatError(ValueError):
+class LiveChatError(SpecchatError, ValueError):
     """A change that cannot be made; the message is one line for the user, and nothing changed."""
 
 
@@ -69,3 +70,10 @@ def with_method_of(settings: Settings, other: Settings) -> Settings:
     """`settings` with the method and draft settings of `other`."""
     return dataclasses.replace(settings, **{name: getattr(other, name) for name, f in FIELDS.items()
                                             if f.metadata["section"] in METHOD_SECTIONS})
+
+
+def show_value(value) -> str:
+    """A setting's value as `/set` takes it back: on/off, none, or the value."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)

@@ -9,7 +9,6 @@ so a lookup costs a dictionary access rather than a scan of the context.
 
 from __future__ import annotations
 
-from specchat.engine import GenerationSettings
 from specchat.tree import DraftTree
 
 # transformers' prompt lookup defaults (prompt_lookup_num_tokens=10 tokens proposed,
@@ -36,6 +35,9 @@ class PromptLookupProposer:
                 if end - n + 1 >= 0:
                     self.ends.setdefault(tuple(self.context_ids[end - n + 1 : end + 1]), []).append(end)
 
+    def describe(self) -> str:
+        return f"chains of up to {self.k} tokens that followed the latest {self.min_ngram}-{self.max_ngram}-gram match"
+
     def rewind(self, length: int) -> int:
         if length < len(self.context_ids):
             del self.context_ids[length:]
@@ -48,7 +50,8 @@ class PromptLookupProposer:
         self.context_ids.extend(tokens)
         self._index_from(start)
 
-    def propose(self, root: int, settings: GenerationSettings, rng, max_depth: int, max_nodes: int) -> DraftTree:
+    def propose(self, root: int, settings, rng, max_depth: int, max_nodes: int) -> DraftTree:
+        """A chain (lookup needs neither the sampling settings nor the random stream: it is deterministic)."""
         sequence = self.context_ids + [root]
         limit = min(self.k, max_depth, max_nodes)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):

@@ -22,8 +22,9 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 
-from specchat.livesettings import LIVE_KEYS, LiveChatError
-from specchat.settings import FIELDS
+from specchat.errors import ContextLengthError
+from specchat.livesettings import LIVE_KEYS, LiveChatError, show_value
+from specchat.methods import CHAT_METHODS, METHODS, effective_draft, needs_draft
 from specchat.transcript import TranscriptError
 from specchat.ui import ChatUI
 
@@ -129,7 +130,7 @@ class CommandCompleter(Completer):
         if len(words) == 1:
             candidates = ["/" + name for name, _, _ in COMMANDS]
         elif len(words) == 2:
-            arguments = {"/method": list(FIELDS["method"].metadata["choices"]), "/set": list(LIVE_KEYS),
+            arguments = {"/method": list(CHAT_METHODS), "/set": list(LIVE_KEYS),
                          "/compare": ["on", "off"]}
             candidates = arguments.get(words[0], [])
         else:
@@ -224,8 +225,6 @@ class Repl:
     # -- answers ---------------------------------------------------------------------------
 
     def answer(self, message: str) -> None:
-        from specchat.engine import ContextLengthError
-
         chat = self.chat()
         if chat is None:
             return
@@ -310,22 +309,19 @@ class Repl:
         self.ui.note("system prompt removed" if chat.settings.system is None else "system prompt set")
 
     def do_method(self, chat, argument: str) -> None:
-        from specchat.heads import effective_draft, needs_draft
-        from specchat.methods import METHODS
-
         if not argument:
-            known = ", ".join(f"{method} ({what})" for method, what in METHODS.items())
+            known = ", ".join(f"{name} ({METHODS[name].summary})" for name in CHAT_METHODS)
             self.ui.note(f"method {chat.settings.method}; known: {known}")
             return
         name, _, draft = argument.partition(" ")
         loads = bool(needs_draft(name))
         with self.ui.busy(f"loading the draft for {name}...", active=loads):
             chat.switch_method(name, draft.strip() or None)
-        self.ui.note(f"method {name}: {METHODS[name]}" + (f" (draft {effective_draft(chat.settings)})" if loads else ""))
+        self.ui.note(f"method {name}: {METHODS[name].summary}" + (f" (draft {effective_draft(chat.settings)})" if loads else ""))
 
     def do_set(self, chat, argument: str) -> None:
         if not argument:
-            self.ui.show([(key, _text(getattr(chat.settings, key))) for key in LIVE_KEYS])
+            self.ui.show([(key, show_value(getattr(chat.settings, key))) for key in LIVE_KEYS])
             return
         key, _, value = argument.partition(" ")
         if key == "system":
@@ -335,7 +331,7 @@ class Repl:
             raise LiveChatError(f"usage: /set KEY VALUE (KEY is one of {', '.join(LIVE_KEYS)})")
         with self.ui.busy("rebuilding the draft...", active=key in ("total_tokens", "depth", "tree_top_k")):
             chat.set_value(key, value.strip())
-        self.ui.note(f"{key} = {_text(getattr(chat.settings, key))}")
+        self.ui.note(f"{key} = {show_value(getattr(chat.settings, key))}")
         if key == "show_accept" and chat.settings.show_accept and self.ui.can_colour:
             self.ui.legend()
         elif key == "show_accept" and chat.settings.show_accept:
@@ -348,7 +344,8 @@ class Repl:
         self.ui.note(f"compare {state}")
 
     def do_show(self, chat, argument: str) -> None:
-        self.ui.show(describe(chat))
+        history = "off (SPECCHAT_NOHISTORY)" if os.environ.get("SPECCHAT_NOHISTORY") else str(history_path())
+        self.ui.show(chat.describe() + [("history", history)])
 
     def do_stats(self, chat, argument: str) -> None:
         self.ui.session_stats(chat.totals)
@@ -377,46 +374,6 @@ class Repl:
             self.ui.hint(note)
 
 
-def describe(chat) -> list[tuple[str, str]]:
-    """/show: what the chat runs with."""
-    from specchat.heads import effective_draft
-    from specchat.methods import METHODS
-
-    settings, target, proposer = chat.settings, chat.engine.target, chat.engine.proposer
-    rows = [
-        ("model", f"{settings.model}  ({str(target.dtype).removeprefix('torch.')} on {target.device}, "
-                  f"context {target.max_context})"),
-        ("draft", effective_draft(settings) or "-"),
-        ("method", f"{settings.method}  ({METHODS[settings.method]})"),
-    ]
-    # The tree the proposer really grows: the settings, or the defaults for this device.
-    if getattr(proposer, "static_paths", None) is not None:
-        rows.append(("tree", f"static, {len(proposer.static_paths)} draft tokens"))
-    elif getattr(proposer, "dynamic", None) is not None:
-        tree = proposer.dynamic
-        rows.append(("tree", f"total_tokens {tree.total_tokens}, depth {tree.depth}, tree_top_k {tree.top_k}"))
-    rows += [
-        ("profile", chat.profile or "-"),
-        ("sampling", f"temperature {settings.temperature}, top_p {settings.top_p}, top_k {settings.top_k}, "
-                     f"seed {_text(settings.seed)}"),
-        ("max_new_tokens", str(settings.max_new_tokens)),
-        ("show_accept", _text(settings.show_accept)),
-        ("compare", _text(settings.compare)),
-        ("system", repr(settings.system) if settings.system else "-"),
-        ("conversation", f"{len(chat.session.conversation.messages)} messages, "
-                         f"{len(chat.engine.context_ids)} tokens cached"),
-        ("history", "off (SPECCHAT_NOHISTORY)" if os.environ.get("SPECCHAT_NOHISTORY") else str(history_path())),
-    ]
-    return rows
-
-
 def first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-def _text(value) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return "none" if value is None else str(value)
-

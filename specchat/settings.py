@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from specchat import deagle, lookup
 from specchat.embedded import DEFAULT_MODEL
+from specchat.errors import UsageError
+from specchat.methods import CHAT_METHODS, HEAD_FORMATS, PLAIN
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,10 +58,9 @@ class Settings:
                                  "Draft head folder or hub id (EAGLE, EAGLE-3, Jakiro), or a small draft model for sps.")
     draft_kind: str | None = _setting(None, "draft", "kind",
                                       "Expected draft format; loading fails if the head is another (default: detect).",
-                                      ("eagle", "eagle3", "jakiro"))
+                                      HEAD_FORMATS)
     # [method]
-    method: str = _setting("vanilla", "method", "name", "Decoding method.",
-                           ("vanilla", "eagle", "eagle2", "deagle", "jakiro", "sps", "pld"))
+    method: str = _setting(PLAIN, "method", "name", "Decoding method.", CHAT_METHODS)
     total_tokens: int | None = _setting(None, "method", "total_tokens",
                                         "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: measured, 16 here).")
     depth: int | None = _setting(None, "method", "depth",
@@ -67,21 +69,26 @@ class Settings:
                                       "Children per expanded node in the dynamic tree (papers: 10; CPU default: 6).")
     static_tree: str | None = _setting(None, "method", "static_tree",
                                        "Static tree for eagle (default: mc_sim_7b_63, its most accepted nodes within "
-                                       "--total-tokens) or, if given, for jakiro: a name or a JSON list of rank paths.")
+                                       "--total-tokens) or, if given, for jakiro: a name or a JSON list of rank paths "
+                                       "(other methods refuse it).")
     draft_tokens: int | None = _setting(None, "method", "draft_tokens",
                                         "Tokens per drafted chain for sps (default 3) and pld (default 10).")
-    pld_max_ngram: int = _setting(3, "method", "pld_max_ngram", "pld: longest n-gram looked up.")
-    pld_min_ngram: int = _setting(1, "method", "pld_min_ngram", "pld: shortest n-gram looked up.")
-    deagle_tau_s: float = _setting(0.15, "method", "deagle_tau_s", "deagle: survival-mass threshold tau_S.")
-    deagle_tau_rho: float = _setting(0.6, "method", "deagle_tau_rho", "deagle: momentum-decay threshold tau_rho.")
-    deagle_min_depth: int = _setting(2, "method", "deagle_min_depth", "deagle: the earliest depth drafting may stop.")
-    deagle_mass_nodes: str = _setting("beam", "method", "deagle_mass_nodes",
-                                      "deagle: S_d sums the beam nodes of depth d or all its candidates.", ("beam", "all"))
-    deagle_expected_over: str = _setting("verified", "method", "deagle_expected_over",
+    pld_max_ngram: int = _setting(lookup.DEFAULT_MAX_NGRAM, "method", "pld_max_ngram", "pld: longest n-gram looked up.")
+    pld_min_ngram: int = _setting(lookup.DEFAULT_MIN_NGRAM, "method", "pld_min_ngram", "pld: shortest n-gram looked up.")
+    deagle_tau_s: float = _setting(deagle.TAU_S, "method", "deagle_tau_s", "deagle: survival-mass threshold tau_S.")
+    deagle_tau_rho: float = _setting(deagle.TAU_RHO, "method", "deagle_tau_rho",
+                                     "deagle: momentum-decay threshold tau_rho.")
+    deagle_min_depth: int = _setting(deagle.MIN_DEPTH, "method", "deagle_min_depth",
+                                     "deagle: the earliest depth drafting may stop.")
+    deagle_mass_nodes: str = _setting(deagle.MASS_NODES[0], "method", "deagle_mass_nodes",
+                                      "deagle: S_d sums the beam nodes of depth d or all its candidates.",
+                                      deagle.MASS_NODES)
+    deagle_expected_over: str = _setting(deagle.EXPECTED_OVER[0], "method", "deagle_expected_over",
                                          "deagle: E_d sums the nodes that would be verified, or the beam nodes.",
-                                         ("verified", "beam"))
-    deagle_count_bonus: bool = _setting(False, "method", "deagle_count_bonus", "deagle: E_d includes the bonus token.")
-    deagle_consecutive: bool = _setting(False, "method", "deagle_consecutive",
+                                         deagle.EXPECTED_OVER)
+    deagle_count_bonus: bool = _setting(deagle.DeagleParams.expected_plus_bonus, "method", "deagle_count_bonus",
+                                        "deagle: E_d includes the bonus token.")
+    deagle_consecutive: bool = _setting(deagle.DeagleParams.consecutive, "method", "deagle_consecutive",
                                         "deagle: the two momentum decays must be at consecutive depths.")
     jakiro_reference_attach: bool = _setting(False, "method", "jakiro_reference_attach",
                                              "jakiro: attach the parallel last level by row, as the reference code does "
@@ -117,7 +124,7 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-class ProfileError(ValueError):
+class ProfileError(UsageError, ValueError):
     """A profile cannot be found or has a bad key or value; the message names file and key."""
 
 

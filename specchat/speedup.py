@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specchat.engine import Engine, GenerationSettings
+from specchat.machine import synchronize
 
 # One untimed step warms up allocations; the median of the timed ones resists a noisy neighbour.
 WARMUP_STEPS, TIMED_STEPS = 1, 3
@@ -60,7 +61,7 @@ class PlainStepClock:
             for _ in range(WARMUP_STEPS + TIMED_STEPS):
                 start = time.perf_counter()
                 engine.target.forward(token, cache, logits_for="last")
-                _synchronize(engine.target.device)
+                synchronize(engine.target.device)
                 timings.append(time.perf_counter() - start)
         finally:
             cache.trim(committed)  # the timed steps were scratch: the cache holds what it held before
@@ -109,7 +110,3 @@ def compare_plainly(plain: Engine, prompt_ids: list[int], settings: GenerationSe
     speedup = method_rate / plain_rate if method_rate is not None and plain_rate else None
     return Comparison(plain_tokens, plain_seconds, plain_prefill, speedup, plain_tokens == tokens)
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -9,29 +9,31 @@ about a second instead of a minute.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
-import re
 import shutil
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GgufConfig
+from transformers.utils import logging as transformers_logging
 
 from specchat import embedded
+from specchat.errors import SpecchatError
+from specchat.hub import HUB_ID, HubError, hub_file, hub_folder
+from specchat.machine import cache_dir, cpu_has_bf16
+from specchat.settings import FIELDS, Settings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-QUANTIZE_CHOICES = ("none", "8bit", "4bit")
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-HUB_PROBE_SECONDS = 3.0  # one connection attempt, instead of the hub client's ~30 s of retries
+QUANTIZE_CHOICES = FIELDS["quantize"].metadata["choices"]
 STAMP = "specchat-source.json"  # written last into a converted folder: its presence means "complete"
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(SpecchatError, RuntimeError):
     """The target model could not be found or loaded; the message says why in one line."""
 
 
@@ -39,19 +41,13 @@ class ModelLoadError(RuntimeError):
 class ModelSpec:
     """Where the target comes from and how to load it."""
 
-    model: str = embedded.DEFAULT_MODEL  # embedded name, .gguf path, local folder or hub id
+    # The defaults are the settings' (specchat.settings declares them, with their choices).
+    model: str = Settings.model  # embedded name, .gguf path, local folder or hub id
     gguf_file: str | None = None  # a GGUF file inside the folder / hub repo named by `model`
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantize: str = "none"  # none | 8bit | 4bit (bitsandbytes)
-    trust_remote_code: bool = False
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECCHAT_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    ) / "specchat"
-    return Path(root)
+    dtype: str = Settings.dtype  # auto | bfloat16 | float16 | float32
+    device: str = Settings.device  # auto | cpu | cuda | cuda:N
+    quantize: str = Settings.quantize  # none | 8bit | 4bit (bitsandbytes)
+    trust_remote_code: bool = Settings.trust_remote_code
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,15 +60,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"--device {name} was asked for but this torch build sees no CUDA device")
     return device
-
-
-def cpu_has_bf16() -> bool:
-    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX); otherwise bf16 is slow there."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -94,10 +81,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _quiet_transformers() -> None:
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
 
 
 def _file_sha256(path: Path) -> str:
@@ -136,8 +121,6 @@ def _read_stamp(folder: Path) -> dict | None:
 
 def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
     """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     print(f"specchat: converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...", file=sys.stderr)
     _quiet_transformers()
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -221,15 +204,6 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
     return folder
 
 
-def hub_reachable() -> bool:
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_PROBE_SECONDS).close()
-    except OSError:
-        return False
-    return True
-
-
 def locate(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
     """Where `from_pretrained` should load from, plus hub-specific keyword arguments."""
     if spec.model in embedded.EMBEDDED_MODELS:
@@ -270,39 +244,6 @@ def _locate_on_hub(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
 
 
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
-
-
-class HubError(RuntimeError):
-    """A hub repository could not be fetched (offline and not cached, or refused)."""
-
-
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not hub_reachable()
-
-
-def hub_folder(repo: str, allow_patterns: list[str], hint: str = "") -> str:
-    """A local snapshot of a hub repository: from the hub cache when offline, else downloaded."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(repo, local_files_only=_hub_offline(), allow_patterns=allow_patterns)
-    except LocalEntryNotFoundError as error:
-        raise HubError(f"cannot reach the Hugging Face hub to fetch {repo!r} and it is not in the local hub cache{hint}") from error
-    except (HfHubHTTPError, OSError, ValueError) as error:
-        raise HubError(f"cannot fetch {repo!r} from the Hugging Face hub: {error}") from error
-
-
-def hub_file(repo: str, filename: str, hint: str = "") -> Path:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(hf_hub_download(repo, filename, local_files_only=_hub_offline()))
-    except LocalEntryNotFoundError as error:
-        raise HubError(f"cannot reach the Hugging Face hub to fetch {repo}/{filename} and it is not in the local hub cache{hint}") from error
-    except (HfHubHTTPError, OSError, ValueError) as error:
-        raise HubError(f"cannot fetch {repo}/{filename} from the Hugging Face hub: {error}") from error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,8 +322,6 @@ class Target:
 
 def load_target(spec: ModelSpec) -> Target:
     """Find, (convert,) and load the target model and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if spec.quantize not in QUANTIZE_CHOICES:
         raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE_CHOICES)})")
     device = resolve_device(spec.device)
@@ -405,11 +344,8 @@ def load_target(spec: ModelSpec) -> Target:
 
 
 def _bitsandbytes_config(quantize: str, dtype: torch.dtype):
-    try:
-        from transformers import BitsAndBytesConfig
-        import bitsandbytes  # noqa: F401  (fail here with a clear message rather than deep inside loading)
-    except ImportError as error:
-        raise ModelLoadError(f"--quantize {quantize} needs bitsandbytes: pip install bitsandbytes ({error})") from error
+    if importlib.util.find_spec("bitsandbytes") is None:  # say so here rather than deep inside loading
+        raise ModelLoadError(f"--quantize {quantize} needs bitsandbytes: pip install bitsandbytes")
     if quantize == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)

@@ -13,12 +13,14 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specchat.errors import SpecchatError
+
 FORMAT = "specchat-transcript"
 VERSION = 1
 ROLES = ("user", "assistant")
 
 
-class TranscriptError(ValueError):
+class TranscriptError(SpecchatError, ValueError):
     """A transcript cannot be read or written; the message names the file."""
 
 

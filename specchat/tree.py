@@ -1,17 +1,22 @@
-"""Draft trees: the data structure, their attention masks, and the shapes of static trees.
+"""Draft trees: the data structure, static tree shapes, and the record of one cycle.
 
 A draft tree grows from the root, the newest token (not yet in the target's cache). Nodes are
 stored parents-before-children, and siblings in decreasing draft probability, which is the order
 in which verification tries them. The target verifies the root and every node in one forward:
 each node attends to the cached context, to its ancestors and to itself (tree attention), at the
-position its depth gives it.
+position its depth gives it (`specchat.verify.verify_inputs` builds that forward's inputs).
+
+Plain data, no tensors: the lookup drafter and the method registry use it before torch loads.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only for annotations: a sampled draft carries its distributions q
+    import torch
 
 # The EAGLE-1 static tree `mc_sim_7b_63` (also Medusa's): each path lists child ranks from the
 # root, e.g. (0, 1) = the second most likely child of the most likely first token. 25 nodes
@@ -85,23 +90,13 @@ class DraftTree:
             kids[parent + 1].append(node)
         return kids
 
-    def ancestors(self) -> torch.Tensor:
-        """[n + 1, n + 1] bool: row i+1 marks node i, its ancestors and the root (row/column 0)."""
-        n = len(self.tokens)
-        matrix = torch.eye(n + 1, dtype=torch.bool)
-        matrix[:, 0] = True
+    def ancestors(self) -> list[list[int]]:
+        """Per node, the indices of its ancestors (root to parent) and itself."""
+        lines: list[list[int]] = []
         for node, parent in enumerate(self.parents):
             assert parent < node, "tree nodes must come after their parents"
-            matrix[node + 1] |= matrix[parent + 1]
-        return matrix
-
-    def verify_inputs(self, root: int, cached: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Input ids [1, n+1], positions [1, n+1] and mask [1, 1, n+1, cached+n+1] for one target forward."""
-        ids = torch.tensor([[root] + self.tokens], device=device)
-        positions = torch.tensor([[0] + self.depths], device=device) + cached
-        mask = torch.ones(len(self.tokens) + 1, cached + len(self.tokens) + 1, dtype=torch.bool)
-        mask[:, cached:] = self.ancestors()
-        return ids, positions, mask.to(device)[None, None]
+            lines.append((lines[parent] if parent >= 0 else []) + [node])
+        return lines
 
 
 @dataclass
@@ -123,8 +118,6 @@ class Cycle:
 
 def parse_static_tree(spec: str) -> tuple[tuple[int, ...], ...]:
     """A static tree by name (see STATIC_TREES) or as a JSON list of rank paths, checked."""
-    import json
-
     if spec in STATIC_TREES:
         return STATIC_TREES[spec]
     try:

@@ -1,4 +1,5 @@
-"""Deciding which draft tokens the target accepts, without changing what the target would say.
+"""Verifying a draft tree: the target forward's inputs, and which draft tokens the target accepts,
+without changing what the target would say.
 
 Notation as in the papers: p is the target's processed distribution (temperature, top-k, top-p
 applied; a point mass on the argmax when greedy), q the draft's.
@@ -24,6 +25,25 @@ import torch
 
 from specchat.sampling import SamplingParams, sample, target_probs
 from specchat.tree import DraftTree
+
+
+def verify_inputs(tree: DraftTree, root: int, cached: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids [1, n+1], positions [1, n+1] and mask [1, 1, n+1, cached+n+1] for one target forward.
+
+    Row 0 is the root, row i + 1 node i; each attends to the whole cached context, to the root,
+    to its ancestors and to itself (tree attention), at the position its depth gives it.
+    """
+    n = len(tree)
+    ids = torch.tensor([[root] + tree.tokens], device=device)
+    positions = torch.tensor([[0] + tree.depths], device=device) + cached
+    rows = [[True] + [False] * n]  # the root sees only itself among the new tokens
+    for line in tree.ancestors():
+        row = [True] + [False] * n
+        for node in line:
+            row[node + 1] = True
+        rows.append(row)
+    mask = torch.cat([torch.ones(n + 1, cached, dtype=torch.bool), torch.tensor(rows)], dim=1)
+    return ids, positions, mask.to(device)[None, None]
 
 
 @dataclass

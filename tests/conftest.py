@@ -105,9 +105,9 @@ def load_tiny_target(path, dtype: str = "float32"):
 
 
 def head_config(kind: str, **overrides):
-    from drafters.eagle import EagleConfig
-    from drafters.eagle3 import Eagle3Config
-    from drafters.jakiro import JakiroConfig
+    from specchat.drafters.eagle import EagleConfig
+    from specchat.drafters.eagle3 import Eagle3Config
+    from specchat.drafters.jakiro import JakiroConfig
 
     common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=TINY_VOCAB)
@@ -118,9 +118,9 @@ def head_config(kind: str, **overrides):
 
 
 def random_head(kind: str, target, seed: int = 0, **overrides):
-    from drafters.eagle import EagleHead
-    from drafters.eagle3 import Eagle3Head
-    from drafters.jakiro import JakiroHead
+    from specchat.drafters.eagle import EagleHead
+    from specchat.drafters.eagle3 import Eagle3Head
+    from specchat.drafters.jakiro import JakiroHead
 
     torch.manual_seed(seed)
     config = head_config(kind, **overrides)
@@ -153,7 +153,7 @@ def oracle_head(target):
     It outputs (a multiple of) the embedding of its input token; the target's LM head on it ranks
     tokens as the target does after that token (the target's feature is the same vector, RMS-normalised).
     """
-    from drafters.eagle import EagleHead
+    from specchat.drafters.eagle import EagleHead
 
     H = target.hidden_size
     head = EagleHead(head_config("eagle"), target.embed_tokens, target.lm_head)

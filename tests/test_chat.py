@@ -38,7 +38,7 @@ def test_streamed_reply_text_equals_the_reply(tokenizer):
     """What a consumer concatenates from the stream is exactly the answer kept in the conversation,
     even when the reply ends inside a multi-byte character (here: cut by the token budget)."""
     from specchat.engine import GenerationSettings, StepResult
-    from specchat.session import ChatSession
+    from specchat.chat import ChatSession
 
     emoji = tokenizer.encode("ok 😀", add_special_tokens=False)
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from conftest import invoke, load_tiny_target, random_head, tiny
+from specchat.methods import METHODS
 
 
 def test_run_writes_one_record_per_line_with_all_fields(qwen_dir, tmp_path, capsys):
@@ -74,11 +75,11 @@ def test_a_bad_environment_value_names_the_variable(variable, value, flag, capsy
 
 
 def test_a_head_bundled_for_the_target_is_used_when_no_draft_is_given(qwen_dir, tmp_path, capsys, monkeypatch):
-    from drafters import save_head
+    from specchat.drafters import save_head
 
     save_head(random_head("eagle3", load_tiny_target(qwen_dir)), tmp_path / "tiny-eagle3")
     monkeypatch.setattr("specchat.heads.bundled_heads", lambda: {"tiny-eagle3": tmp_path / "tiny-eagle3"})
-    monkeypatch.setattr("specchat.heads.DEFAULT_HEADS", {str(qwen_dir): {"eagle2": "tiny-eagle3"}})
+    monkeypatch.setitem(METHODS["eagle2"].bundled, str(qwen_dir), "tiny-eagle3")
     code, out, err = invoke(["run", "-", *tiny(qwen_dir), "--method", "eagle2"], capsys, stdin="q\n", monkeypatch=monkeypatch)
     assert code == 0, err
     record = json.loads(out)
@@ -115,7 +116,7 @@ def test_too_long_prompt_fails_but_keeps_the_other_records(qwen_dir, tmp_path, c
 
 def test_speculative_run_records_and_trace(qwen_dir, tmp_path, capsys):
     from conftest import load_tiny_target, random_head
-    from drafters import save_head
+    from specchat.drafters import save_head
 
     save_head(random_head("eagle3", load_tiny_target(qwen_dir)), tmp_path / "head")
     prompts, trace = tmp_path / "q.jsonl", tmp_path / "trace.jsonl"

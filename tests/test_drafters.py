@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import load_tiny_target, random_head
-from drafters import HeadLoadError, load_head, save_head
+from specchat.drafters import HeadLoadError, load_head, save_head
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +16,14 @@ def target(qwen_dir):
 
 
 def outputs(head, target):
-    from specchat.cache import KVCache
+    from specchat.drafters.layers import HeadCache
 
     torch.manual_seed(0)
     width = head.fc.in_features if head.kind == "eagle3" else target.hidden_size
     features, tokens = torch.randn(5, width), torch.tensor([3, 4, 5, 6, 7])
     mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():
-        out = head(features, tokens, torch.arange(5), mask, KVCache())
+        out = head(features, tokens, torch.arange(5), mask, HeadCache())
         return head.log_probs(out)
 
 

@@ -6,7 +6,7 @@ import torch
 from conftest import exact_two_token_distribution, load_tiny_target, oracle_head, random_head
 from specchat.deagle import DeagleParams, DepthVote
 from specchat.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.drafting import DynamicTreeParams, TreeProposer
+from specchat.drafting import DeagleTree, DynamicTreeParams, JakiroTree, TreeProposer
 from specchat.engine import Engine, GenerationSettings
 from specchat.lookup import PromptLookupProposer
 from specchat.sampling import SamplingParams, make_generator
@@ -31,12 +31,12 @@ def bigram(bigram_dir):
 
 def make(method, model, head=None, draft=None):
     if method == "deagle":
-        return TreeProposer(head or random_head("eagle3", model), model.num_layers, dynamic=TREE, deagle=DeagleParams())
+        return TreeProposer(head or random_head("eagle3", model), model.num_layers, DeagleTree(TREE, DeagleParams()))
     if method == "jakiro":
-        return TreeProposer(head or random_head("jakiro", model), model.num_layers, dynamic=TREE, parallel_last_level=True)
+        return TreeProposer(head or random_head("jakiro", model), model.num_layers, JakiroTree(TREE))
     if method == "jakiro-reference":
-        return TreeProposer(head or random_head("jakiro", model), model.num_layers, dynamic=TREE,
-                            parallel_last_level=True, reference_attach=True)
+        return TreeProposer(head or random_head("jakiro", model), model.num_layers,
+                            JakiroTree(TREE, reference_attach=True))
     if method == "sps":
         return DraftModelProposer(draft or model, model.vocab_size, draft_tokens=4)
     return PromptLookupProposer(draft_tokens=6)
@@ -159,8 +159,7 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram):
     head.forward = counting
     both = head.forward_both
     head.forward_both = lambda *a, **k: (calls.append("both"), both(*a, **k))[1]
-    proposer = TreeProposer(head, bigram.num_layers, dynamic=DynamicTreeParams(total_tokens=40, depth=5, top_k=3),
-                            parallel_last_level=True)
+    proposer = TreeProposer(head, bigram.num_layers, JakiroTree(DynamicTreeParams(total_tokens=40, depth=5, top_k=3)))
     engine = Engine(bigram, proposer)
     steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=20)))
     tree = steps[1].cycle.tree
@@ -172,7 +171,6 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram):
 
 def test_parent_correct_and_reference_attachment(bigram):
     """Beam nodes whose parents sit in other rows get their own parent's row only when parent-correct."""
-    head = random_head("jakiro", bigram)
 
     class Table:  # node 10..12 are the last beam; their parents are nodes 7, 5, 6
         @staticmethod
@@ -184,8 +182,7 @@ def test_parent_correct_and_reference_attachment(bigram):
     ids = torch.tensor([[50, 51], [60, 61], [70, 71]])
     beam = torch.tensor([10, 11, 12])
     for reference, expected in ((False, [[70, 71], [50, 51], [60, 61]]), (True, [[50, 51], [60, 61], [70, 71]])):
-        proposer = TreeProposer(head, bigram.num_layers, parallel_last_level=True, reference_attach=reference)
-        _, got = proposer._attach_two_ahead(beam, Table, (parents_fed, (logp, ids)))
+        _, got = JakiroTree(reference_attach=reference)._attach_two_ahead(beam, Table, (parents_fed, (logp, ids)))
         assert got.tolist() == expected
 
 

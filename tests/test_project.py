@@ -1,5 +1,6 @@
 """Project invariants: CI runs exactly the README's test command."""
 
+import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,3 +16,75 @@ def test_ci_runs_the_readme_test_command():
     assert "specchat chat" in setup and "pytest" in test
     ci_lines = [line.strip() for line in ROOT.joinpath(".ci/run").read_text().splitlines()]
     assert test in ci_lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The package's layout: no import cycles, each method named once
+
+
+def project_modules() -> dict[str, ast.Module]:
+    modules = {}
+    for path in sorted((ROOT / "specchat").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = ast.parse(path.read_text(), str(path))
+    return modules
+
+
+def imported_modules(tree: ast.Module, name: str, known: set[str]) -> set[str]:
+    """Every project module `name` imports, at module level or inside functions alike."""
+    package = name if (ROOT / name.replace(".", "/") / "__init__.py").is_file() else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names}
+    return {module for module in found if module in known and module != name}
+
+
+def test_no_import_cycles_among_the_project_modules():
+    modules = project_modules()
+    graph = {name: imported_modules(tree, name, set(modules)) for name, tree in modules.items()}
+    assert graph["specchat.cli"] and graph["specchat.app"], "the walk must see real imports"
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycle = path[path.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_each_method_name_is_written_once_outside_the_registry():
+    from specchat.drafters import FORMATS
+    from specchat.methods import HEAD_FORMATS, METHODS
+
+    assert tuple(FORMATS) == HEAD_FORMATS  # head formats: the registry's list, each architecture file's KIND
+    names = set(METHODS) - set(HEAD_FORMATS)  # "eagle" and "jakiro" also name the head formats
+    for name, tree in project_modules().items():
+        if name == "specchat.methods":
+            continue
+        literals = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        assert not literals & names, f"{name} names methods {sorted(literals & names)}; read them from specchat.methods"
+
+
+def test_the_command_line_starts_without_torch():
+    """--help, profiles and the chat prompt come up before torch and transformers load."""
+    import subprocess
+    import sys
+
+    code = "import sys, specchat.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

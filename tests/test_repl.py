@@ -14,7 +14,8 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
 from conftest import invoke, load_tiny_target, oracle_head, random_head, tiny
-from specchat.cli import open_chat, plain_unless_drafted, resolve_settings
+from specchat.cli import open_chat, resolve_settings
+from specchat.methods import plain_unless_drafted
 from specchat.livesettings import LiveChatError, parse_value
 from specchat.repl import block_is_open, history_path, run_repl, unwrap_block
 from specchat.ui import ChatUI
@@ -43,7 +44,7 @@ def drive(chat, keys: str, terminal: bool = False) -> str:
 
 @pytest.fixture(scope="module")
 def head_dirs(qwen_dir, bigram_dir, tmp_path_factory):
-    from drafters import save_head
+    from specchat.drafters import save_head
 
     folder = tmp_path_factory.mktemp("heads")
     save_head(random_head("eagle3", load_tiny_target(qwen_dir)), folder / "random")

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import exact_two_token_distribution, load_tiny_target, oracle_head, random_head
 from specchat.chat import ChatFormat, Conversation
-from specchat.drafting import DynamicTreeParams, TreeProposer
+from specchat.drafting import DynamicTree, DynamicTreeParams, StaticTree, TreeProposer
 from specchat.engine import Engine, GenerationSettings
 from specchat.sampling import SamplingParams, make_generator
 from specchat.tree import MC_SIM_7B_63
@@ -19,8 +19,8 @@ def tokens_of(engine, prompt, settings, rng=None):
 
 def proposer(head, target, tree):
     if tree == "static":
-        return TreeProposer(head, target.num_layers, static_paths=MC_SIM_7B_63)
-    return TreeProposer(head, target.num_layers, dynamic=DynamicTreeParams(total_tokens=16, depth=5, top_k=4))
+        return TreeProposer(head, target.num_layers, StaticTree(MC_SIM_7B_63))
+    return TreeProposer(head, target.num_layers, DynamicTree(DynamicTreeParams(total_tokens=16, depth=5, top_k=4)))
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import load_tiny_target, random_head
-from drafters import load_head
-from drafters.common import UnrolledKeys
-from specchat.cache import KVCache
+from specchat.drafters import load_head
+from specchat.train.unrolled import UnrolledKeys
+from specchat.drafters.layers import HeadCache
 from specchat.train.data import encode, read_conversations
 from specchat.train.features import extract
 from specchat.train.regenerate import regenerate
@@ -93,7 +93,7 @@ def test_unrolled_steps_see_what_tree_nodes_see(target):
         step1 = head(step0, tokens[2 : n + 2], positions + 1, None, keys)
         step2 = head(step1, tokens[3 : n + 3], positions + 2, None, keys)
         # Inference: context pass over positions 0..t, then a chain of two nodes under it.
-        cache = KVCache()
+        cache = HeadCache()
         causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None, None]
         context = head(features[: t + 1], tokens[1 : t + 2], positions[: t + 1], causal, cache)
         node1 = head(context[-1:], tokens[t + 2 : t + 3], torch.tensor([t + 1]),
@@ -155,7 +155,7 @@ def test_a_few_steps_reduce_the_loss_and_the_head_loads_back(kind, target, store
     after = mean_loss()
     assert after < 0.8 * before, (before, after)
     assert state.step == 25 and state.evaluations and len(state.evaluations[-1]["top1_by_step"]) == config.eval_steps
-    from drafters import save_head
+    from specchat.drafters import save_head
 
     save_head(head, tmp_path / "head")
     loaded = load_head(str(tmp_path / "head"), target)

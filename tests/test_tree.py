@@ -5,6 +5,7 @@ import torch
 
 from specchat.drafting import _select
 from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
+from specchat.verify import verify_inputs
 
 
 def test_mc_sim_7b_63_has_the_published_shape():
@@ -18,7 +19,7 @@ def test_verify_inputs_give_tree_attention_and_depth_positions():
     #   root ─ a ─ c
     #        └ b
     tree = DraftTree(tokens=[7, 8, 9], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.3, 0.9])
-    ids, positions, mask = tree.verify_inputs(root=5, cached=4, device="cpu")
+    ids, positions, mask = verify_inputs(tree, root=5, cached=4, device="cpu")
     assert ids.tolist() == [[5, 7, 8, 9]]
     assert positions.tolist() == [[4, 5, 5, 6]]
     tail = mask[0, 0, :, 4:].int().tolist()
@@ -56,7 +57,7 @@ def test_the_measured_mc_sim_trim_is_a_tree_of_the_asked_size(nodes):
 def test_eagle_verifies_the_static_tree_within_the_token_budget():
     from types import SimpleNamespace
 
-    from specchat.methods import default_static_tree
+    from specchat.proposers import default_static_tree
     from specchat.settings import Settings
 
     cpu = SimpleNamespace(device=torch.device("cpu"))

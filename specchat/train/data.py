@@ -23,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specchat.errors import UsageError
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                   "assistant": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 
@@ -65,7 +67,7 @@ class ReadReport:
         return "; ".join(parts)
 
 
-class DataError(ValueError):
+class DataError(UsageError, ValueError):
     """A training file cannot be read at all (not JSON, unknown shape)."""
 
 

@@ -15,12 +15,17 @@ from pathlib import Path
 
 import torch
 
-from drafters import save_head
 from specchat import __version__
+from specchat.chat import ChatFormat
+from specchat.drafters import save_head
+from specchat.drafters.eagle3 import default_feature_layers
+from specchat.errors import UsageError
+from specchat.machine import cache_dir, hardware
+from specchat.train import trainer
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, extract
 from specchat.train.regenerate import regenerate
-from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, hardware, train
+from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, train
 
 DEFAULT_MAX_TOKENS = 2048  # EAGLE's max_len
 DEFAULT_HELD_OUT = 0.02
@@ -39,13 +44,11 @@ class PrepareOptions:
     seed: int = 0
 
 
-class TrainError(ValueError):
+class TrainError(UsageError, ValueError):
     """Training cannot start (no usable data, an incompatible work folder, ...)."""
 
 
 def default_work_dir(target_name: str, options: PrepareOptions) -> Path:
-    from specchat.target import cache_dir
-
     parts = [target_name, options.regenerate, options.regenerate_max_tokens, options.regenerate_temperature,
              options.max_tokens, options.limit, options.seed]
     for name in options.data:
@@ -70,8 +73,6 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, pr
                "truncated_files": report.truncated, "used": None, "regenerated": 0}
     started = time.perf_counter()
     if options.regenerate:
-        from specchat.chat import ChatFormat
-
         stop_ids = ChatFormat(target.tokenizer).stop_ids
         conversations = regenerate(
             conversations, target, work / "regenerated.jsonl", batch_size=options.regenerate_batch,
@@ -95,7 +96,7 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, pr
     summary["tokens"] = sum(len(ids) for ids, _ in sequences)
     summary["assistant_tokens"] = sum(sum(mask) for _, mask in sequences)
     log(f"{len(sequences)} conversations, {summary['tokens']:,} tokens ({summary['assistant_tokens']:,} to predict)")
-    aux_layers = (2, target.num_layers // 2, target.num_layers - 3) if need_aux else None
+    aux_layers = default_feature_layers(target.num_layers) if need_aux else None
     folder = work / "features"
     existing = _complete_store(folder)
     started = time.perf_counter()
@@ -156,8 +157,6 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
 
 
 def recipe_description(config: TrainConfig) -> dict:
-    from specchat.train import trainer
-
     steps = config.steps_unrolled()
     if config.kind == "eagle3":
         return {"paper": "EAGLE-3 (arXiv 2503.01840)", "loss": f"sum_i {trainer.STEP_DECAY}^i * CE over the draft vocabulary",

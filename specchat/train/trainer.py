@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import random
 import time
 from collections import Counter
@@ -35,10 +34,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafters.common import UnrolledKeys
-from drafters.eagle import EagleConfig, EagleHead
-from drafters.eagle3 import Eagle3Config, Eagle3Head
-from drafters.jakiro import JakiroConfig, JakiroHead
+from specchat.drafters.eagle import EagleConfig, EagleHead
+from specchat.drafters.eagle3 import Eagle3Config, Eagle3Head
+from specchat.drafters.jakiro import JakiroConfig, JakiroHead
+from specchat.train.unrolled import UnrolledKeys
 
 # EAGLE's loss weights and input noise.
 FEATURE_WEIGHT, PROBABILITY_WEIGHT, FEATURE_NOISE = 1.0, 0.1, 0.1
@@ -62,7 +61,7 @@ class TrainConfig:
     epochs: float = 2.0
     max_steps: int | None = None
     batch_tokens: int = 8192  # tokens per optimizer step (gradient accumulation over sequences)
-    ttt_steps: int | None = None  # eagle3: paper 7; CPU default 3 (see cli); eagle/jakiro: 1
+    ttt_steps: int | None = None  # None: the paper's 7 for eagle3, 1 for eagle/jakiro
     draft_vocab: int | None = None  # None: 32000 (EAGLE-3's size); eagle/jakiro heads then draft over it too
     intermediate_size: int | None = None  # None: the target's
     eval_every: int = 200
@@ -177,7 +176,7 @@ def sequence_loss(head, seq: dict, config: TrainConfig, lm_rows: torch.Tensor, v
     teacher_all = teacher_log_probs(lm_rows, final)  # shared by every step: it only shifts
     losses, hits = [], []
     outputs = unrolled_outputs(head, seq, steps, noise=FEATURE_NOISE if head.kind != "eagle3" else 0.0,
-                               right=head.kind == "jakiro")
+                               right=head.predicts_two_ahead)
     for step, (out, contrast) in enumerate(outputs):
         target_pos = positions + 1 + step  # the position whose feature/distribution this step predicts
         valid = target_pos + 1 < n
@@ -315,16 +314,3 @@ def train(head, target, store, train_ids: list[int], held_out: list[int], config
                         "state": json.dumps(asdict(state))}, checkpoint / "state.pt")
     head.eval()
     return state
-
-
-def hardware() -> dict:
-    info = {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info

@@ -26,9 +26,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafters.common import Attention, HeadLoadError, LayerConfig, RMSNorm, SwiGLU, load_strict, read_layer_config
-from drafters.eagle import EagleHead, check_target_fit
+from specchat.drafters.base import LayerConfig, check_target_fit, read_layer_config
+from specchat.drafters.checkpoint import HeadLoadError, load_strict
+from specchat.drafters.eagle import EagleHead
+from specchat.drafters.layers import Attention, RMSNorm, SwiGLU
 
+KIND = "jakiro"
+NAME = "Jakiro"
+KEYS = "fc [H, 2H] + layers.0.* with mlp_moe.gate [4, H] and two experts"
+KEY_MAP: dict[str, str] = {}  # the published names are the modules' own
 NUM_EXPERTS = 2  # the published Jakiro heads; the router has two logits per branch (left, right)
 
 
@@ -78,8 +84,8 @@ class JakiroLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp_moe = MixtureOfExperts(config.hidden_size)
 
-    def forward(self, x, cos, sin, mask, cache, right: bool = False):
-        h = x + self.self_attn(x, cos, sin, mask, cache)
+    def forward(self, x, cos, sin, mask, keys, right: bool = False):
+        h = x + self.self_attn(x, cos, sin, mask, keys)
         left, contrast = self.mlp_moe(self.post_attention_layernorm(h), right)
         return h + left, (None if contrast is None else h + contrast)
 
@@ -87,20 +93,25 @@ class JakiroLayer(nn.Module):
 class JakiroHead(EagleHead):
     """Jakiro: the EAGLE-1/2 interface plus `forward_both`, which also gives the two-ahead output."""
 
-    kind = "jakiro"
+    kind = KIND
+    predicts_two_ahead = True
     layer_class = JakiroLayer
 
-    def forward_both(self, hidden, tokens, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_both(self, hidden, tokens, positions, mask, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """The next feature (left) and the contrastive two-ahead feature (right), each [m, H]."""
         x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))[None]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        left, right = self.layers[0](x, cos, sin, mask, cache, right=True)
+        left, right = self.layers[0](x, cos, sin, mask, keys, right=True)
         return left[0], right[0]
 
-    def forward(self, hidden, tokens, positions, mask, cache) -> torch.Tensor:
+    def forward(self, hidden, tokens, positions, mask, keys) -> torch.Tensor:
         x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))[None]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        return self.layers[0](x, cos, sin, mask, cache)[0][0]
+        return self.layers[0](x, cos, sin, mask, keys)[0][0]
+
+
+def matches(keys: set[str]) -> bool:
+    return any(".mlp_moe." in k for k in keys)
 
 
 def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> JakiroHead:

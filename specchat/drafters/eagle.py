@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafters.common import Attention, HeadLoadError, LayerConfig, RMSNorm, SwiGLU, load_strict, read_layer_config
+from specchat.drafters.base import DraftHead, LayerConfig, check_target_fit, read_layer_config
+from specchat.drafters.checkpoint import load_strict
+from specchat.drafters.layers import Attention, RMSNorm, SwiGLU
+
+KIND = "eagle"
+NAME = "EAGLE-1/2"
+KEYS = "fc [H, 2H] + layers.0.* without input_layernorm"
+KEY_MAP: dict[str, str] = {}  # the published names are the modules' own
 
 
 @dataclass(frozen=True)
@@ -48,15 +55,16 @@ class EagleLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
-        h = x + self.self_attn(x, cos, sin, mask, cache)
+    def forward(self, x, cos, sin, mask, keys) -> torch.Tensor:
+        h = x + self.self_attn(x, cos, sin, mask, keys)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftHead):
     """EAGLE-1/2 head. Token ids in and out are target-vocabulary ids."""
 
-    kind = "eagle"
+    kind = KIND
+    uses_target_lm_head = True
     layer_class = EagleLayer
 
     def __init__(self, config: EagleConfig, target_embed: nn.Embedding, target_lm_head: nn.Linear,
@@ -90,11 +98,11 @@ class EagleHead(nn.Module):
         self._draft_weight = weight[self.draft_to_target].contiguous()
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, cache) -> torch.Tensor:
+                mask: torch.Tensor | None, keys) -> torch.Tensor:
         """One draft step for m positions. hidden: [m, H] features; tokens, positions: [m]. Returns [m, H]."""
         x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))[None]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        return self.layers[0](x, cos, sin, mask, cache)[0]
+        return self.layers[0](x, cos, sin, mask, keys)[0]
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [m, draft vocab] of the token after each position."""
@@ -102,9 +110,9 @@ class EagleHead(nn.Module):
         logits = out.to(weight.dtype) @ weight.T  # the target's rows, in the target's dtype
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint of this head holds (the shared target embedding is left out)."""
-        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
+
+def matches(keys: set[str]) -> bool:
+    return "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
 
 
 def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> EagleHead:
@@ -114,12 +122,3 @@ def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> E
     load_strict(head, state, source, optional=() if head.owns_embedding else ("embed_tokens.weight",))
     return head.to(device=target.device, dtype=target.dtype).eval()
 
-
-def check_target_fit(config: LayerConfig, target, source: Path, feature_size: int | None = None) -> None:
-    """Hidden size and vocabulary must be the target's, or the head's numbers mean nothing."""
-    if config.vocab_size != target.vocab_size:
-        raise HeadLoadError(f"{source}: the head's vocab_size is {config.vocab_size} but the target's is {target.vocab_size}")
-    expected = feature_size or config.hidden_size
-    if expected != target.hidden_size:
-        raise HeadLoadError(
-            f"{source}: the head expects target hidden size {expected} but the target's is {target.hidden_size}")

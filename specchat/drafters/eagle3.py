@@ -15,7 +15,7 @@ Checkpoint format (as published, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B):
     lm_head.weight                             [draft_vocab, H]
     d2t [draft_vocab] int64, t2d [vocab] bool  (absent when draft_vocab == vocab)
     embed_tokens.weight                        optional (else the target's embedding)
-Community checkpoints that name the layer `layers.0.*` are read through LAYER_KEY_MAP.
+Community checkpoints that name the layer `layers.0.*` are read through KEY_MAP.
 Config: Llama fields + draft_vocab_size, optional target_hidden_size; rope_theta defaults to 10000.
 """
 
@@ -27,11 +27,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafters.common import HeadLoadError, LayerConfig, RMSNorm, load_strict, read_layer_config
-from drafters.eagle import EagleLayer, check_target_fit
+from specchat.drafters.base import DraftHead, LayerConfig, check_target_fit, read_layer_config
+from specchat.drafters.checkpoint import HeadLoadError, load_strict
+from specchat.drafters.eagle import EagleLayer
+from specchat.drafters.layers import RMSNorm
 
+KIND = "eagle3"
+NAME = "EAGLE-3"
+KEYS = "fc [H, 3H] + midlayer.* + norm + lm_head (+ d2t/t2d)"
 # Community EAGLE-3 checkpoints (e.g. some Qwen3 heads) call the decoder layer `layers.0`.
-LAYER_KEY_MAP = {"layers.0.": "midlayer."}
+KEY_MAP = {"layers.0.": "midlayer."}
+
+
+def default_feature_layers(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, mid and high features: the inputs of layers 2, L//2 and L-3 (§3.1)."""
+    L = num_target_layers
+    return (2, L // 2, L - 3)
 
 
 @dataclass(frozen=True)
@@ -66,14 +77,16 @@ class Eagle3Layer(EagleLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, embedded, hidden, cos, sin, mask, cache) -> torch.Tensor:
+    def forward(self, embedded, hidden, cos, sin, mask, keys) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, mask, cache)
+        h = hidden + self.self_attn(x, cos, sin, mask, keys)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Head(nn.Module):
-    kind = "eagle3"
+class Eagle3Head(DraftHead):
+    """EAGLE-3 head: its own LM head over a draft vocabulary, read back to target ids through d2t."""
+
+    kind = KIND
 
     def __init__(self, config: Eagle3Config, target_embed: nn.Embedding, own_embedding: bool = False):
         super().__init__()
@@ -94,34 +107,33 @@ class Eagle3Head(nn.Module):
 
     def refresh_vocab_map(self) -> None:
         """Draft index i stands for target id i + d2t[i] (identity when the vocabularies are equal)."""
-        if hasattr(self, "d2t"):
+        if self.config.draft_vocab_size != self.config.vocab_size:
             self.draft_to_target = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
         else:
             self.draft_to_target = None
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
-        L = num_target_layers
-        return self.config.feature_layer_ids or (2, L // 2, L - 3)
+        return self.config.feature_layer_ids or default_feature_layers(num_target_layers)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, cache) -> torch.Tensor:
+                mask: torch.Tensor | None, keys) -> torch.Tensor:
         """One draft step. hidden: [m, 3*H_target] target features or [m, H] the head's own output."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
-        return self.midlayer(self.embed_tokens(tokens)[None], hidden[None], cos, sin, mask, cache)[0]
+        return self.midlayer(self.embed_tokens(tokens)[None], hidden[None], cos, sin, mask, keys)[0]
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.lm_head(self.norm(out)).float(), dim=-1)
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
+
+def matches(keys: set[str]) -> bool:
+    return any(k.startswith("midlayer.") for k in keys) or "layers.0.hidden_norm.weight" in keys
 
 
 def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> Eagle3Head:
     config = Eagle3Config.from_dict(raw_config, str(folder / "config.json"))
     check_target_fit(config, target, source, feature_size=config.target_hidden_size or config.hidden_size)
-    state = {_map_key(key): value for key, value in state.items()}
     head = Eagle3Head(config, target.embed_tokens, own_embedding="embed_tokens.weight" in state)
     if config.draft_vocab_size == config.vocab_size:
         # Equal vocabularies need no map; some checkpoints still carry an all-zero one (EAGLE issue #222).
@@ -137,9 +149,3 @@ def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> E
         raise HeadLoadError(f"{source}: d2t maps draft ids beyond the target vocabulary ({config.vocab_size})")
     return head.eval()
 
-
-def _map_key(key: str) -> str:
-    for old, new in LAYER_KEY_MAP.items():
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key

@@ -1,0 +1,76 @@
+"""Assembly: from resolved settings to a loaded target, its drafter and a chat — for chat, run and bench.
+
+Order matters to the user: values that can be checked without a model are checked first (a bad
+temperature should not cost a model load), then the target loads, then the method's proposer.
+Nothing here prints or exits; every failure is one of the errors of `specchat.errors`, which the
+command line turns into one line and an exit status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specchat.chat import ChatFormat, ChatSession, resolve_template
+from specchat.engine import Engine, GenerationSettings
+from specchat.errors import UsageError
+from specchat.live import LiveChat
+from specchat.methods import MethodError, effective_draft, needs_draft
+from specchat.proposers import LoadModel, build_proposer
+from specchat.sampling import SamplingParams, make_generator
+from specchat.settings import Settings
+from specchat.target import ModelSpec, Target, load_target
+
+
+def model_loader(settings: Settings) -> LoadModel:
+    """`load(name, gguf_file=None)`: loads a model (the target, or a draft model) the way `settings` say."""
+    def load_model(name: str, gguf_file: str | None = None) -> Target:
+        return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
+                                     quantize=settings.quantize, trust_remote_code=settings.trust_remote_code))
+
+    return load_model
+
+
+def check(settings: Settings) -> SamplingParams:
+    """What can be checked before any model loads: sampling values, the token budget, the method's draft."""
+    try:
+        sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if settings.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}")
+    wanted = needs_draft(settings.method)
+    if wanted and not effective_draft(settings):
+        raise MethodError(f"--method {settings.method} needs --draft: {wanted}")
+    return sampling
+
+
+def load_chat_model(settings: Settings) -> tuple[Target, ChatFormat]:
+    """The target and its chat format (the template the settings name, else the tokenizer's)."""
+    target = model_loader(settings)(settings.model, settings.gguf_file)
+    return target, ChatFormat(target.tokenizer, template=resolve_template(settings.chat_template))
+
+
+def generation_settings(settings: Settings, sampling: SamplingParams, chat_format: ChatFormat) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling, stop_ids=chat_format.stop_ids)
+
+
+def open_session(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
+                 load_model: LoadModel) -> ChatSession:
+    """A chat session on a loaded target, decoding with the settings' method (its draft loads here)."""
+    engine = Engine(target, build_proposer(settings, target, load_model))
+    return ChatSession(engine, chat_format, generation, make_generator(settings.seed, target.device),
+                       system=settings.system)
+
+
+def open_chat(settings: Settings, profile: str | None, target_loaded: Callable[[], None] | None = None) -> LiveChat:
+    """Everything `chat` and `run` need: the target, the method's proposer and a session around
+    them, whose method and settings can change mid-chat. `target_loaded()` runs once the target
+    has loaded (so that a model that cannot load gives the only message)."""
+    sampling = check(settings)
+    target, chat_format = load_chat_model(settings)
+    if target_loaded is not None:
+        target_loaded()
+    load_model = model_loader(settings)
+    session = open_session(settings, target, chat_format, generation_settings(settings, sampling, chat_format),
+                           load_model)
+    return LiveChat(session, settings, profile, load_model)

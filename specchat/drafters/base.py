@@ -1,0 +1,127 @@
+"""What every draft head is: the Llama-style config fields they share, and the interface the drafter
+and the trainer use (`DraftHead`), so neither needs to probe a head for what it can do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from specchat.drafters.checkpoint import HeadLoadError
+from specchat.drafters.layers import DEFAULT_ROPE_THETA, Rope
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """The Llama-style fields every head config has (keys the head does not use are ignored)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = DEFAULT_ROPE_THETA
+    rope_scaling: dict | None = None
+    qkv_bias: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def layer_dict(self, architecture: str = "LlamaForCausalLM") -> dict:
+        """The Llama-style config.json fields every head format writes."""
+        return {
+            "architectures": [architecture], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling, "qkv_bias": self.qkv_bias,
+        }
+
+
+def read_layer_config(raw: dict, where: str) -> dict:
+    """The shared fields of a head config.json, checked; returns kwargs for a LayerConfig subclass."""
+    required = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+    missing = [key for key in required if key not in raw]
+    if missing:
+        raise HeadLoadError(f"{where}: config.json lacks {', '.join(missing)}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise HeadLoadError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (heads use silu)")
+    if raw["hidden_size"] % raw["num_attention_heads"]:
+        raise HeadLoadError(f"{where}: hidden_size {raw['hidden_size']} is not a multiple of num_attention_heads")
+    rope = raw.get("rope_parameters") or {}
+    return dict(
+        hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        vocab_size=raw["vocab_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=raw.get("rope_theta") or rope.get("rope_theta") or DEFAULT_ROPE_THETA,
+        rope_scaling=raw.get("rope_scaling") or ({**rope} if rope.get("rope_type", "default") != "default" else None),
+        qkv_bias=bool(raw.get("qkv_bias", False)),
+    )
+
+
+def check_target_fit(config: LayerConfig, target, source: Path, feature_size: int | None = None) -> None:
+    """Hidden size and vocabulary must be the target's, or the head's numbers mean nothing."""
+    if config.vocab_size != target.vocab_size:
+        raise HeadLoadError(f"{source}: the head's vocab_size is {config.vocab_size} but the target's is {target.vocab_size}")
+    expected = feature_size or config.hidden_size
+    if expected != target.hidden_size:
+        raise HeadLoadError(
+            f"{source}: the head expects target hidden size {expected} but the target's is {target.hidden_size}")
+
+
+class DraftHead(nn.Module):
+    """The interface of a draft head; one subclass per published format (`specchat.drafters.*`).
+
+    One draft step reads, per position, a feature (the target's hidden state there, or the head's
+    own output of the step before) and the next token, and returns the head's output [m, H];
+    `log_probs` turns outputs into the next token's draft distribution. Token ids in and out are
+    target-vocabulary ids; a head that drafts over fewer tokens maps its draft ids back through
+    `draft_to_target`.
+    """
+
+    kind: ClassVar[str]  # the checkpoint format: eagle | eagle3 | jakiro
+    #: Jakiro: `forward_both` also gives an output that predicts the token after next.
+    predicts_two_ahead: ClassVar[bool] = False
+    #: EAGLE-1/2 and Jakiro draw logits from the target's own LM head, so a head may draft over a
+    #: subset of its rows (`restrict_vocab`, shipped as draft_vocab.safetensors).
+    uses_target_lm_head: ClassVar[bool] = False
+
+    config: LayerConfig
+    owns_embedding: bool  # the checkpoint brings its own embedding (else the target's is shared)
+    draft_to_target: torch.Tensor | None  # draft id -> target id; None: the target's vocabulary
+
+    def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """The target hidden-state indices the head reads (see `Target.forward`)."""
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None, keys) -> torch.Tensor:
+        """One draft step for m positions: hidden [m, F], tokens and positions [m] -> [m, H]."""
+        raise NotImplementedError
+
+    def forward_both(self, hidden, tokens, positions, mask, keys) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, plus the output that predicts two tokens ahead (only if `predicts_two_ahead`)."""
+        raise NotImplementedError(f"a {self.kind} head does not predict two tokens ahead")
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [m, draft vocab] of the token after each output."""
+        raise NotImplementedError
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Draft only over `token_ids` (only if `uses_target_lm_head`)."""
+        raise NotImplementedError(f"a {self.kind} head has its own draft vocabulary")
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint of this head holds (a shared target embedding is left out)."""
+        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}

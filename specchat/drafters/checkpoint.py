@@ -1,0 +1,119 @@
+"""Head checkpoint files: config.json, weights in safetensors (single or sharded) or a weights-only
+pickle, and strict loading of a state dict into a head.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specchat.errors import SpecchatError
+
+
+class HeadLoadError(SpecchatError, ValueError):
+    """A draft head cannot be loaded; the message names the file, key or mismatch."""
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise HeadLoadError(f"{folder}: no config.json (a draft head folder holds config.json and weights)") from error
+    except ValueError as error:
+        raise HeadLoadError(f"{path}: not valid JSON ({error})") from error
+
+
+WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The head's state dict from model.safetensors, from shards listed in model.safetensors.index.json
+    (the Hugging Face sharded layout), or from pytorch_model.bin loaded with weights_only."""
+    safetensors_path, index_path, pickle_path = folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX, folder / "pytorch_model.bin"
+    if safetensors_path.is_file():
+        return _read_safetensors(safetensors_path), safetensors_path
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise HeadLoadError(f"{index_path}: not a safetensors index ({error})") from error
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors = _read_safetensors(folder / shard)
+            wrong = [key for key in tensors if weight_map.get(key) != shard]
+            if wrong:
+                raise HeadLoadError(f"{folder / shard}: holds {', '.join(wrong[:4])}, which the index places elsewhere")
+            state.update(tensors)
+        absent = [key for key in weight_map if key not in state]
+        if absent:
+            raise HeadLoadError(f"{index_path}: lists {', '.join(absent[:4])}, which no shard holds")
+        return state, index_path
+    if pickle_path.is_file():
+        try:
+            return torch.load(pickle_path, map_location="cpu", weights_only=True), pickle_path
+        except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as error:
+            raise HeadLoadError(f"{pickle_path}: cannot read with weights_only=True ({error})") from error
+    raise HeadLoadError(f"{folder}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX} or pytorch_model.bin")
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise HeadLoadError(f"{path}: cannot read ({error})") from error
+
+
+def write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None = None) -> list[Path]:
+    """Write `state` as model.safetensors, or, past `max_shard_bytes`, as numbered shards with an
+    index (the Hugging Face layout, which other engines read too). Returns the files written."""
+    for stale in [folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX, *folder.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(state, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+        return [folder / WEIGHTS_FILE]
+    shards, size = [{}], 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    written, weight_map = [], {}
+    for number, shard in enumerate(shards, 1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        written.append(folder / name)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [*written, folder / WEIGHTS_INDEX]
+
+
+def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: Path,
+                optional: tuple[str, ...] = ()) -> None:
+    """Copy `state` into `module`, requiring every key with its exact shape and no extras.
+
+    Keys in `optional` may be absent (the module keeps what the caller set up for them).
+    """
+    expected = module.state_dict()
+    missing = [key for key in expected if key not in state and key not in optional]
+    unexpected = [key for key in state if key not in expected]
+    if missing:
+        raise HeadLoadError(f"{source}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing[:6])}"
+                            + (" ..." if len(missing) > 6 else ""))
+    if unexpected:
+        raise HeadLoadError(f"{source}: unexpected key{'s' if len(unexpected) > 1 else ''} "
+                            f"{', '.join(unexpected[:6])}" + (" ..." if len(unexpected) > 6 else ""))
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise HeadLoadError(f"{source}: {key} has shape {list(tensor.shape)}, expected {list(expected[key].shape)}")
+    module.load_state_dict({k: v for k, v in state.items()}, strict=False)

@@ -1,0 +1,25 @@
+"""The errors a user can act on, and the exit status each one gives.
+
+Every module raises its own subclass (a profile, a prompt file, a model, a draft head, ...), with
+a one-line message that names the file, key or value. The command line prints that line and
+exits with `exit_code`; nothing here imports torch, so the command line can catch them all
+before the heavy imports.
+"""
+
+from __future__ import annotations
+
+
+class SpecchatError(Exception):
+    """A failure with a one-line message for the user: exit status 1."""
+
+    exit_code = 1
+
+
+class UsageError(SpecchatError):
+    """Something the user must fix before anything runs (an option, a profile, a prompt file): exit status 2."""
+
+    exit_code = 2
+
+
+class ContextLengthError(SpecchatError, ValueError):
+    """The prompt does not fit in the model's context."""

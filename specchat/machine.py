@@ -1,0 +1,65 @@
+"""What this machine is and where specchat keeps its files: CPU, devices, the cache folder.
+
+Measurements that depend on the machine (the verify-cost curve, training records) and choices
+that do (bf16 on a CPU) read it here, once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def cache_dir() -> Path:
+    """$SPECCHAT_CACHE_DIR, else $XDG_CACHE_HOME/specchat (converted models, measured curves, training work)."""
+    root = os.environ.get("SPECCHAT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specchat"
+    return Path(root)
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields from /proc/cpuinfo (empty where there is none)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_name() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX); otherwise bf16 is slow there."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings mean what they say (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hardware() -> dict:
+    """What a measurement ran on, for the records it writes."""
+    return {"machine": platform.machine(), "processor": platform.processor(), "cpu": cpu_name(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

@@ -1,0 +1,148 @@
+"""Building a method's proposer from the settings: the builders that `specchat.methods` names.
+
+Tree budgets: on CUDA the papers' numbers; on a CPU the verified size comes from the machine's
+measured cost curve (`specchat.calibrate`), since a CPU verifies a handful of tokens for the
+price of one but pays every draft step in full. Every combination of settings that makes no
+sense for a method is refused here, in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from specchat.calibrate import cached_curve
+from specchat.deagle import DeagleParams
+from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
+from specchat.drafters import load_head
+from specchat.drafting import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree, DynamicTreeParams,
+                               JakiroTree, StaticTree, TreeProposer)
+from specchat.engine import Proposer
+from specchat.lookup import DEFAULT_LOOKUP_TOKENS, PromptLookupProposer
+from specchat.methods import MethodError, effective_draft, method
+from specchat.settings import Settings
+from specchat.target import Target
+from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
+
+# A CPU verifies a handful of tokens for the price of one (0.5B, bf16, 2 threads: 158 ms for 16
+# against 159 ms for 1, then 192 ms for 20; README), and every draft step is paid in full, so CPU
+# trees are smaller than the papers' GPU settings.
+CPU_DEPTH, CPU_TOP_K = 6, 6
+CPU_TOTAL_TOKENS_RANGE = (8, 32)
+
+LoadModel = Callable[[str], Target]
+
+
+def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None) -> Proposer | None:
+    """The proposer for `settings.method` (None for plain decoding).
+
+    `load_model(name)` loads a draft model (sps) the way the target was loaded.
+    """
+    entry = method(settings.method)
+    if entry.peer:
+        raise MethodError(f"{entry.name} is another tool's implementation; only `specchat bench` runs it")
+    draft = effective_draft(settings)
+    if entry.draft and not draft:
+        raise MethodError(f"--method {entry.name} needs --draft: {entry.draft}")
+    if settings.static_tree and entry.build not in ("static_tree", "jakiro_tree"):
+        raise MethodError(f"--static-tree applies to eagle and jakiro, not {entry.name}")
+    return BUILDERS[entry.build](dataclasses.replace(settings, draft=draft), target, load_model)
+
+
+def plain(settings: Settings, target: Target, load_model: LoadModel | None) -> None:
+    return None
+
+
+def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> PromptLookupProposer:
+    try:
+        return PromptLookupProposer(settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
+                                    settings.pld_min_ngram)
+    except ValueError as error:
+        raise MethodError(str(error)) from error
+
+
+def draft_model(settings: Settings, target: Target, load_model: LoadModel | None) -> DraftModelProposer:
+    draft = load_model(settings.draft)
+    try:
+        check_tokenizers(target, draft)
+    except TokenizerMismatch as error:
+        raise MethodError(str(error)) from error
+    return DraftModelProposer(draft, target.vocab_size, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
+
+
+def static_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
+    return _tree_proposer(settings, target, StaticTree(_static_paths(settings, target)))
+
+
+def dynamic_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
+    return _tree_proposer(settings, target, DynamicTree(dynamic_params(settings, target)))
+
+
+def deagle_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
+    return _tree_proposer(settings, target, DeagleTree(dynamic_params(settings, target), deagle_params(settings)))
+
+
+def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
+    if settings.static_tree:  # a Jakiro head drafts a given static tree like any head
+        return static_tree(settings, target, load_model)
+    return _tree_proposer(settings, target, JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
+
+
+BUILDERS = {builder.__name__: builder for builder in
+            (plain, lookup, draft_model, static_tree, dynamic_tree, deagle_tree, jakiro_tree)}
+
+
+def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
+    head = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
+    try:
+        return TreeProposer(head, target.num_layers, shape)
+    except ValueError as error:
+        raise MethodError(str(error)) from error
+
+
+def cpu_total_tokens(target: Target) -> int:
+    """The largest verified tree this CPU runs for about the price of one token (measured once, cached)."""
+    low, high = CPU_TOTAL_TOKENS_RANGE
+    return min(high, max(low, cached_curve(target).best_total_tokens()))
+
+
+def dynamic_params(settings: Settings, target: Target) -> DynamicTreeParams:
+    """The tree budget: the flags, else the papers' numbers on CUDA, else this CPU's."""
+    if target.device.type == "cuda":
+        total, depth, top_k = PAPER_TOTAL_TOKENS, PAPER_DEPTH, PAPER_TOP_K
+    else:
+        total = settings.total_tokens or cpu_total_tokens(target)  # measured only when not given
+        depth, top_k = CPU_DEPTH, CPU_TOP_K
+    try:
+        return DynamicTreeParams(total_tokens=settings.total_tokens or total, depth=settings.depth or depth,
+                                 top_k=settings.tree_top_k or top_k)
+    except ValueError as error:
+        raise MethodError(str(error)) from error
+
+
+def default_static_tree(settings: Settings, target: Target) -> tuple:
+    """EAGLE-1's mc_sim_7b_63, trimmed to its most accepted nodes where the verify budget is smaller."""
+    nodes = dynamic_params(settings, target).total_tokens - 1
+    if nodes >= len(MC_SIM_7B_63):
+        return MC_SIM_7B_63
+    return trim_static_tree(MC_SIM_7B_63, nodes, MC_SIM_7B_63_ACCEPTED)
+
+
+def _static_paths(settings: Settings, target: Target) -> tuple:
+    if not settings.static_tree:
+        return default_static_tree(settings, target)
+    try:
+        return parse_static_tree(settings.static_tree)
+    except ValueError as error:
+        raise MethodError(f"--static-tree: {error}") from error
+
+
+def deagle_params(settings: Settings) -> DeagleParams:
+    try:
+        return DeagleParams(
+            tau_s=settings.deagle_tau_s, tau_rho=settings.deagle_tau_rho, min_depth=settings.deagle_min_depth,
+            mass_nodes=settings.deagle_mass_nodes, expected_over=settings.deagle_expected_over,
+            expected_plus_bonus=settings.deagle_count_bonus, consecutive=settings.deagle_consecutive,
+        )
+    except ValueError as error:
+        raise MethodError(str(error)) from error

@@ -1,0 +1,86 @@
+"""The counters of decoding work, and the numbers the field derives from them.
+
+Definitions as vLLM, SGLang and Spec-Bench use them:
+- τ (mean acceptance length) = new tokens / target forward passes, the bonus token included, so
+  plain decoding has τ = 1.0;
+- acceptance rate = accepted draft tokens / draft tokens the target verified;
+- tokens/s = new tokens / wall time, prefill included.
+
+One record, `Stats`, counts a reply, a method's session totals and a bench run alike; records add
+up with `+=`, and the derived numbers are always computed from the sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """What decoding did: tokens, time, forwards, drafts."""
+
+    new_tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    target_forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_tokens: int = 0  # draft tokens the target verified
+    accepted_tokens: int = 0  # of those, accepted
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per speculative cycle, bonus included
+    finish_reason: str | None = None  # of the latest reply counted
+
+    def add_step(self, step) -> None:
+        """Count one engine step (`specchat.engine.StepResult`)."""
+        self.new_tokens += len(step.tokens)
+        self.seconds += step.seconds
+        self.target_forwards += step.target_forwards
+        self.draft_seconds += step.draft_seconds
+        self.verify_seconds += step.verify_seconds
+        self.draft_tokens += step.draft_tokens
+        self.accepted_tokens += sum(step.drafted)
+        if step.prefill:
+            self.prefill_seconds += step.seconds
+        elif step.cycle is not None:
+            self.accept_lengths.append(len(step.tokens))
+        self.finish_reason = step.finish_reason or self.finish_reason
+
+    def __iadd__(self, other: Stats) -> Stats:
+        for name in ("new_tokens", "seconds", "prefill_seconds", "target_forwards", "draft_seconds", "verify_seconds",
+                     "draft_tokens", "accepted_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accept_lengths = self.accept_lengths + other.accept_lengths
+        self.finish_reason = other.finish_reason or self.finish_reason
+        return self
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        return self.new_tokens / self.target_forwards if self.target_forwards else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def record(self) -> dict:
+        """The fields a `run` turn record carries (besides prompt and response)."""
+        return {
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "tau": _round(self.tau, 4),
+            "target_forwards": self.target_forwards,
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "finish_reason": self.finish_reason,
+            "accept_lengths": self.accept_lengths,
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "acceptance_rate": _round(self.acceptance_rate, 4),
+        }
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)

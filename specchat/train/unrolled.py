@@ -1,0 +1,46 @@
+"""Attention across unrolled draft steps, for training-time test (EAGLE-3, arXiv 2503.01840 §3.2).
+
+The draft layer's `Attention` hands its queries, keys and values to this store instead of an
+inference cache (`specchat.drafters.layers.HeadCache`); both implement `attend`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specchat.drafters.layers import repeat_kv
+
+
+class UnrolledKeys:
+    """Keys and values of earlier unrolled draft steps, for training-time test (EAGLE-3, §3.2).
+
+    Step 0 runs over a whole sequence with causal attention. Step i >= 1 feeds each position the
+    draft's own output of step i - 1 there and attends causally to step 0's keys plus, at the same
+    position only, to the keys of steps 1..i: exactly what a depth-i tree node sees at inference
+    (the committed context, its ancestors and itself). The same-position part is a dot product per
+    position, so no [n, (i+1) n] mask is ever built.
+    """
+
+    def __init__(self):
+        self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def attend(self, layer_idx: int, q, k, v, mask=None) -> torch.Tensor:
+        """The draft layer's attention at this unrolled step (`mask` is implied, so unused)."""
+        earlier = self.steps.setdefault(layer_idx, [])
+        earlier.append((k, v))
+        groups = q.shape[1] // k.shape[1]
+        k0, v0 = (repeat_kv(t, groups) for t in earlier[0])
+        if len(earlier) == 1:
+            return F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+        scale = q.shape[-1] ** -0.5
+        n = q.shape[2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [1, h, n, n]
+        later = [(repeat_kv(kj, groups), repeat_kv(vj, groups)) for kj, vj in earlier[1:]]
+        diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in later], dim=-1)  # [1, h, n, steps]
+        weights = torch.softmax(torch.cat([scores0, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
+        out = weights[..., :n] @ v0
+        for j, (_, vj) in enumerate(later):
+            out = out + weights[..., n + j : n + j + 1] * vj
+        return out
