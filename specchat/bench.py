@@ -225,12 +225,19 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def save(fig, path: Path) -> Path:
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
-
     written = []
+
+    def save(fig, ax, name: str, xlabel: str | None, ylabel: str, legend: bool = True) -> None:
+        if xlabel:
+            ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if legend:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=120)
+        plt.close(fig)
+        written.append(folder / name)
+
     methods = [m for m in summary if m != PLAIN]
     # 1. Speedup by method and category.
     categories = sorted({c for m in summary.values() for c in m if c != "overall"}) + ["overall"]
@@ -241,10 +248,7 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
         ax.bar([x + i * width for x in range(len(categories))], values, width, label=method)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
-    ax.set_ylabel("speedup over vanilla (tokens/s)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(save(fig, folder / "speedup.png"))
+    save(fig, ax, "speedup.png", None, "speedup over vanilla (tokens/s)")
     # 2. Draft confidence against measured acceptance (EAGLE-2's calibration figure).
     fig, ax = plt.subplots(figsize=(5, 4))
     for method in methods:
@@ -252,11 +256,7 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
         if points:
             ax.plot([p for p, _, _ in points], [a for _, a, _ in points], marker="o", label=method)
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("draft confidence of a node (given its parent)")
-    ax.set_ylabel("measured acceptance rate")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(save(fig, folder / "calibration.png"))
+    save(fig, ax, "calibration.png", "draft confidence of a node (given its parent)", "measured acceptance rate")
     # 3. Acceptance by tree depth.
     fig, ax = plt.subplots(figsize=(5, 4))
     for method in methods:
@@ -265,18 +265,12 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
             deepest = max(lengths)
             ax.plot(range(1, deepest + 1), [sum(a >= d for a in lengths) / len(lengths) for d in range(1, deepest + 1)],
                     marker="o", label=method)
-    ax.set_xlabel("tree depth d")
-    ax.set_ylabel("share of cycles accepting >= d draft tokens")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(save(fig, folder / "acceptance_by_depth.png"))
+    save(fig, ax, "acceptance_by_depth.png", "tree depth d", "share of cycles accepting >= d draft tokens")
     # 4. Peak memory.
     fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(memory)), 4))
     ax.bar(list(memory), list(memory.values()))
-    ax.set_ylabel("peak memory (MiB)")
     ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    written.append(save(fig, folder / "memory.png"))
+    save(fig, ax, "memory.png", None, "peak memory (MiB)", legend=False)
     return written
 
 

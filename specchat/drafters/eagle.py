@@ -65,6 +65,7 @@ class EagleHead(DraftHead):
 
     kind = KIND
     uses_target_lm_head = True
+    config_class = EagleConfig
     layer_class = EagleLayer
 
     def __init__(self, config: EagleConfig, target_embed: nn.Embedding, target_lm_head: nn.Linear,
@@ -115,10 +116,11 @@ def matches(keys: set[str]) -> bool:
     return "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
 
 
-def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> EagleHead:
-    config = EagleConfig.from_dict(raw_config, str(folder / "config.json"))
+def load(folder: Path, raw_config: dict, state: dict, source: Path, target, head_class=EagleHead) -> EagleHead:
+    """A head of `head_class` (EAGLE-1/2, or Jakiro, which shares the layout) from its checkpoint."""
+    config = head_class.config_class.from_dict(raw_config, str(folder / "config.json"))
     check_target_fit(config, target, source)
-    head = EagleHead(config, target.embed_tokens, target.lm_head, own_embedding="embed_tokens.weight" in state)
+    head = head_class(config, target.embed_tokens, target.lm_head, own_embedding="embed_tokens.weight" in state)
     load_strict(head, state, source, optional=() if head.owns_embedding else ("embed_tokens.weight",))
     return head.to(device=target.device, dtype=target.dtype).eval()
 

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specchat.drafters.base import LayerConfig, check_target_fit, read_layer_config
-from specchat.drafters.checkpoint import HeadLoadError, load_strict
+from specchat.drafters import eagle
+from specchat.drafters.base import LayerConfig, read_layer_config
+from specchat.drafters.checkpoint import HeadLoadError
 from specchat.drafters.eagle import EagleHead
 from specchat.drafters.layers import Attention, RMSNorm, SwiGLU
 
@@ -95,6 +96,7 @@ class JakiroHead(EagleHead):
 
     kind = KIND
     predicts_two_ahead = True
+    config_class = JakiroConfig
     layer_class = JakiroLayer
 
     def forward_both(self, hidden, tokens, positions, mask, keys) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +117,4 @@ def matches(keys: set[str]) -> bool:
 
 
 def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> JakiroHead:
-    config = JakiroConfig.from_dict(raw_config, str(folder / "config.json"))
-    check_target_fit(config, target, source)
-    head = JakiroHead(config, target.embed_tokens, target.lm_head, own_embedding="embed_tokens.weight" in state)
-    load_strict(head, state, source, optional=() if head.owns_embedding else ("embed_tokens.weight",))
-    return head.to(device=target.device, dtype=target.dtype).eval()
+    return eagle.load(folder, raw_config, state, source, target, head_class=JakiroHead)
