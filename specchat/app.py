@@ -9,6 +9,7 @@ command line turns into one line and an exit status.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from specchat.chat import ChatFormat, ChatSession, resolve_template
 from specchat.engine import Engine, GenerationSettings
@@ -30,8 +31,16 @@ def model_loader(settings: Settings) -> LoadModel:
     return load_model
 
 
-def check(settings: Settings) -> SamplingParams:
-    """What can be checked before any model loads: sampling values, the token budget, the method's draft."""
+@dataclass(frozen=True)
+class Checked:
+    """What the settings give once checked, before any model loads."""
+
+    sampling: SamplingParams
+    template: str | None  # the --chat-template's text, or None for the tokenizer's own
+
+
+def check(settings: Settings) -> Checked:
+    """What can be checked before any model loads: sampling values, the method's draft, the template file."""
     try:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
     except ValueError as error:
@@ -41,17 +50,18 @@ def check(settings: Settings) -> SamplingParams:
     wanted = needs_draft(settings.method)
     if wanted and not effective_draft(settings):
         raise MethodError(f"--method {settings.method} needs --draft: {wanted}")
-    return sampling
+    return Checked(sampling, resolve_template(settings.chat_template))
 
 
-def load_chat_model(settings: Settings) -> tuple[Target, ChatFormat]:
+def load_chat_model(settings: Settings, checked: Checked) -> tuple[Target, ChatFormat]:
     """The target and its chat format (the template the settings name, else the tokenizer's)."""
     target = model_loader(settings)(settings.model, settings.gguf_file)
-    return target, ChatFormat(target.tokenizer, template=resolve_template(settings.chat_template))
+    return target, ChatFormat(target.tokenizer, template=checked.template)
 
 
-def generation_settings(settings: Settings, sampling: SamplingParams, chat_format: ChatFormat) -> GenerationSettings:
-    return GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=sampling, stop_ids=chat_format.stop_ids)
+def generation_settings(settings: Settings, checked: Checked, chat_format: ChatFormat) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=settings.max_new_tokens, sampling=checked.sampling,
+                              stop_ids=chat_format.stop_ids)
 
 
 def open_session(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
@@ -66,11 +76,11 @@ def open_chat(settings: Settings, profile: str | None, target_loaded: Callable[[
     """Everything `chat` and `run` need: the target, the method's proposer and a session around
     them, whose method and settings can change mid-chat. `target_loaded()` runs once the target
     has loaded (so that a model that cannot load gives the only message)."""
-    sampling = check(settings)
-    target, chat_format = load_chat_model(settings)
+    checked = check(settings)
+    target, chat_format = load_chat_model(settings, checked)
     if target_loaded is not None:
         target_loaded()
     load_model = model_loader(settings)
-    session = open_session(settings, target, chat_format, generation_settings(settings, sampling, chat_format),
+    session = open_session(settings, target, chat_format, generation_settings(settings, checked, chat_format),
                            load_model)
     return LiveChat(session, settings, profile, load_model)

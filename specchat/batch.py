@@ -1,8 +1,10 @@
 """`specchat run`: prompt records answered one after another, each in a fresh conversation.
 
 Each record becomes one JSON record (or, with `--format text`, answers streamed to the UI with a
-statistics line each), written as soon as it is complete, so an interruption or a failure later
-loses nothing. A record that fails is reported and the run goes on.
+statistics line each), written with its trace lines as soon as it is complete, so an
+interruption or a failure later loses nothing. A record that fails — its template cannot format
+it, it does not fit in the context, the answer fails — is reported as `FILE:LINE: reason` and
+written with an "error" field and the turns it did answer; the run goes on.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from specchat.errors import ContextLengthError
+from specchat.chat import Conversation
+from specchat.errors import SpecchatError
 from specchat.inputs import PromptRecord
 from specchat.live import LiveChat
 from specchat.methods import effective_draft
@@ -21,25 +24,47 @@ def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file
                    warn: Callable[[str], None] = print) -> int:
     """Answer every record; JSON records go to `sink` unless a `ui` shows the answers. Returns the failures."""
     failures = 0
+    problems = {id(record): problem for record in records if (problem := preflight(chat, record))}
     for done, record in enumerate(records):
+        trace: list[str] = []
         try:
-            result = answer_record(chat, record, trace_file, ui, warn)
+            result = (answer_record(chat, record, trace, ui) if id(record) not in problems
+                      else failed(chat, record, [], problems[id(record)]))
         except KeyboardInterrupt:
-            warn(f"\nspecchat: interrupted; kept the {done - failures} finished records")
+            warn(f"\nspecchat: interrupted; kept the {done} finished records")
             raise
-        if result is None:
+        if "error" in result:
             failures += 1
-        elif ui is None:
+            warn(f"specchat: error: {result['error']}")
+        if ui is None:
             sink.write(json.dumps(result, ensure_ascii=False) + "\n")
             sink.flush()  # records are written as they complete, so a failure later loses nothing
+        if trace_file is not None and trace:
+            trace_file.write("".join(trace))  # a record's cycles in one piece
+            trace_file.flush()
     return failures
 
 
-def answer_record(chat: LiveChat, record: PromptRecord, trace_file=None, ui: ChatUI | None = None,
-                  warn: Callable[[str], None] = print) -> dict | None:
-    """Answer every turn of one prompt record in a fresh conversation; None if it failed.
+def preflight(chat: LiveChat, record: PromptRecord) -> str | None:
+    """What stops a record before it is answered (its first prompt cannot be formatted, or does not
+    fit in the context), as `FILE:LINE: reason`; None if it can start."""
+    system = record.system if record.system is not None else chat.settings.system
+    conversation = Conversation(system=system, messages=[*record.history, {"role": "user", "content": record.turns[0]}])
+    try:
+        ids = chat.session.chat_format.prompt_ids(conversation)
+    except SpecchatError as error:
+        return f"{record.where}: {error}"
+    room = chat.engine.target.max_context
+    if len(ids) >= room:
+        return f"{record.where}: the prompt has {len(ids)} tokens but the model's context holds {room}"
+    return None
 
-    With a `ui` (`--format text`), answers stream to it as they come, statistics below each.
+
+def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: ChatUI | None = None) -> dict:
+    """Answer every turn of one prompt record in a fresh conversation; its trace lines go to `trace`.
+
+    With a `ui` (`--format text`), answers stream to it as they come, statistics below each. A
+    turn that fails ends the record: the result keeps the turns before it and says why.
     """
     settings, session = chat.settings, chat.session
     session.conversation.system = record.system if record.system is not None else settings.system
@@ -54,15 +79,17 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace_file=None, ui: Cha
                 pieces.append(event.text)
                 if writer is not None:
                     writer.write(event)
-                if trace_file is not None and event.step.cycle is not None:
+                if event.step.cycle is not None:
                     line = {"id": record.id, "turn": turn_index, "cycle": cycle_index, **event.step.cycle.record()}
                     if cycle_index == 0:
                         line["context_ids"] = session.last_prompt_ids
-                    trace_file.write(json.dumps(line) + "\n")
+                    trace.append(json.dumps(line) + "\n")
                     cycle_index += 1
-        except ContextLengthError as error:
-            warn(f"specchat: error: {record.where}: {error}")
-            return None
+        except (SpecchatError, RuntimeError, ValueError) as error:  # this record only: the caches were rolled back
+            reason = str(error) if isinstance(error, SpecchatError) else f"the answer failed: {type(error).__name__}: {error}"
+            if ui is not None:
+                ui.end_answer()
+            return failed(chat, record, turns, f"{record.where}: turn {turn_index + 1}: {reason}")
         finally:
             if writer is not None:
                 writer.close()
@@ -72,5 +99,14 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace_file=None, ui: Cha
         if ui is not None:
             ui.end_answer()
             ui.note(stats_line(session.last_stats, comparison=comparison))
-    return {"id": record.id, "category": record.category, "method": settings.method,
-            "model": settings.model, "draft": effective_draft(settings), "turns": turns}
+    return _record(chat, record, turns)
+
+
+def failed(chat: LiveChat, record: PromptRecord, turns: list[dict], reason: str) -> dict:
+    return {**_record(chat, record, turns), "error": reason}
+
+
+def _record(chat: LiveChat, record: PromptRecord, turns: list[dict]) -> dict:
+    settings = chat.settings
+    return {"id": record.id, "category": record.category, "method": settings.method, "model": settings.model,
+            "draft": effective_draft(settings), "turns": turns}

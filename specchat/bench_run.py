@@ -36,10 +36,10 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     records = read_prompts(inputs)[: limit or None]
     # Runs repeat exactly: a run without --seed samples with seed 0.
     settings = dataclasses.replace(settings, method=PLAIN, seed=0 if settings.seed is None else settings.seed)
-    sampling = app.check(settings)
+    checked = app.check(settings)
     console = Console(stderr=True)
-    target, chat_format = app.load_chat_model(settings)
-    generation = app.generation_settings(settings, sampling, chat_format)
+    target, chat_format = app.load_chat_model(settings, checked)
+    generation = app.generation_settings(settings, checked, chat_format)
     load_model = app.model_loader(settings)
     drafts, skipped = {}, {}
     for method in methods:

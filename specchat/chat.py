@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import jinja2
 import torch
 
 from specchat.engine import Engine, GenerationSettings, StepResult
-from specchat.errors import SpecchatError
+from specchat.errors import SpecchatError, UsageError
 from specchat.stats import Stats
 
 # Special tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Phi,
@@ -43,18 +44,30 @@ class TemplateError(SpecchatError, ValueError):
     """The tokenizer cannot format a conversation."""
 
 
+class TemplateFileError(UsageError, TemplateError):
+    """The --chat-template file cannot be read or is not a Jinja template."""
+
+
 def resolve_template(spec: str | None) -> str | None:
-    """A template given by name (BUILTIN_TEMPLATES) or as a path to a Jinja file; None keeps the tokenizer's."""
+    """A template given by name (BUILTIN_TEMPLATES) or as a path to a Jinja file, checked for Jinja
+    syntax; None keeps the tokenizer's."""
     if not spec:
         return None
     if spec in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[spec]
     try:
         with open(spec, encoding="utf-8") as handle:
-            return handle.read()
+            template = handle.read()
     except OSError as error:
-        raise TemplateError(f"--chat-template {spec}: not a built-in template "
-                            f"({', '.join(BUILTIN_TEMPLATES)}) and not a readable file ({error.strerror})") from error
+        raise TemplateFileError(f"--chat-template {spec}: not a built-in template "
+                                f"({', '.join(BUILTIN_TEMPLATES)}) and not a readable file ({error.strerror})") from error
+    except UnicodeDecodeError as error:
+        raise TemplateFileError(f"--chat-template {spec}: not UTF-8 text ({error.reason} at byte {error.start})") from error
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise TemplateFileError(f"{spec}:{error.lineno}: not a valid Jinja template ({error.message})") from error
+    return template
 
 
 @dataclass
@@ -95,13 +108,20 @@ class ChatFormat:
             raise TemplateError("the tokenizer names no end-of-sequence token, so a reply could never end")
 
     def prompt_ids(self, conversation: Conversation) -> list[int]:
-        """Token ids of the conversation followed by the start of an assistant reply."""
-        return list(
-            self.tokenizer.apply_chat_template(
-                conversation.as_messages(), chat_template=self.template, add_generation_prompt=True,
-                tokenize=True, return_dict=False,
+        """Token ids of the conversation followed by the start of an assistant reply.
+
+        Raises TemplateError when the template refuses the conversation (`raise_exception`, e.g. for
+        roles out of order) or fails on it.
+        """
+        try:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    conversation.as_messages(), chat_template=self.template, add_generation_prompt=True,
+                    tokenize=True, return_dict=False,
+                )
             )
-        )
+        except jinja2.TemplateError as error:
+            raise TemplateError(f"the chat template cannot format this conversation: {error}") from error
 
     def decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self.tokenizer, self.stop_ids)
@@ -188,7 +208,11 @@ class ChatSession:
         (Ctrl-C), the partial reply is kept and marked `"interrupted": True`.
         """
         self.conversation.add_user(user_text)
-        prompt = self.last_prompt_ids = self.prompt_ids()
+        try:
+            prompt = self.last_prompt_ids = self.prompt_ids()
+        except TemplateError:
+            self.conversation.messages.pop()  # the message is not part of the conversation after all
+            raise
         decoder = self.chat_format.decoder()
         stats = self.last_stats = Stats()
         finished = False

@@ -23,7 +23,8 @@ from rich.console import Console
 
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, UsageError
-from specchat.inputs import read_prompts
+from specchat.livesettings import FALSE_WORDS, TRUE_WORDS
+from specchat.inputs import check_outputs, read_prompts, read_stdin
 from specchat.methods import HEAD_FORMATS, METHODS, plain_unless_drafted
 from specchat.repl import run_repl
 from specchat.settings import FIELDS, ProfileError, Settings
@@ -33,11 +34,16 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class SettingOption(click.Option):
-    """An option whose bad value from SPECCHAT_* names the variable, not the flag the user never typed."""
+    """A setting's option, checked as the setting declares; a bad value from SPECCHAT_* names the
+    variable, not the flag the user never typed."""
 
     def process_value(self, ctx, value):
         try:
-            return super().process_value(ctx, value)
+            value = super().process_value(ctx, value)
+            problem = settings_mod.check_value(self.name, value)
+            if problem:
+                raise click.BadParameter(f"{self.name} {problem}", ctx=ctx, param=self)
+            return value
         except click.BadParameter as error:
             if ctx.get_parameter_source(self.name) is not click.core.ParameterSource.ENVIRONMENT:
                 raise
@@ -86,8 +92,10 @@ def chat(**options):
     """Chat in the terminal; with a pipe on stdin, answer what it holds and exit."""
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
-    if not sys.stdin.isatty():
-        prompt = sys.stdin.read()
+    if sys.stdout is None or sys.stdout.closed:
+        raise UsageError("standard output is closed: the answers would have nowhere to go")
+    if sys.stdin is None or not sys.stdin.isatty():
+        prompt = read_stdin()
         if not prompt.strip():
             raise UsageError("empty prompt (stdin held no text)")
         answer_once(open_chat(settings, profile, note), prompt)
@@ -115,30 +123,35 @@ def answer_once(chat, prompt: str) -> None:
 
 @cli.command()
 @click.argument("inputs", nargs=-1)
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default="-",
+@click.option("--output", "-o", type=click.Path(dir_okay=False, allow_dash=True), default="-",
               help="Where the records go (default: stdout).")
 @click.option("--format", "output_format", type=click.Choice(["jsonl", "text"]), default="jsonl", show_default=True,
               help="jsonl: one JSON record per prompt, with statistics; text: only the answers, one per turn, "
                    "with a statistics line per answer on stderr.")
-@click.option("--trace", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("--trace", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON line per draft-verify cycle (the tree and what was accepted) to this file.")
+@click.option("--atomic/--no-atomic", default=False,
+              help="Write --output to a temporary file and put it in place when the run ends: an interrupted "
+                   "run then leaves the old file untouched instead of the records finished so far.")
 @settings_options
-def run(inputs, output, output_format, trace, **options):
+def run(inputs, output, output_format, trace, atomic, **options):
     """Answer prompt files (.txt, .jsonl, or - for stdin); one JSON record per line of input."""
-    from specchat import batch  # torch and transformers load here
-
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
-    records = read_prompts(list(inputs) or ["-"])
+    inputs = list(inputs) or ["-"]
+    check_outputs({"--output": output, "--trace": trace}, inputs)
+    records = read_prompts(inputs)
+    from specchat import batch  # torch and transformers load here, once the command line and the files are right
+
     chat = open_chat(settings, profile, note)
     with ExitStack() as files:
-        sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=False))
+        sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=atomic and output != "-"))
         trace_file = files.enter_context(open(trace, "w", encoding="utf-8")) if trace else None
         ui = ChatUI(Console(file=sink, soft_wrap=True), Console(stderr=True, soft_wrap=True)) \
             if output_format == "text" else None
         failures = batch.answer_records(chat, records, sink, trace_file, ui, warn=lambda line: click.echo(line, err=True))
     if failures:
-        raise SpecchatError(f"{failures} of {len(records)} prompts failed (see above)")
+        raise SpecchatError(f"{failures} of {len(records)} prompt records failed (see above)")
 
 
 @cli.group()
@@ -304,14 +317,26 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
         f"held-out top-1 by step {accuracy})")
 
 
+def debug_wanted() -> bool:
+    """SPECCHAT_DEBUG: 1/true/yes/on shows tracebacks; 0/false/no/off or unset does not."""
+    value = os.environ.get("SPECCHAT_DEBUG", "").strip().lower()
+    if value in TRUE_WORDS + FALSE_WORDS + ("",):
+        return value in TRUE_WORDS
+    raise UsageError(f"environment variable SPECCHAT_DEBUG: {value!r} is not one of 0, 1, true, false")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
+        debug = debug_wanted()
         cli.main(args=argv, standalone_mode=False, prog_name="specchat")
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except SpecchatError as error:
         click.echo(f"specchat: error: {error}", err=True)
         sys.exit(error.exit_code)
+    except click.UsageError as error:  # one line, like every other error (--help shows the usage)
+        click.echo(f"specchat: error: {error.format_message()} (see --help)", err=True)
+        sys.exit(EXIT_USAGE)
     except click.ClickException as error:
         error.show()
         sys.exit(error.exit_code)
@@ -323,9 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         sys.stderr.close()  # the reader went away (e.g. `| head`); nothing left to say
         sys.exit(EXIT_RUNTIME)
-    except (RuntimeError, ValueError, OSError, MemoryError) as error:
-        # Anything not already turned into a message: one line, unless a traceback is asked for.
-        if os.environ.get("SPECCHAT_DEBUG"):
+    except Exception as error:  # anything not already a message: one line, unless a traceback is asked for
+        if debug:
             raise
-        click.echo(f"specchat: error: {type(error).__name__}: {error} (SPECCHAT_DEBUG=1 shows where)", err=True)
+        first_line = next(iter(str(error).strip().splitlines()), "")
+        click.echo(f"specchat: error: {type(error).__name__}: {first_line} (SPECCHAT_DEBUG=1 shows where)", err=True)
         sys.exit(EXIT_RUNTIME)

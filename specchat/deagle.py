@@ -83,7 +83,7 @@ class DepthVote:
             verified: how many nodes would be verified (total_tokens - 1).
         """
         p = self.params
-        mass = float((beam_scores if p.mass_nodes == "beam" else level_scores).exp().sum())
+        mass = _finite(float((beam_scores if p.mass_nodes == "beam" else level_scores).exp().sum()))
         ratio = mass / self.previous_mass if self.previous_mass > 0 else 0.0
         self.previous_mass = mass
         if ratio < p.tau_rho:
@@ -96,7 +96,7 @@ class DepthVote:
             expected = float(all_scores.topk(min(verified, len(all_scores))).values.exp().sum())
         else:
             expected = float(beam_history_scores.exp().sum())
-        expected += 1.0 if p.expected_plus_bonus else 0.0
+        expected = _finite(expected) + (1.0 if p.expected_plus_bonus else 0.0)
         votes = []
         if mass < p.tau_s:
             votes.append("mass")
@@ -109,3 +109,9 @@ class DepthVote:
         if depth >= p.min_depth and len(votes) >= 2:
             return votes
         return None
+
+
+def _finite(value: float) -> float:
+    """A head that outputs NaN (a broken or mismatched checkpoint) predicts nothing: its mass counts as 0,
+    so the votes stop drafting early instead of failing; verification keeps the output exact regardless."""
+    return value if math.isfinite(value) else 0.0

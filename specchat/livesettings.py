@@ -31,6 +31,9 @@ def parse_value(key: str, value):
     value = _typed_value(key, value)
     if choices and value is not None and value not in choices:
         raise LiveChatError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+    problem = settings_mod.check_value(key, value)
+    if problem:
+        raise LiveChatError(f"{key} {problem}")
     return value
 
 

@@ -10,6 +10,7 @@ Precedence, highest first: command line > environment > profile > the defaults b
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -28,10 +29,45 @@ else:  # pragma: no cover
 
 DEFAULT_PROFILE = "default"
 ENV_PREFIX = "SPECCHAT_"
+# Below this a temperature divides logits into infinities; vLLM treats such values as greedy
+# (its _SAMPLING_EPS is 1e-5), we refuse them rather than guess.
+MIN_TEMPERATURE = 1e-5
+MAX_TREE_TOKENS = 1024  # a verified tree past this costs more than it can return on any device
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 
-def _setting(default, section: str, key: str, help: str, choices: tuple[str, ...] | None = None):
-    return field(default=default, metadata={"section": section, "key": key, "help": help, "choices": choices})
+def _within(low=None, high=None):
+    """A check that a number lies in [low, high] (either end open when None) and is finite."""
+    def check(value) -> str | None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        if low is not None and value < low:
+            return f"must be >= {low}, got {value!r}"
+        if high is not None and value > high:
+            return f"must be <= {high}, got {value!r}"
+        return None
+
+    return check
+
+
+def _temperature(value: float) -> str | None:
+    if not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if value < 0:
+        return f"must be >= 0, got {value}"
+    if 0 < value < MIN_TEMPERATURE:
+        return f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value:g}"
+    return None
+
+
+def _probability_mass(value: float) -> str | None:
+    return None if math.isfinite(value) and 0 < value <= 1 else f"must be in (0, 1], got {value}"
+
+
+def _setting(default, section: str, key: str, help: str, choices: tuple[str, ...] | None = None, check=None):
+    """A setting's declaration: profile location, help, choices, and `check(value)` -> what is wrong, or None."""
+    return field(default=default, metadata={"section": section, "key": key, "help": help, "choices": choices,
+                                            "check": check})
 
 
 @dataclass
@@ -62,24 +98,31 @@ class Settings:
     # [method]
     method: str = _setting(PLAIN, "method", "name", "Decoding method.", CHAT_METHODS)
     total_tokens: int | None = _setting(None, "method", "total_tokens",
-                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: measured, 16 here).")
+                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: measured, 16 here).",
+                                        check=_within(2, MAX_TREE_TOKENS))
     depth: int | None = _setting(None, "method", "depth",
-                                 "Most draft tokens on one tree path (EAGLE-2 paper: 6, EAGLE-3: 8; CPU default: 6).")
+                                 "Most draft tokens on one tree path (EAGLE-2 paper: 6, EAGLE-3: 8; CPU default: 6).",
+                                 check=_within(1, MAX_TREE_TOKENS))
     tree_top_k: int | None = _setting(None, "method", "top_k",
-                                      "Children per expanded node in the dynamic tree (papers: 10; CPU default: 6).")
+                                      "Children per expanded node in the dynamic tree (papers: 10; CPU default: 6).",
+                                      check=_within(1, MAX_TREE_TOKENS))
     static_tree: str | None = _setting(None, "method", "static_tree",
                                        "Static tree for eagle (default: mc_sim_7b_63, its most accepted nodes within "
                                        "--total-tokens) or, if given, for jakiro: a name or a JSON list of rank paths "
                                        "(other methods refuse it).")
     draft_tokens: int | None = _setting(None, "method", "draft_tokens",
-                                        "Tokens per drafted chain for sps (default 3) and pld (default 10).")
-    pld_max_ngram: int = _setting(lookup.DEFAULT_MAX_NGRAM, "method", "pld_max_ngram", "pld: longest n-gram looked up.")
-    pld_min_ngram: int = _setting(lookup.DEFAULT_MIN_NGRAM, "method", "pld_min_ngram", "pld: shortest n-gram looked up.")
-    deagle_tau_s: float = _setting(deagle.TAU_S, "method", "deagle_tau_s", "deagle: survival-mass threshold tau_S.")
+                                        "Tokens per drafted chain for sps (default 3) and pld (default 10).",
+                                        check=_within(1, MAX_TREE_TOKENS))
+    pld_max_ngram: int = _setting(lookup.DEFAULT_MAX_NGRAM, "method", "pld_max_ngram", "pld: longest n-gram looked up.",
+                                  check=_within(1, 64))
+    pld_min_ngram: int = _setting(lookup.DEFAULT_MIN_NGRAM, "method", "pld_min_ngram", "pld: shortest n-gram looked up.",
+                                  check=_within(1, 64))
+    deagle_tau_s: float = _setting(deagle.TAU_S, "method", "deagle_tau_s", "deagle: survival-mass threshold tau_S.",
+                                   check=_within(0.0, 1.0))
     deagle_tau_rho: float = _setting(deagle.TAU_RHO, "method", "deagle_tau_rho",
-                                     "deagle: momentum-decay threshold tau_rho.")
+                                     "deagle: momentum-decay threshold tau_rho.", check=_within(0.0, 1.0))
     deagle_min_depth: int = _setting(deagle.MIN_DEPTH, "method", "deagle_min_depth",
-                                     "deagle: the earliest depth drafting may stop.")
+                                     "deagle: the earliest depth drafting may stop.", check=_within(1, MAX_TREE_TOKENS))
     deagle_mass_nodes: str = _setting(deagle.MASS_NODES[0], "method", "deagle_mass_nodes",
                                       "deagle: S_d sums the beam nodes of depth d or all its candidates.",
                                       deagle.MASS_NODES)
@@ -94,12 +137,16 @@ class Settings:
                                              "jakiro: attach the parallel last level by row, as the reference code does "
                                              "(default: to each node's own parent).")
     # [generation]
-    temperature: float = _setting(0.0, "generation", "temperature", "Sampling temperature; 0 is greedy.")
-    top_p: float = _setting(1.0, "generation", "top_p", "Nucleus sampling: keep the smallest set of tokens with this much mass.")
-    top_k: int = _setting(0, "generation", "top_k", "Sample only among the k most likely tokens (0: no limit).")
-    max_new_tokens: int = _setting(512, "generation", "max_new_tokens", "Most tokens per reply.")
+    temperature: float = _setting(0.0, "generation", "temperature", "Sampling temperature; 0 is greedy.",
+                                  check=_temperature)
+    top_p: float = _setting(1.0, "generation", "top_p", "Nucleus sampling: keep the smallest set of tokens with this much mass.",
+                            check=_probability_mass)
+    top_k: int = _setting(0, "generation", "top_k", "Sample only among the k most likely tokens (0: no limit).",
+                          check=_within(0))
+    max_new_tokens: int = _setting(512, "generation", "max_new_tokens", "Most tokens per reply.", check=_within(1))
     seed: int | None = _setting(None, "generation", "seed",
-                                "Seed the random stream once per run (successive prompts continue it).")
+                                "Seed the random stream once per run (successive prompts continue it).",
+                                check=_within(0, MAX_SEED))
     system: str | None = _setting(None, "generation", "system", "System prompt.")
     # [chat]
     show_accept: bool = _setting(False, "chat", "show_accept",
@@ -124,8 +171,24 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-class ProfileError(UsageError, ValueError):
+class SettingsError(UsageError, ValueError):
+    """A setting's value is out of range or does not fit another's; the message names the setting."""
+
+
+class ProfileError(SettingsError):
     """A profile cannot be found or has a bad key or value; the message names file and key."""
+
+
+def check_value(name: str, value) -> str | None:
+    """What is wrong with `value` for the setting `name` (its type is already right), or None."""
+    check = FIELDS[name].metadata["check"]
+    return None if value is None or check is None else check(value)
+
+
+def check_together(settings: Settings) -> None:
+    """The checks that involve two settings."""
+    if settings.pld_min_ngram > settings.pld_max_ngram:
+        raise SettingsError(f"pld_min_ngram ({settings.pld_min_ngram}) is above pld_max_ngram ({settings.pld_max_ngram})")
 
 
 def user_profile_dir() -> Path:
@@ -146,6 +209,8 @@ def find_profile(name: str):
     """A profile by path, else by name among the user's and then the shipped profiles."""
     path = Path(name).expanduser()
     if name.endswith(".toml") or os.sep in name:
+        if path.is_dir():
+            raise ProfileError(f"profile {name} is a folder, not a .toml file")
         if not path.is_file():
             raise ProfileError(f"profile file {name} does not exist")
         return path
@@ -163,6 +228,10 @@ def read_profile(source) -> tuple[dict, dict]:
         data = tomllib.loads(source.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as error:
         raise ProfileError(f"{label}: not valid TOML ({error})") from error
+    except UnicodeDecodeError as error:
+        raise ProfileError(f"{label}: not UTF-8 text ({error.reason} at byte {error.start})") from error
+    except OSError as error:
+        raise ProfileError(f"{label}: cannot read ({error.strerror})") from error
     values, meta = {}, {}
     for section, table in data.items():
         if not isinstance(table, dict):
@@ -190,6 +259,9 @@ def _check_value(label: str, where: str, setting: dataclasses.Field, value):
     choices = setting.metadata["choices"]
     if choices and value not in choices:
         raise ProfileError(f"{label}: {where} must be one of {', '.join(choices)}, got {value!r}")
+    problem = check_value(setting.name, value)
+    if problem:
+        raise ProfileError(f"{label}: {where} {problem}")
     return value
 
 
@@ -201,4 +273,6 @@ def resolve(overrides: dict, profile: str | None = None) -> tuple[Settings, str]
     name = profile or DEFAULT_PROFILE
     values, _ = read_profile(find_profile(name))
     values.update({key: value for key, value in overrides.items() if value is not None and key in FIELDS})
-    return Settings(**values), name
+    settings = Settings(**values)
+    check_together(settings)
+    return settings, name

@@ -13,12 +13,14 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GgufConfig
 from transformers.utils import logging as transformers_logging
 
@@ -132,8 +134,10 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source:
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
                 quantization_config=GgufConfig(dequantize=True),
             )
-        except (ValueError, OSError, KeyError, RuntimeError) as error:
-            raise ModelLoadError(f"cannot load GGUF file {gguf_path}: {error}") from error
+        except (ValueError, OSError, KeyError, RuntimeError, IndexError, TypeError, EOFError, struct.error) as error:
+            # what the GGUF parser raises on a damaged or truncated file
+            first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
+            raise ModelLoadError(f"cannot load GGUF file {gguf_path}: {first_line}") from error
         # The weights are plain tensors now; a saved quantization config would make loaders re-quantize.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -162,9 +166,17 @@ def gguf_folder(gguf_path: Path, dtype: torch.dtype) -> Path:
         raise ModelLoadError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     sha = _file_sha256(gguf_path)
     folder = cache_dir() / "models" / f"gguf-{sha[:16]}-{dtype_name(dtype)}"
-    if _read_stamp(folder) is None:
-        convert_gguf(gguf_path, dtype, folder, {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)})
+    with _conversion_lock(folder):
+        if _read_stamp(folder) is None:
+            convert_gguf(gguf_path, dtype, folder, {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)})
     return folder
+
+
+def _conversion_lock(folder: Path) -> FileLock:
+    """Held while a converted folder is checked and made: a second process started at the same
+    time waits for the first one's conversion instead of racing it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(folder.with_name(folder.name + ".lock"))
 
 
 def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
@@ -174,34 +186,35 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
     except embedded.EmbeddedModelError as error:
         raise ModelLoadError(str(error)) from error
     folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
-    stamp, installed = _read_stamp(folder), embedded.fingerprint(chunks)
-    if stamp and stamp.get("sha256") == model.sha256:
-        if stamp.get("chunks") == installed:
+    with _conversion_lock(folder):
+        stamp, installed = _read_stamp(folder), embedded.fingerprint(chunks)
+        if stamp and stamp.get("sha256") == model.sha256:
+            if stamp.get("chunks") == installed:
+                return folder
+            # Same model installed elsewhere (a new virtual environment, a reinstall): hashing the
+            # chunks takes seconds, converting again a minute or more.
+            try:
+                embedded.verify(model, chunks)
+            except embedded.EmbeddedModelError as error:
+                raise ModelLoadError(str(error)) from error
+            _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": installed}, indent=1))
             return folder
-        # Same model installed elsewhere (a new virtual environment, a reinstall): hashing the
-        # chunks takes seconds, converting again a minute or more.
+        gguf_dir = cache_dir() / "gguf"
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        gguf_path = gguf_dir / f"{model.name}.gguf"
         try:
-            embedded.verify(model, chunks)
+            embedded.assemble(model, gguf_path)
         except embedded.EmbeddedModelError as error:
             raise ModelLoadError(str(error)) from error
-        _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": installed}, indent=1))
+        try:
+            source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
+                      "chunks": installed}
+            if folder.exists():
+                shutil.rmtree(folder)
+            convert_gguf(gguf_path, dtype, folder, source)
+        finally:
+            gguf_path.unlink(missing_ok=True)  # the converted folder replaces it
         return folder
-    gguf_dir = cache_dir() / "gguf"
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    gguf_path = gguf_dir / f"{model.name}.gguf"
-    try:
-        embedded.assemble(model, gguf_path)
-    except embedded.EmbeddedModelError as error:
-        raise ModelLoadError(str(error)) from error
-    try:
-        source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
-                  "chunks": installed}
-        if folder.exists():
-            shutil.rmtree(folder)
-        convert_gguf(gguf_path, dtype, folder, source)
-    finally:
-        gguf_path.unlink(missing_ok=True)  # the converted folder replaces it
-    return folder
 
 
 def locate(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:

@@ -110,7 +110,8 @@ def test_too_long_prompt_fails_but_keeps_the_other_records(qwen_dir, tmp_path, c
                        + json.dumps({"prompt": "also short"}) + "\n")
     code, out, err = invoke(["run", str(prompts), *tiny(qwen_dir)], capsys)
     assert code == 1
-    assert [json.loads(line)["id"] for line in out.splitlines()] == [1, 3]
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in records] == [1, 2, 3] and "error" in records[1] and records[1]["turns"] == []
     assert "p.jsonl:2:" in err and "context holds 512" in err
 
 

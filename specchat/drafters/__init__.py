@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specchat.drafters import eagle, eagle3, jakiro
 from specchat.drafters.base import DraftHead
-from specchat.drafters.checkpoint import HeadLoadError, read_config, read_weights, write_weights
+from specchat.drafters.checkpoint import HeadLoadError, read_config, read_safetensors, read_weights, write_weights
 from specchat import heads
 from specchat.hub import HUB_ID, HubError, hub_folder
 
@@ -76,8 +76,9 @@ def resolve_folder(name: str) -> Path:
         raise HeadLoadError(f"no draft head {name!r}: not a folder and not a hub id (org/name)")
     try:
         return Path(hub_folder(name, HEAD_FILES))
-    except HubError as error:
-        raise HeadLoadError(str(error)) from error
+    except HubError as error:  # a mistyped relative path looks like a hub id too: say both
+        raise HeadLoadError(f"no draft head {name!r}: no such folder here ({Path.cwd()}), and as a hub id: {error}") \
+            from error
 
 
 def load_head(name: str, target, kind: str | None = None) -> DraftHead:
@@ -92,7 +93,7 @@ def load_head(name: str, target, kind: str | None = None) -> DraftHead:
     head = module.load(folder, raw_config, map_keys(state, module.KEY_MAP), source, target)
     vocab_path = folder / DRAFT_VOCAB_FILE
     if vocab_path.is_file() and head.uses_target_lm_head:
-        ids = load_file(vocab_path).get("token_ids")
+        ids = read_safetensors(vocab_path).get("token_ids")
         if ids is None or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or \
                 (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size)):
             raise HeadLoadError(f"{vocab_path}: expected a 1-D integer tensor 'token_ids' of target token ids")

@@ -54,11 +54,19 @@ def read_layer_config(raw: dict, where: str) -> dict:
     missing = [key for key in required if key not in raw]
     if missing:
         raise HeadLoadError(f"{where}: config.json lacks {', '.join(missing)}")
+    for key in (*required, "num_key_value_heads"):
+        value = raw.get(key)
+        if key in raw and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HeadLoadError(f"{where}: {key} must be a positive whole number, got {value!r}")
     if raw.get("hidden_act", "silu") != "silu":
         raise HeadLoadError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (heads use silu)")
     if raw["hidden_size"] % raw["num_attention_heads"]:
         raise HeadLoadError(f"{where}: hidden_size {raw['hidden_size']} is not a multiple of num_attention_heads")
+    if raw["num_attention_heads"] % (raw.get("num_key_value_heads") or raw["num_attention_heads"]):
+        raise HeadLoadError(f"{where}: num_attention_heads is not a multiple of num_key_value_heads")
     rope = raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or not isinstance(raw.get("rope_scaling") or {}, dict):
+        raise HeadLoadError(f"{where}: rope_parameters and rope_scaling must be JSON objects")
     return dict(
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
         num_attention_heads=raw["num_attention_heads"],

@@ -23,11 +23,14 @@ class HeadLoadError(SpecchatError, ValueError):
 def read_config(folder: Path) -> dict:
     path = folder / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as error:
         raise HeadLoadError(f"{folder}: no config.json (a draft head folder holds config.json and weights)") from error
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
         raise HeadLoadError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise HeadLoadError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -38,7 +41,7 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
     (the Hugging Face sharded layout), or from pytorch_model.bin loaded with weights_only."""
     safetensors_path, index_path, pickle_path = folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX, folder / "pytorch_model.bin"
     if safetensors_path.is_file():
-        return _read_safetensors(safetensors_path), safetensors_path
+        return read_safetensors(safetensors_path), safetensors_path
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
@@ -46,7 +49,7 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
             raise HeadLoadError(f"{index_path}: not a safetensors index ({error})") from error
         state = {}
         for shard in sorted(set(weight_map.values())):
-            tensors = _read_safetensors(folder / shard)
+            tensors = read_safetensors(folder / shard)
             wrong = [key for key in tensors if weight_map.get(key) != shard]
             if wrong:
                 raise HeadLoadError(f"{folder / shard}: holds {', '.join(wrong[:4])}, which the index places elsewhere")
@@ -57,13 +60,21 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
         return state, index_path
     if pickle_path.is_file():
         try:
-            return torch.load(pickle_path, map_location="cpu", weights_only=True), pickle_path
+            state = torch.load(pickle_path, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as error:
-            raise HeadLoadError(f"{pickle_path}: cannot read with weights_only=True ({error})") from error
+            # torch's message is several lines of advice, one of them to turn the protection off: not ours
+            first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
+            raise HeadLoadError(f"{pickle_path}: not a plain tensor file; specchat reads pickles only with "
+                                f"weights_only=True ({first_line})") from error
+        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                  for k, v in state.items()):
+            raise HeadLoadError(f"{pickle_path}: holds a {type(state).__name__}, not a state dict of named tensors")
+        return state, pickle_path
     raise HeadLoadError(f"{folder}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX} or pytorch_model.bin")
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, or a HeadLoadError that names the file."""
     try:
         return load_file(path)
     except (SafetensorError, OSError) as error:

@@ -1,0 +1,315 @@
+"""Whatever a user feeds it: one clear line and the right exit status, per-record failures that let
+the batch go on, nothing silently lost, and input readers that never raise anything else."""
+
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, invoke, load_tiny_target, random_head, tiny
+from specchat import target as target_mod
+from specchat.drafters import HeadLoadError, load_head, save_head
+from specchat.engine import Engine, GenerationSettings
+from specchat.inputs import InputError, read_prompts
+
+
+def one_line(err: str) -> bool:
+    return len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# --- the input readers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"prompt": "b \\ud800"}\n', r"x\.jsonl:1: 'prompt' holds '\\ud800', a lone surrogate"),
+    (b'{"prompt": "ok", "system": 3}\n', r"x\.jsonl:1: 'system' must be a string, got int"),
+    (b'{"prompt": "ok", "id": [1]}\n', r"x\.jsonl:1: an id must be a string or a number"),
+    (b'{"prompt": "ok", "id": NaN}\n', r"x\.jsonl:1: broken JSON \(NaN is not a JSON value\)"),
+    (b'{"prompt": "caf\xe9"}\n', r"x\.jsonl: not UTF-8 text"),
+])
+def test_a_record_the_file_gets_wrong_is_named_before_anything_runs(tmp_path, content, message):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        read_prompts([str(path)])
+
+
+def test_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_path, monkeypatch):
+    jsonl = tmp_path / "x.jsonl"
+    jsonl.write_bytes("\ufeff".encode() + json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False).encode() + b"\r\n")
+    assert read_prompts([str(jsonl)])[0].turns == ["a\u2028b"]
+    text = tmp_path / "x.txt"
+    text.write_bytes("\ufeffone\u2028still one\x85and one\r\ntwo\n".encode())
+    assert [r.turns[0] for r in read_prompts([str(text)])] == ["one\u2028still one\x85and one", "two"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("\ufeff{\"prompt\": \"j\"}\n".encode())))
+    assert read_prompts(["-"])[0].turns == ["j"]  # answered as JSON, not as the text of a JSON line
+
+
+def test_invalid_utf8_and_a_closed_stdin_are_usage_errors(monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n")))
+    with pytest.raises(InputError, match="<stdin>: not UTF-8 text"):
+        read_prompts(["-"])
+    monkeypatch.setattr("sys.stdin", None)
+    with pytest.raises(InputError, match="standard input is closed"):
+        read_prompts(["-"])
+
+
+def random_json(rng: random.Random, depth: int = 0):
+    choices = [lambda: rng.choice([None, True, False]), lambda: rng.randint(-5, 10**20), lambda: rng.random() * 1e6,
+               lambda: "".join(chr(rng.choice([rng.randint(32, 126), rng.randint(0, 0x10FFFF)])) for _ in range(rng.randint(0, 8)))]
+    if depth < 3:
+        keys = ["prompt", "turns", "messages", "role", "content", "system", "id", "category", "question_id", "x"]
+        choices += [lambda: [random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+                    lambda: {rng.choice(keys): random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))}]
+    return rng.choice(choices)()
+
+
+def test_fuzz_the_readers_give_records_or_one_clear_error(tmp_path, monkeypatch):
+    """A few hundred random byte strings and JSON values: a valid record or an InputError, nothing else."""
+    rng = random.Random(0)
+    outcomes = {"records": 0, "errors": 0}
+    for case in range(400):
+        if case % 2:
+            data = bytes(rng.randint(0, 255) for _ in range(rng.randint(0, 60)))
+        else:
+            data = json.dumps(random_json(rng), ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")
+        for suffix in ("jsonl", "txt"):
+            path = tmp_path / f"f.{suffix}"
+            path.write_bytes(data)
+            try:
+                records = read_prompts([str(path)])
+            except InputError as error:
+                assert str(error).startswith(str(path)) and "\n" not in str(error)
+                outcomes["errors"] += 1
+                continue
+            for record in records:
+                assert record.turns and all(isinstance(t, str) and t.strip() for t in record.turns)
+                assert isinstance(record.id, (str, int, float)) and not isinstance(record.id, bool)
+                json.dumps({"id": record.id, "turns": record.turns, "system": record.system}, allow_nan=False)
+                for text in [*record.turns, record.system or "", *(m["content"] for m in record.history)]:
+                    text.encode("utf-8")  # every string is real text
+            outcomes["records"] += 1
+    assert outcomes["records"] > 50 and outcomes["errors"] > 50
+
+
+# --- run: per-record failures, output files --------------------------------------------------------
+
+
+def test_a_record_that_fails_is_recorded_and_the_batch_goes_on(qwen_dir, tmp_path, capsys):
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% for m in messages %}{% if m['content'] == 'refuse' %}{{ raise_exception('no refusing') }}"
+                        "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "first"}, {"prompt": "refuse"}, {"turns": ["fine", "x" * 2000]}, {"prompt": "last"}]) + "\n")
+    code, out, err = invoke(["run", str(prompts), *tiny(qwen_dir), "--chat-template", str(template)], capsys)
+    assert code == 1, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in records] == [1, 2, 3, 4]
+    assert "error" not in records[0] and "error" not in records[3] and records[3]["turns"][0]["response"]
+    assert records[1]["error"].startswith(f"{prompts}:2: ") and "no refusing" in records[1]["error"]
+    assert records[1]["turns"] == []
+    assert len(records[2]["turns"]) == 1 and "turn 2: " in records[2]["error"] and "context holds 512" in records[2]["error"]
+    assert f"{prompts}:2:" in err and f"{prompts}:3:" in err and "2 of 4 prompt records failed" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("output,trace,message", [
+    ("same.jsonl", "same.jsonl", "--trace same.jsonl is also --output"),
+    ("p.jsonl", None, "--output p.jsonl is also an input"),
+    ("missing/out.jsonl", None, "does not exist"),
+])
+def test_outputs_that_would_lose_data_are_refused_before_the_model_loads(tmp_path, capsys, monkeypatch,
+                                                                          output, trace, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "keep me"}\n')
+    args = ["run", "p.jsonl", "-o", output, "--model", "/no/such/model"] + (["--trace", trace] if trace else [])
+    code, _, err = invoke(args, capsys)
+    assert code == 2 and message in err and one_line(err)
+    assert (tmp_path / "p.jsonl").read_text() == '{"prompt": "keep me"}\n'
+
+
+def test_atomic_output_appears_whole_and_trace_lines_are_written_per_record(qwen_dir, tmp_path, capsys):
+    out, trace = tmp_path / "out.jsonl", tmp_path / "trace.jsonl"
+    out.write_text("old\n")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    code, _, err = invoke(["run", str(prompts), *tiny(qwen_dir), "--method", "pld", "-o", str(out), "--atomic",
+                           "--trace", str(trace)], capsys)
+    assert code == 0, err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 2]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".__atomic")]
+
+
+def run_cli(args: list[str], redirect: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = " ".join([sys.executable, "-m", "specchat", *args]) + " " + redirect
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("args,redirect,message", [
+    (["run"], "<&-", "standard input is closed"),
+    (["run", "-", "--model", "/nope"], ">&- < /dev/null", "standard output is closed"),
+    (["chat", "--model", "/nope"], "<&- 2>&2", "standard input is closed"),
+    (["chat", "--model", "/nope"], ">&- < /dev/null", "standard output is closed"),
+])
+def test_closed_standard_streams_are_one_line_usage_errors(args, redirect, message):
+    done = run_cli(args, redirect)
+    assert done.returncode == 2 and message in done.stderr and one_line(done.stderr), done.stderr
+
+
+def test_specchat_debug_takes_words(tmp_path):
+    done = run_cli(["run", str(tmp_path / "p.csv")], "", env={"SPECCHAT_DEBUG": "0"})
+    assert done.returncode == 2 and one_line(done.stderr)
+    done = run_cli(["run", "-"], "< /dev/null", env={"SPECCHAT_DEBUG": "maybe"})
+    assert done.returncode == 2 and "SPECCHAT_DEBUG" in done.stderr
+
+
+# --- values, profiles and paths the user gave --------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--temperature", "nan"], {}, "temperature must be a finite number"),
+    (["--temperature", "1e-45"], {}, "temperature must be 0 (greedy) or at least 1e-05"),
+    (["--seed", str(2**64)], {}, "seed must be <= 18446744073709551615"),
+    (["--total-tokens", "0"], {}, "total_tokens must be >= 2"),
+    (["--depth", "100000"], {}, "depth must be <= 1024"),
+    ([], {"SPECCHAT_MAX_NEW_TOKENS": "-1"}, "environment variable SPECCHAT_MAX_NEW_TOKENS"),
+    (["--pld-min-ngram", "3", "--pld-max-ngram", "2"], {}, "pld_min_ngram (3) is above pld_max_ngram (2)"),
+])
+def test_bad_values_are_caught_before_the_model_loads(args, env, message, capsys, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = invoke(["run", "-", "--model", "/no/such/model", *args], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and message in err and one_line(err), err
+
+
+def test_a_profile_with_a_bad_value_or_bytes_names_the_file(tmp_path, capsys, monkeypatch):
+    (tmp_path / "somedir.toml").mkdir()
+    code, _, err = invoke(["run", "-", "--profile", str(tmp_path / "somedir.toml")], capsys, stdin="q\n",
+                          monkeypatch=monkeypatch)
+    assert code == 2 and "somedir.toml is a folder" in err
+    profile = tmp_path / "p.toml"
+    profile.write_text("[generation]\ntemperature = 1e-45\n")
+    code, _, err = invoke(["run", "-", "--profile", str(profile)], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and f"{profile}: generation.temperature must be 0 (greedy)" in err
+    profile.write_bytes(b"[generation]\nsystem = \"caf\xe9\"\n")
+    code, _, err = invoke(["run", "-", "--profile", str(profile)], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and f"{profile}: not UTF-8 text" in err
+
+
+def test_a_template_file_that_is_not_jinja_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }")
+    code, _, err = invoke(["run", "-", "--model", "/no/such/model", "--chat-template", str(template)], capsys,
+                          stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and f"{template}:1: not a valid Jinja template" in err and one_line(err)
+
+
+def test_a_relative_draft_typo_says_it_is_not_a_folder_here(qwen_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = invoke(["run", "-", *tiny(qwen_dir), "--method", "eagle2", "--draft", "heads/mine"], capsys,
+                          stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 1 and "no such folder here" in err and one_line(err)
+
+
+def test_a_tiny_fake_gguf_is_one_line(tmp_path, capsys, monkeypatch):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    code, _, err = invoke(["run", "-", "--model", str(fake)], capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 1 and "cannot load GGUF file" in err and one_line(err.split("about a minute)...\n")[-1])
+
+
+# --- heads ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_target(qwen_dir):
+    return load_tiny_target(qwen_dir)
+
+
+@pytest.mark.parametrize("break_it,message", [
+    (lambda f: (f / "draft_vocab.safetensors").write_bytes((f / "draft_vocab.safetensors").read_bytes()[:40]),
+     "draft_vocab.safetensors: cannot read"),
+    (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json: expected a JSON object, got list"),
+    (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
+                                                          "num_attention_heads": 0})),
+     "num_attention_heads must be a positive whole number"),
+    (lambda f: ((f / "model.safetensors").unlink(), torch.save([torch.zeros(1)], f / "pytorch_model.bin")),
+     "pytorch_model.bin: holds a list, not a state dict"),
+])
+def test_malformed_heads_are_named_in_one_line(tiny_target, tmp_path, break_it, message):
+    folder = tmp_path / "head"
+    head = random_head("eagle", tiny_target)
+    head.restrict_vocab(torch.arange(0, TINY_VOCAB, 2))
+    save_head(head, folder)
+    break_it(folder)
+    with pytest.raises(HeadLoadError, match=message) as caught:
+        load_head(str(folder), tiny_target)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_pickle_that_is_not_plain_tensors_is_one_line(tiny_target, tmp_path):
+    folder = tmp_path / "head"
+    save_head(random_head("eagle", tiny_target), folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"fc.weight": torch.zeros(1), "x": threading.Lock}, folder / "pytorch_model.bin")
+    with pytest.raises(HeadLoadError, match="weights_only=True") as caught:
+        load_head(str(folder), tiny_target)
+    assert "\n" not in str(caught.value)
+
+
+def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
+    from specchat.deagle import DeagleParams
+    from specchat.drafting import DeagleTree, DynamicTreeParams, TreeProposer
+
+    bigram = load_tiny_target(bigram_dir)
+    head = random_head("eagle3", bigram)
+    with torch.no_grad():
+        head.fc.weight.fill_(float("nan"))
+    settings = GenerationSettings(max_new_tokens=16)
+    plain = [t for s in Engine(bigram).generate([258, 10, 20, 30], settings) for t in s.tokens]
+    proposer = TreeProposer(head, bigram.num_layers, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
+    drafted = [t for s in Engine(bigram, proposer).generate([258, 10, 20, 30], settings) for t in s.tokens]
+    assert drafted == plain
+
+
+# --- concurrent first runs --------------------------------------------------------------------------------
+
+
+def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
+    """Two loads of the same GGUF at once: the second waits for the first one's conversion."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    conversions = []
+
+    def slow_convert(path, dtype, destination, source):
+        conversions.append(destination)
+        time.sleep(0.5)
+        destination.mkdir(parents=True)
+        (destination / target_mod.STAMP).write_text(json.dumps(source))
+        return destination
+
+    monkeypatch.setattr(target_mod, "convert_gguf", slow_convert)
+    folders, errors = [], []
+
+    def load():
+        try:
+            folders.append(target_mod.gguf_folder(gguf, torch.float32))
+        except Exception as error:  # collected, so the assertion below shows it
+            errors.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(conversions) == 1 and folders[0] == folders[1]
