@@ -4,8 +4,12 @@ Protocol (Spec-Bench, hemingkx/Spec-Bench `evaluation/speed.py`): the same promp
 for every method, warm-up runs first, multi-turn questions answered turn by turn in one
 conversation (each method continues from its own answers). Per question, speed = its new tokens /
 its wall time (prefill included); a method's speedup = mean per-question speed / that of vanilla
-measured in the same run. tau = new tokens / target forward passes (bonus included); at
-temperature 0 the identical-output rate counts the turns whose answer equals vanilla's.
+measured in the same run. The decoding phase is also reported on its own (tokens after the first
+per second after the first token; `specchat.speedup`), since prefill cost depends on the cache
+and not on the method. tau = new tokens / target forward passes (bonus included). At temperature
+0 the identical-output rate counts the turns whose answer equals vanilla's, and each answer that
+differs from vanilla's in the same conversation is located: the first differing token and
+vanilla's top-2 logit margin there, so a near-tie (rounding) is told from a real difference.
 
 Peers (`specchat.peers`) run other tools' implementations on the same target and prompts: every
 runner answers a turn and returns the same statistics record (`specchat.stats.Stats`).
@@ -20,7 +24,7 @@ import json
 import math
 import os
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,10 +33,22 @@ import torch
 from specchat.chat import ChatSession
 from specchat.inputs import PromptRecord
 from specchat.methods import PLAIN
+from specchat.speedup import Divergence, decoding_rate, divergence
 from specchat.stats import Stats
 
 RSS_SAMPLE_SECONDS = 0.05
 CALIBRATION_BINS = 10
+
+
+@dataclass
+class Answer:
+    """What a runner gives back for one turn."""
+
+    text: str
+    stats: Stats
+    tokens: list[int]  # the answer's token ids
+    margins: list[float] = field(default_factory=list)  # per token, the target's top-2 logit margin (specchat only)
+    cycles: list[dict] = field(default_factory=list)  # trace records (tree, accepted), for the plots
 
 
 @dataclass(kw_only=True)
@@ -45,7 +61,11 @@ class TurnResult(Stats):
     turn: int
     repeat: int
     response: str
-    cycles: list[dict] = field(default_factory=list)  # trace records (tree, accepted), for the plots
+    tokens: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    cycles: list[dict] = field(default_factory=list)
+    compared: bool = False  # with vanilla's answer in the same conversation (set by `summarize`)
+    divergence: Divergence | None = None  # where it first differs from that answer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,13 +90,15 @@ class SessionRunner:
         self.session.clear()
         self.session.conversation.messages.extend(record.history)
 
-    def turn(self, prompt: str) -> tuple[str, Stats, list[dict]]:
-        text, cycles = [], []
+    def turn(self, prompt: str) -> Answer:
+        text, tokens, margins, cycles = [], [], [], []
         for event in self.session.reply(prompt):
             text.append(event.text)
+            tokens += event.step.tokens
+            margins += event.step.margins
             if event.step.cycle is not None:
                 cycles.append(event.step.cycle.record())
-        return "".join(text), self.session.last_stats, cycles
+        return Answer("".join(text), self.session.last_stats, tokens, margins, cycles)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,59 +158,90 @@ def run_method(method: str, runner, records: list[PromptRecord], system: str | N
         for record in records:
             runner.start(record, system)
             for index, prompt in enumerate(record.turns):
-                response, stats, cycles = runner.turn(prompt)
+                answer = runner.turn(prompt)
                 result = TurnResult(method=method, question=record.id, category=record.category, turn=index,
-                                    repeat=repeat, response=response, cycles=cycles, **vars(stats))
+                                    repeat=repeat, response=answer.text, tokens=answer.tokens, margins=answer.margins,
+                                    cycles=answer.cycles, **vars(answer.stats))
                 results.append(result)
                 on_turn(result)
     return results
 
 
 def summarize(results: list[TurnResult], greedy: bool) -> dict:
-    """Per method and category (and overall): speed, speedup, tau, acceptance, identical rate."""
+    """Per method and category (and overall): speed, speedup, tau, acceptance, identical rate, divergences."""
     by_method = defaultdict(list)
     for result in results:
         by_method[result.method].append(result)
-    vanilla_answers = {(r.question, r.turn, r.repeat): r.response for r in by_method.get(PLAIN, [])}
+    if greedy:
+        locate_divergences(results)
     summary = {}
     for method, rows in by_method.items():
         categories = sorted({r.category or "all" for r in rows})
         summary[method] = {}
         for category in ["overall"] + (categories if len(categories) > 1 else []):
             chosen = [r for r in rows if category == "overall" or (r.category or "all") == category]
-            summary[method][category] = _aggregate(chosen, vanilla_answers if greedy else None)
+            summary[method][category] = _aggregate(chosen, compared=greedy and PLAIN in by_method)
     vanilla = summary.get(PLAIN, {})
     for method, categories in summary.items():
         for category, numbers in categories.items():
-            base = vanilla.get(category, {}).get("tokens_per_s")
-            numbers["speedup"] = round(numbers["tokens_per_s"] / base, 3) if base else None
+            for rate, ratio in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
+                base = vanilla.get(category, {}).get(rate)
+                numbers[ratio] = round(numbers[rate] / base, 3) if base and numbers[rate] is not None else None
     return summary
 
 
-def _aggregate(rows: list[TurnResult], vanilla_answers: dict | None) -> dict:
-    per_question = defaultdict(lambda: [0, 0.0])
+def locate_divergences(results: list[TurnResult]) -> None:
+    """Compare each turn with vanilla's answer where both saw the same conversation: a question's
+    first turn, and later turns while every earlier answer was identical to vanilla's."""
+    vanilla = {(r.question, r.turn, r.repeat): r for r in results if r.method == PLAIN}
+    by_conversation = defaultdict(list)
+    for r in results:
+        by_conversation[(r.method, r.question, r.repeat)].append(r)
+    for turns in by_conversation.values():
+        for r in sorted(turns, key=lambda t: t.turn):
+            plain = vanilla.get((r.question, r.turn, r.repeat))
+            if plain is None:
+                break
+            r.compared = True
+            if r.tokens and plain.tokens:
+                r.divergence = divergence(r.tokens, plain.tokens, plain.margins)
+            elif r.response != plain.response:  # a runner that gave no token ids: the text tells
+                r.divergence = Divergence(None, None)
+            if r.divergence is not None:
+                break  # the next turn's conversation is another one
+
+
+def _aggregate(rows: list[TurnResult], compared: bool) -> dict:
+    per_question = defaultdict(Stats)
     for r in rows:
-        per_question[(r.question, r.repeat)][0] += r.new_tokens
-        per_question[(r.question, r.repeat)][1] += r.seconds
-    speeds = [tokens / seconds for tokens, seconds in per_question.values() if seconds > 0]
+        per_question[(r.question, r.repeat)] += r
+    speeds = [q.tokens_per_s for q in per_question.values() if q.seconds > 0]
+    turns_of = Counter((r.question, r.repeat) for r in rows)
+    # Tokens after each turn's first, per second after it; only where every turn timed its prefill.
+    decode = [decoding_rate(q.new_tokens - turns_of[key] + 1, q.seconds, q.prefill_seconds)
+              for key, q in per_question.items()] if all(r.prefill_seconds > 0 for r in rows) else []
+    decode = [rate for rate in decode if rate is not None]
     total = Stats()
     for r in rows:
         total += r
     out = {
         "questions": len(per_question), "turns": len(rows), "new_tokens": total.new_tokens,
         "tokens_per_s": round(sum(speeds) / len(speeds), 3) if speeds else 0.0,
+        "decode_tokens_per_s": round(sum(decode) / len(decode), 3) if decode else None,
         "tau": None if total.tau is None else round(total.tau, 3),
         "acceptance_rate": None if total.acceptance_rate is None else round(total.acceptance_rate, 4),
-        "identical": None,
+        "identical": None, "compared": None, "diverged": None, "near_tie_share": None,
         # Depth of the deepest verified node per cycle, and (DEAGLE) the depth where drafting stopped.
         "tree_depth": _mean([max(c["depths"]) for r in rows for c in r.cycles if c.get("depths")]),
         "stop_depth": _mean([c["stop_depth"] for r in rows for c in r.cycles if "stop_depth" in c]),
     }
-    if vanilla_answers:
-        compared = [r for r in rows if (r.question, r.turn, r.repeat) in vanilla_answers]
-        if compared:
-            same = sum(r.response == vanilla_answers[(r.question, r.turn, r.repeat)] for r in compared)
-            out["identical"] = round(same / len(compared), 4)
+    checked = [r for r in rows if r.compared]
+    if compared and checked:
+        diverged = [r for r in checked if r.divergence is not None]
+        out.update(identical=round(1 - len(diverged) / len(checked), 4), compared=len(checked), diverged=len(diverged))
+        with_margin = [r for r in diverged if r.divergence.margin is not None]
+        if with_margin:
+            out["near_tie_share"] = round(sum(r.divergence.near_tie for r in with_margin) / len(with_margin), 4)
     return out
 
 
@@ -231,7 +284,7 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
         if xlabel:
             ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        if legend:
+        if legend and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(folder / name, dpi=120)
@@ -292,7 +345,12 @@ def calibration(results: list[TurnResult], method: str) -> list[tuple[float, flo
     return [(total / count, hits / count, count) for _, (total, hits, count) in sorted(bins.items()) if count]
 
 
+TABLE_COLUMNS = ("method", "tok/s", "speedup", "decode tok/s", "decode speedup", "τ", "acceptance", "identical",
+                 "near-tie divergences", "peak MiB")
+
+
 def table_rows(summary: dict, category: str) -> list[list[str]]:
+    """The rows of the terminal table (TABLE_COLUMNS) for one category."""
     def show(value, fmt):
         return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
@@ -300,7 +358,10 @@ def table_rows(summary: dict, category: str) -> list[list[str]]:
     for method, categories in summary.items():
         numbers = categories.get(category)
         if numbers:
+            near_ties = "–" if not numbers.get("diverged") or numbers["near_tie_share"] is None else \
+                f"{numbers['near_tie_share']:.0%} of {numbers['diverged']}"
             rows.append([method, show(numbers["tokens_per_s"], ".2f"), show(numbers["speedup"], ".2f"),
+                         show(numbers["decode_tokens_per_s"], ".2f"), show(numbers["decode_speedup"], ".2f"),
                          show(numbers["tau"], ".2f"), show(numbers["acceptance_rate"], ".1%"),
-                         show(numbers["identical"], ".0%"), show(numbers.get("peak_memory_mib"), ".0f")])
+                         show(numbers["identical"], ".0%"), near_ties, show(numbers.get("peak_memory_mib"), ".0f")])
     return rows

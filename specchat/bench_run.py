@@ -50,7 +50,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
             skipped[method] = f"needs a draft ({wanted}); give one with --draft-for {method}=PATH"
         drafts[method] = draft
     for method, reason in skipped.items():
-        console.print(f"[yellow]skipping {method}: {reason}[/yellow]")
+        console.print(f"skipping {method}: {reason}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     methods = [m for m in methods if m not in skipped]
     turns_total = sum(len(r.turns) for r in records) * repeat * len(methods)
     results, memory, meta = [], {}, {
@@ -71,7 +71,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
                 runner, owned = _runner(dataclasses.replace(settings, method=method, draft=drafts[method]),
                                         target, chat_format, generation, load_model)
             except SpecchatError as error:
-                console.print(f"[red]skipping {method}: {error}[/red]")
+                console.print(f"skipping {method}: {error}", style="red", markup=False, highlight=False, soft_wrap=True)
                 skipped[method] = str(error)
                 continue
 
@@ -82,7 +82,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
                 if not console.is_terminal:  # a log file gets no live bar: one line per turn instead
                     console.print(f"{method} {progress.tasks[0].completed:.0f}/{turns_total}: question "
                                   f"{result.question} turn {result.turn + 1}, {result.new_tokens} tokens, "
-                                  f"{speed}, τ {result.tau:.2f}", highlight=False)
+                                  f"{speed}, τ {result.tau:.2f}", highlight=False, soft_wrap=True)
 
             try:
                 with PeakMemory(target.device) as peak:
@@ -103,7 +103,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     categories = sorted({c for m in summary.values() for c in m}, key=lambda c: (c == "overall", c))
     for category in categories:
         table = Table(title=f"{category} · {settings.model} · T={settings.temperature} · {generation.max_new_tokens} tokens")
-        for column in ("method", "tok/s", "speedup", "τ", "acceptance", "identical", "peak MiB"):
+        for column in bench.TABLE_COLUMNS:
             table.add_column(column, justify="right" if column != "method" else "left")
         for row in bench.table_rows(summary, category):
             table.add_row(*row)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -67,6 +67,8 @@ class StepResult:
             None while the reply goes on.
         prefill: True for the first step of a reply (prompt processing plus the first token).
         cycle: the draft tree and what was accepted (`specchat.tree.Cycle`), for traces and /tree.
+        margins: per token, the target's top-1 minus top-2 logit where it was chosen: how near a
+            tie the choice was, which tells rounding noise from a bug when two runs differ.
     """
 
     tokens: list[int]
@@ -79,6 +81,7 @@ class StepResult:
     finish_reason: str | None = None
     prefill: bool = False
     cycle: object | None = None
+    margins: list[float] = field(default_factory=list)
 
 
 class Proposer(Protocol):
@@ -183,11 +186,11 @@ class Engine:
         """Cut a step's tokens at the first end-of-turn token or the budget; return how many remain."""
         for index, token in enumerate(step.tokens[:left]):
             if token in settings.stop_ids:
-                del step.tokens[index + 1 :], step.drafted[index + 1 :]
+                del step.tokens[index + 1 :], step.drafted[index + 1 :], step.margins[index + 1 :]
                 step.finish_reason = "stop"
                 return len(step.tokens)
         if len(step.tokens) >= left:
-            del step.tokens[left:], step.drafted[left:]
+            del step.tokens[left:], step.drafted[left:], step.margins[left:]
             step.finish_reason = "length"
         return len(step.tokens)
 
@@ -215,7 +218,8 @@ class Engine:
                 self.proposer.observe(chunk, out.features)
         first = self._draw(out.logits[-1], settings.sampling, rng)
         self._sync()
-        return StepResult(tokens=[first], drafted=[False], seconds=time.perf_counter() - start, prefill=True)
+        return StepResult(tokens=[first], drafted=[False], seconds=time.perf_counter() - start, prefill=True,
+                          margins=_margins(out.logits[-1:]))
 
     @torch.inference_mode()
     def decode_step(self, root: int, settings: GenerationSettings, rng) -> StepResult:
@@ -225,7 +229,8 @@ class Engine:
         self.context_ids.append(root)
         token = self._draw(out.logits[-1], settings.sampling, rng)
         self._sync()
-        return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start)
+        return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start,
+                          margins=_margins(out.logits[-1:]))
 
     @torch.inference_mode()
     def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
@@ -260,6 +265,7 @@ class Engine:
             tokens=committed[1:] + [acceptance.bonus], drafted=[True] * len(acceptance.path) + [False],
             seconds=time.perf_counter() - start, draft_seconds=drafted - start, verify_seconds=verified - drafted,
             draft_tokens=len(tree), cycle=Cycle(root, tree, acceptance.path, acceptance.bonus),
+            margins=_margins(out.logits[keep]),  # row 0 chose the first token, node i's row the token after it
         )
 
     @staticmethod
@@ -267,3 +273,9 @@ class Engine:
         if sampling.greedy:
             return int(logits.argmax())
         return sample(target_probs(logits, sampling), rng)
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    """Top-1 minus top-2 logit of each row."""
+    top = logits.float().topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()

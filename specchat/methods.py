@@ -53,6 +53,9 @@ METHODS = {method.name: method for method in (
     Method("hf-assisted", "transformers' assisted generation with a small draft model", build="hf_assisted",
            draft=MODEL, bundled={QWEN_15B: QWEN_05B}, peer=True),
     Method("hf-pld", "transformers' prompt lookup decoding", build="hf_prompt_lookup", peer=True),
+    Method("llamacpp", "llama.cpp decoding the target's GGUF file", build="llamacpp", peer=True),
+    Method("llamacpp-lookup", "llama.cpp's prompt lookup decoding on the target's GGUF file", build="llamacpp_lookup",
+           peer=True),
 )}
 CHAT_METHODS = tuple(name for name, method in METHODS.items() if not method.peer)  # what --method takes
 

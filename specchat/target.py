@@ -201,7 +201,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
             return folder
         gguf_dir = cache_dir() / "gguf"
         gguf_dir.mkdir(parents=True, exist_ok=True)
-        gguf_path = gguf_dir / f"{model.name}.gguf"
+        gguf_path = gguf_dir / f"{model.name}.converting.gguf"
         try:
             embedded.assemble(model, gguf_path)
         except embedded.EmbeddedModelError as error:
@@ -217,23 +217,32 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
         return folder
 
 
-def locate(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
-    """Where `from_pretrained` should load from, plus hub-specific keyword arguments."""
+@dataclass(frozen=True)
+class Source:
+    """Where a model's weights are: an embedded model's chunks, a GGUF file, or a Hugging Face folder."""
+
+    embedded: embedded.EmbeddedModel | None = None
+    gguf: Path | None = None
+    folder: str | None = None
+
+
+def find_source(spec: ModelSpec) -> Source:
+    """The weights `spec` names, found (and fetched from the hub if need be) but not converted."""
     if spec.model in embedded.EMBEDDED_MODELS:
-        return str(embedded_folder(embedded.EMBEDDED_MODELS[spec.model], dtype)), {}
+        return Source(embedded=embedded.EMBEDDED_MODELS[spec.model])
     path = Path(spec.model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{spec.model} is a file but not a model (expected a .gguf file or a model folder)")
-        return str(gguf_folder(path, dtype)), {}
+        return Source(gguf=path)
     if path.is_dir():
         if spec.gguf_file:
-            return str(gguf_folder(path / spec.gguf_file, dtype)), {}
+            return Source(gguf=path / spec.gguf_file)
         if (path / "config.json").is_file():
-            return str(path), {}
+            return Source(folder=str(path))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return str(gguf_folder(ggufs[0], dtype)), {}
+            return Source(gguf=ggufs[0])
         raise ModelLoadError(f"{spec.model} is a folder without config.json or a single .gguf file: not a model folder")
     if not HUB_ID.match(spec.model):
         known = ", ".join(embedded.EMBEDDED_MODELS)
@@ -241,19 +250,41 @@ def locate(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
             f"no model named {spec.model!r}: not a file, not a folder, not a hub id (org/name), "
             f"not an embedded model ({known})"
         )
-    return _locate_on_hub(spec, dtype)
-
-
-def _locate_on_hub(spec: ModelSpec, dtype: torch.dtype) -> tuple[str, dict]:
     hint = ""
     if spec.model.lower().endswith("qwen2.5-coder-0.5b-instruct"):
         hint = f"; the same model is embedded: --model {embedded.DEFAULT_MODEL}"
     try:
         if spec.gguf_file:
-            return str(gguf_folder(hub_file(spec.model, spec.gguf_file, hint), dtype)), {}
-        return hub_folder(spec.model, MODEL_FILES, hint), {}
+            return Source(gguf=hub_file(spec.model, spec.gguf_file, hint))
+        return Source(folder=hub_folder(spec.model, MODEL_FILES, hint))
     except HubError as error:
         raise ModelLoadError(str(error)) from error
+
+
+def locate(spec: ModelSpec, dtype: torch.dtype) -> str:
+    """The Hugging Face folder `from_pretrained` loads from (a GGUF file converted into the cache the first time)."""
+    source = find_source(spec)
+    if source.embedded is not None:
+        return str(embedded_folder(source.embedded, dtype))
+    if source.gguf is not None:
+        return str(gguf_folder(source.gguf, dtype))
+    return source.folder
+
+
+def source_gguf(spec: ModelSpec) -> Path | None:
+    """The GGUF file `spec` loads from, for tools that read GGUF themselves (the llama.cpp peer): an
+    embedded model's chunks are assembled into the cache and kept there. None for a model without one."""
+    source = find_source(spec)
+    if source.embedded is None:
+        return source.gguf
+    path = cache_dir() / "gguf" / f"{source.embedded.name}.gguf"
+    with _conversion_lock(path):
+        if not path.is_file() or path.stat().st_size != source.embedded.size:
+            try:
+                embedded.assemble(source.embedded, path)
+            except embedded.EmbeddedModelError as error:
+                raise ModelLoadError(str(error)) from error
+    return path
 
 
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
@@ -276,10 +307,11 @@ class Target:
     separately, so logits are computed only where they are needed.
     """
 
-    def __init__(self, model, tokenizer, name: str):
+    def __init__(self, model, tokenizer, name: str, spec: ModelSpec | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
+        self.spec = spec or ModelSpec(model=name)  # how it was loaded
         self.config = model.config
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -339,9 +371,9 @@ def load_target(spec: ModelSpec) -> Target:
         raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE_CHOICES)})")
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    source, hub_kwargs = locate(spec, dtype)
+    source = locate(spec, dtype)
     _quiet_transformers()
-    kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code, **hub_kwargs)
+    kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
     if spec.quantize != "none":
         kwargs["quantization_config"] = _bitsandbytes_config(spec.quantize, dtype)
         kwargs["device_map"] = {"": device}
@@ -353,7 +385,7 @@ def load_target(spec: ModelSpec) -> Target:
         raise ModelLoadError(f"cannot load the model from {source}: {first_line}") from error
     if spec.quantize == "none":
         model = model.to(device)
-    return Target(model, tokenizer, name=spec.model)
+    return Target(model, tokenizer, name=spec.model, spec=spec)
 
 
 def _bitsandbytes_config(quantize: str, dtype: torch.dtype):

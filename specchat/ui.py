@@ -94,7 +94,12 @@ def stats_line(stats, estimated_speedup: float | None = None, comparison=None) -
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance {stats.acceptance_rate:.0%} ({stats.accepted_tokens}/{stats.draft_tokens} drafted)")
     if comparison is not None:
-        verdict = "same answer" if comparison.identical else "answers differ"
+        verdict = "same answer"
+        if comparison.divergence is not None:
+            where = comparison.divergence
+            margin = "" if where.margin is None else \
+                f", plain margin {where.margin:.2f}{' (a near-tie)' if where.near_tie else ''}"
+            verdict = f"answers differ from token {where.position}{margin}"
         speedup = "-" if comparison.speedup is None else f"{comparison.speedup:.2f}x"
         parts.append(f"{speedup} vs plain, measured ({verdict})")
     elif estimated_speedup is not None:

@@ -1,5 +1,6 @@
 """`specchat bench`: the Spec-Bench statistics, the outputs, and a run end to end on a tiny model."""
 
+import importlib.util
 import json
 import re
 
@@ -96,3 +97,48 @@ def test_draft_goes_to_every_method_that_drafts_and_a_misfit_is_skipped(qwen_dir
     assert code == 0, err
     assert "skipping sps" in err
     assert set(json.loads((tmp_path / "b" / "results.json").read_text())["summary"]) == {"vanilla", "eagle2"}
+
+
+def test_divergences_are_located_with_vanilla_margins_in_the_same_conversation():
+    def answered(method, question, turn_index, ids, margins=()):
+        result = turn(method, question, turn_index, len(ids), 1.0, 4)
+        result.tokens, result.margins = list(ids), list(margins)
+        return result
+
+    margins = [3.0, 0.2, 4.0, 5.0]
+    results = [
+        answered("vanilla", 1, 0, [1, 2, 3, 4], margins), answered("vanilla", 1, 1, [5, 6, 7, 8], margins),
+        answered("vanilla", 2, 0, [1, 2, 3, 4], margins),
+        answered("eagle2", 1, 0, [1, 9, 3, 4]),  # differs at a near-tie (0.2)
+        answered("eagle2", 1, 1, [5, 6, 7, 8]),  # its conversation already differed: not compared
+        answered("eagle2", 2, 0, [1, 2, 3, 9]),  # differs at a clear margin (5.0): a bug
+    ]
+    overall = summarize(results, greedy=True)["eagle2"]["overall"]
+    assert overall["compared"] == 2 and overall["diverged"] == 2 and overall["identical"] == 0.0
+    assert overall["near_tie_share"] == 0.5
+    assert (results[3].divergence.position, results[3].divergence.margin, results[3].divergence.near_tie) == (1, 0.2, True)
+    assert results[4].divergence is None and not results[4].compared
+    assert results[5].divergence.position == 3 and not results[5].divergence.near_tie
+
+
+def test_decode_rate_leaves_each_turns_prefill_out():
+    results = [turn("vanilla", 1, 0, 11, 2.0, 11, prefill_seconds=1.0),  # 10 tokens in 1 s after the first
+               turn("pld", 1, 0, 11, 1.5, 5, prefill_seconds=1.0)]  # 10 tokens in 0.5 s
+    summary = summarize(results, greedy=False)
+    assert summary["vanilla"]["overall"]["decode_tokens_per_s"] == 10.0
+    assert summary["pld"]["overall"]["decode_tokens_per_s"] == 20.0 and summary["pld"]["overall"]["decode_speedup"] == 2.0
+
+
+def test_llamacpp_peer_is_skipped_in_one_line_without_its_package_or_a_gguf(qwen_dir, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "turns": ["hi"]}) + "\n")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    code, err = _bench([str(prompts), "--model", str(qwen_dir), "--methods", "llamacpp", "-o", str(tmp_path / "a")], capsys)
+    assert code == 0 and "skipping llamacpp: needs llama-cpp-python" in err and "-mno-amx-tile" in err
+    assert "pip install 'specchat[peers]'" in err
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+    if real_find_spec("llama_cpp") is not None:  # installed: the tiny model is a folder, not a GGUF file
+        code, err = _bench([str(prompts), "--model", str(qwen_dir), "--methods", "llamacpp-lookup", "-o",
+                            str(tmp_path / "b")], capsys)
+        assert code == 0 and "has no GGUF file" in err
