@@ -1,14 +1,17 @@
 """What one target forward costs on this machine, by number of tokens: the verify-cost curve.
 
-A CPU computes a forward over a handful of tokens in about the time of one (the weights are read
-once either way), then gets slower in steps as the matrix kernels change shape. The verified
-tree should be as large as the flat part of that curve allows. The curve is measured once per
-(machine, model, dtype, threads) and cached.
+A forward over a handful of tokens costs about what one costs while reading the weights
+dominates; past that, cost grows with the tokens, how fast depending on the runtime (bf16 with
+AMX stays nearly flat to 32 tokens, a 5-bit model on AVX-512 costs 1.6x at 8). A larger tree
+gets more tokens accepted, with diminishing returns, so the verified size is the one that
+maximizes expected tokens per second under this machine's curve. The curve is measured once per
+(machine, model, dtype, quantization, threads) and cached.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -18,25 +21,51 @@ import torch
 from specchat.cache import KVCache, causal_mask
 from specchat.machine import cache_dir, device_name, synchronize
 
-SIZES = (1, 4, 8, 12, 16, 20, 24, 32, 48)
+SIZES = (1, 4, 6, 8, 12, 16, 20, 24, 32, 48)
 CONTEXT = 256  # tokens already cached while timing (a typical chat turn)
 REPEATS = 3
-# Accept a verify forward costing up to this much more than a one-token forward: the extra
-# accepted tokens of a larger tree are worth a little more time, not a lot.
-TOLERANCE = 0.10
+# Expected tokens per cycle with a verified tree of n tokens, tau(n) = 1 + TAU_PER_DOUBLING * log2(n),
+# and drafting's cost per cycle as a share of one plain forward: both measured with the bundled
+# EAGLE-3 head under deagle on a 2-core AVX-512 CPU (tau 1.58 / 1.70 / 1.85 at 4 / 8 / 16 tokens,
+# drafting ~6.5 ms against ~20 ms per plain forward; docs/cpu-runtime.md).
+TAU_PER_DOUBLING = 0.22
+DRAFT_SHARE = 1 / 3
 
 
 @dataclass
 class Curve:
     milliseconds: dict[int, float]
 
-    def best_total_tokens(self, tolerance: float = TOLERANCE) -> int:
-        base = self.milliseconds[1]
-        return max(n for n, ms in self.milliseconds.items() if ms <= base * (1 + tolerance))
+    def expected_rate(self, n: int) -> float:
+        """Modelled tokens per millisecond when n tokens are verified per cycle."""
+        tau = 1 + TAU_PER_DOUBLING * math.log2(n)
+        return tau / (self.milliseconds[n] + DRAFT_SHARE * self.milliseconds[1])
+
+    @property
+    def largest(self) -> int:
+        return max(self.milliseconds)
+
+    def cost(self, n: int) -> float:
+        """Milliseconds for a forward of n tokens: interpolated between measured sizes, extended
+        linearly past the largest."""
+        sizes = sorted(self.milliseconds)
+        if n <= sizes[0]:
+            return self.milliseconds[sizes[0]]
+        for low, high in zip(sizes, sizes[1:]):
+            if n <= high:
+                share = (n - low) / (high - low)
+                return self.milliseconds[low] + share * (self.milliseconds[high] - self.milliseconds[low])
+        low, high = sizes[-2], sizes[-1]
+        slope = (self.milliseconds[high] - self.milliseconds[low]) / (high - low)
+        return self.milliseconds[high] + slope * (n - high)
+
+    def best_total_tokens(self) -> int:
+        return max(self.milliseconds, key=lambda n: (self.expected_rate(n), -n))
 
 
 def _key(target) -> str:
-    return f"{target.name}|{str(target.dtype)}|{device_name(target.device)}|{torch.get_num_threads()}"
+    return (f"{target.name}|{str(target.dtype)}|{target.spec.quantize}|{device_name(target.device)}|"
+            f"{torch.get_num_threads()}")
 
 
 @torch.inference_mode()

@@ -34,7 +34,7 @@ from specchat.target import Target, source_gguf
 HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens default
 # llama-cpp-python's LlamaPromptLookupDecoding defaults (FACTS.md measured 16-36 tok/s with 10 tokens).
 LLAMACPP_LOOKUP_TOKENS, LLAMACPP_LOOKUP_NGRAM = 10, 2
-LLAMACPP_MAX_CONTEXT = 8192  # its KV cache is allocated whole; bench prompts and answers fit
+LLAMACPP_MAX_CONTEXT = 4096  # allocated whole (with lookup, logits too: 2.5 GB); bench prompts and answers fit
 LLAMACPP_BUILD = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
                   "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" pip install 'specchat[peers]'")
 
@@ -132,8 +132,12 @@ class LlamaCppRunner:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(LLAMACPP_LOOKUP_NGRAM, LLAMACPP_LOOKUP_TOKENS) if lookup else None
-        self.llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         seed=seed if seed is not None else 0, draft_model=draft, verbose=False)
+        # With a draft model it keeps logits for every position, and 0.3.36 then fails on a prompt
+        # longer than one batch (its last, shorter batch is copied as a full one): one batch per prompt.
+        batch = context if lookup else 512
+        self.llm = Llama(model_path=str(gguf), n_ctx=context, n_batch=batch, n_ubatch=batch, n_threads=threads,
+                         n_threads_batch=threads, seed=seed if seed is not None else 0, draft_model=draft,
+                         verbose=False)
         self.chat_format, self.settings = chat_format, settings
         self.forwards = 0
         evaluate = self.llm.eval

@@ -82,8 +82,11 @@ class Settings:
                           "Weights and compute dtype (auto: bf16 on a CPU with bf16 support or on CUDA, else float32).",
                           ("auto", "bfloat16", "float16", "float32"))
     device: str = _setting("auto", "model", "device", "Device: auto, cpu, cuda or cuda:N.")
-    quantize: str = _setting("none", "model", "quantize", "Load the target 8-bit or 4-bit with bitsandbytes.",
-                             ("none", "8bit", "4bit"))
+    quantize: str = _setting("auto", "model", "quantize",
+                             "Target weights: int5/int4 (specchat's CPU kernel: verifying a draft tree costs about one "
+                             "token), 8bit/4bit (bitsandbytes), none (the dtype's own). auto: int5 on a CPU with "
+                             "AVX512-BF16 and a C++ compiler when the dtype is bf16, else none.",
+                             ("auto", "none", "int5", "int4", "8bit", "4bit"))
     chat_template: str | None = _setting(None, "model", "chat_template",
                                          "Chat template for a tokenizer that has none: a built-in name (vicuna) "
                                          "or a Jinja file.")
@@ -133,6 +136,10 @@ class Settings:
                                         "deagle: E_d includes the bonus token.")
     deagle_consecutive: bool = _setting(deagle.DeagleParams.consecutive, "method", "deagle_consecutive",
                                         "deagle: the two momentum decays must be at consecutive depths.")
+    lookup: bool = _setting(False, "method", "lookup",
+                            "Head methods also draft from text already seen (the conversation, earlier turns and "
+                            "answers of the chat): lookup continuations join the head's tree and compete for the "
+                            "verify budget (hybrid drafting).")
     jakiro_reference_attach: bool = _setting(False, "method", "jakiro_reference_attach",
                                              "jakiro: attach the parallel last level by row, as the reference code does "
                                              "(default: to each node's own parent).")

@@ -5,10 +5,11 @@ from specchat import calibrate
 from specchat.calibrate import Curve
 
 
-def test_the_largest_size_within_tolerance_of_one_token_is_picked():
+def test_the_size_with_the_best_expected_rate_is_picked():
     curve = Curve({1: 100.0, 8: 104.0, 16: 109.0, 20: 130.0, 32: 108.0})
-    assert curve.best_total_tokens() == 32  # flat again at 32 (kernel shapes), still within 10%
-    assert Curve({1: 100.0, 8: 120.0}).best_total_tokens() == 1
+    assert curve.best_total_tokens() == 32  # flat again at 32 (kernel shapes): the largest tree pays
+    assert Curve({1: 100.0, 4: 110.0, 8: 200.0}).best_total_tokens() == 4  # a steep curve: a small tree
+    assert Curve({1: 100.0, 4: 300.0}).best_total_tokens() == 1  # verifying costs too much: no tree pays
 
 
 def test_the_curve_is_measured_once_and_cached(qwen_dir, monkeypatch):

@@ -107,8 +107,10 @@ class EagleHead(DraftHead):
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [m, draft vocab] of the token after each position."""
-        weight = self._draft_weight if self._draft_weight is not None else self._lm_head[0].weight
-        logits = out.to(weight.dtype) @ weight.T  # the target's rows, in the target's dtype
+        if self._draft_weight is not None:  # the target's rows of the draft vocabulary, in the target's dtype
+            logits = out.to(self._draft_weight.dtype) @ self._draft_weight.T
+        else:
+            logits = self._lm_head[0](out)  # the target's LM head itself, whatever its weights' format
         return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -1,0 +1,73 @@
+"""The quantized CPU runtime (--quantize int4/int5): the kernel's arithmetic, the quantizer's grids,
+the cache of packed layers, and lossless speculation on the quantized model."""
+
+import pytest
+import torch
+
+from conftest import load_tiny_target, random_head
+from specchat import quantized
+from specchat.drafting import DynamicTree, DynamicTreeParams, TreeProposer
+from specchat.engine import Engine, GenerationSettings
+from specchat.target import ModelLoadError, ModelSpec, load_target
+
+needs_kernel = pytest.mark.skipif(quantized.missing_cpu_features() != [] or quantized.unavailable_reason() is not None,
+                                  reason="the quantized kernel needs AVX512-BF16 and a C++ compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 5])
+def test_the_kernel_multiplies_by_exactly_the_dequantized_weights(bits):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 48, bias=True).bfloat16()
+    layer = quantized.QuantizedLinear.from_linear(linear, bits)
+    reference = quantized.dequantize(*quantized.quantize(linear.weight.detach(), bits))
+    for rows in (1, 2, 3, 5, 8, 9, 17):  # every register tiling: 8-row tiles, then 4, 2, 1
+        x = torch.randn(rows, 96).bfloat16()
+        expected = x.float() @ reference.T + linear.bias.float()
+        got = layer(x).float()
+        assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), rows  # bf16 rounding only
+    assert torch.allclose(layer.weight.float(), reference, atol=1e-2, rtol=1e-2)
+
+
+def test_weights_from_a_q5_0_file_are_reproduced_exactly():
+    """llama.cpp's Q5_0 stores w = d * (q - 16) with the largest magnitude at q = 0: the symmetric grid hits it."""
+    torch.manual_seed(0)
+    d = torch.rand(8, 4, 1) * 0.01 + 0.001
+    q = torch.randint(1, 32, (8, 4, 32))
+    q[..., 0] = 0  # the group's extreme
+    weight = (d.half().float() * (q - 16)).reshape(8, 128)
+    codes, scale, offset = quantized.quantize(weight, 5)
+    assert torch.equal(quantized.dequantize(codes, scale, offset), weight)
+
+
+@needs_kernel
+def test_packed_layers_are_cached_and_read_back(tmp_path, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).bfloat16()
+    model.get_output_embeddings = lambda: model[2]
+    x = torch.randn(3, 64).bfloat16()
+    first = pytest.importorskip("copy").deepcopy(model)
+    quantized.quantize_model(first, 5, tmp_path / "packed.safetensors")
+    calls = []
+    monkeypatch.setattr(quantized, "quantize", lambda *a: calls.append(1))
+    second = pytest.importorskip("copy").deepcopy(model)
+    quantized.quantize_model(second, 5, tmp_path / "packed.safetensors")
+    assert calls == [] and torch.equal(first(x), second(x))
+
+
+def test_auto_keeps_float32_models_unquantized_and_int5_needs_bf16_on_a_cpu(qwen_dir):
+    assert load_tiny_target(qwen_dir).spec.quantize == "none"  # the tests' float32: exact work
+    with pytest.raises(ModelLoadError, match="--quantize int5 runs on a CPU with --dtype bfloat16"):
+        load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cpu", quantize="int5"))
+
+
+@needs_kernel
+def test_speculation_on_the_quantized_model_gives_its_plain_greedy_output(qwen_dir):
+    target = load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu", quantize="int5"))
+    assert isinstance(target.lm_head, quantized.QuantizedLinear)
+    settings = GenerationSettings(max_new_tokens=24)
+    prompt = [258, 10, 20, 30, 40, 50, 198]
+    plain = [t for s in Engine(target).generate(prompt, settings) for t in s.tokens]
+    head = random_head("eagle", target)  # drafts through the target's quantized LM head
+    proposer = TreeProposer(head.to(torch.bfloat16), target.num_layers, DynamicTree(DynamicTreeParams(8, 4, 3)))
+    drafted = [t for s in Engine(target, proposer).generate(prompt, settings) for t in s.tokens]
+    assert drafted == plain
