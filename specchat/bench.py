@@ -230,6 +230,10 @@ def _aggregate(rows: list[TurnResult], compared: bool) -> dict:
         "decode_tokens_per_s": round(sum(decode) / len(decode), 3) if decode else None,
         "tau": None if total.tau is None else round(total.tau, 3),
         "acceptance_rate": None if total.acceptance_rate is None else round(total.acceptance_rate, 4),
+        # Hybrid drafting: the share of accepted draft tokens the lookup proposed, and its cost per cycle.
+        "lookup_share": round(total.accepted_from_lookup / total.accepted_tokens, 4) if total.accepted_tokens else None,
+        "lookup_ms_per_cycle": round(1000 * total.lookup_seconds / len(total.accept_lengths), 3)
+        if total.lookup_seconds and total.accept_lengths else None,
         "identical": None, "compared": None, "diverged": None, "near_tie_share": None,
         # Depth of the deepest verified node per cycle, and (DEAGLE) the depth where drafting stopped.
         "tree_depth": _mean([max(c["depths"]) for r in rows for c in r.cycles if c.get("depths")]),

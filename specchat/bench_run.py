@@ -23,16 +23,16 @@ from specchat.errors import SpecchatError
 from specchat.inputs import read_prompts
 from specchat.machine import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, default_draft
-from specchat.settings import Settings
+from specchat.livesettings import METHOD_SECTIONS, LiveChatError, parse_value
+from specchat.settings import FIELDS, Settings
 
 
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
               warmup: int, output_dir: str) -> None:
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise MethodError(f"unknown method {', '.join(unknown)} (known: {', '.join(METHODS)})")
-    if PLAIN not in methods:
-        methods = [PLAIN] + methods  # speedups are relative to plain decoding measured in the same run
+    variants = {label: parse_variant(label) for label in methods}
+    if PLAIN not in variants:  # speedups are relative to plain decoding measured in the same run
+        variants = {PLAIN: (PLAIN, {}), **variants}
+    methods = list(variants)
     records = read_prompts(inputs)[: limit or None]
     # Runs repeat exactly: a run without --seed samples with seed 0.
     settings = dataclasses.replace(settings, method=PLAIN, seed=0 if settings.seed is None else settings.seed)
@@ -43,9 +43,11 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     load_model = app.model_loader(settings)
     drafts, skipped = {}, {}
     for method in methods:
-        wanted = METHODS[method].draft
+        name = variants[method][0]
+        wanted = METHODS[name].draft
         # A --draft of the wrong kind for a method (a head for sps) fails to load and skips that method, said.
-        draft = (draft_for.get(method) or settings.draft or default_draft(method, settings.model)) if wanted else None
+        draft = (draft_for.get(method) or draft_for.get(name) or settings.draft or default_draft(name, settings.model)) \
+            if wanted else None
         if wanted and not draft:
             skipped[method] = f"needs a draft ({wanted}); give one with --draft-for {method}=PATH"
         drafts[method] = draft
@@ -68,7 +70,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         for method in methods:
             progress.update(task, description=method)
             try:
-                runner, owned = _runner(dataclasses.replace(settings, method=method, draft=drafts[method]),
+                name, overrides = variants[method]
+                runner, owned = _runner(dataclasses.replace(settings, method=name, draft=drafts[method], **overrides),
                                         target, chat_format, generation, load_model)
             except SpecchatError as error:
                 console.print(f"skipping {method}: {error}", style="red", markup=False, highlight=False, soft_wrap=True)
@@ -111,6 +114,23 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     console.print(f"wrote {output_dir}/results.json, results.csv and {', '.join(p.name for p in written)}")
     if interrupted:
         raise KeyboardInterrupt
+
+
+def parse_variant(label: str) -> tuple[str, dict]:
+    """`deagle+lookup=off`: a method with method settings of its own (to compare variants in one run)."""
+    name, *changes = label.split("+")
+    if name not in METHODS:
+        raise MethodError(f"unknown method {name} (known: {', '.join(METHODS)})")
+    overrides = {}
+    for change in changes:
+        key, _, value = change.partition("=")
+        if key not in FIELDS or FIELDS[key].metadata["section"] not in METHOD_SECTIONS or not value:
+            raise MethodError(f"{label}: +KEY=VALUE takes a method setting ({', '.join(k for k, f in FIELDS.items() if f.metadata['section'] in METHOD_SECTIONS)})")
+        try:
+            overrides[key] = parse_value(key, value)
+        except LiveChatError as error:
+            raise MethodError(f"{label}: {error}") from error
+    return name, overrides
 
 
 def _runner(settings: Settings, target, chat_format, generation, load_model):

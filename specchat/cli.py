@@ -222,7 +222,8 @@ def profiles_show(name, **options):
 @cli.command(name="bench")
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--methods", default="vanilla,eagle2,pld", show_default=True,
-              help=f"Comma-separated methods: {', '.join(METHODS)}.")
+              help=f"Comma-separated methods: {', '.join(METHODS)}; METHOD+KEY=VALUE gives one a method setting of "
+                   "its own (deagle+lookup=off).")
 @click.option("--draft-for", "draft_for", multiple=True, metavar="METHOD=PATH",
               help="Draft head or model for one method (repeatable); sps and hf-assisted take a small model.")
 @click.option("--limit", type=int, default=None, help="Use the first N questions (a 2-turn MT-bench question is 2 turns).")

@@ -94,6 +94,7 @@ class DraftModelProposer:
             tokens.append(token)
             probs.append(float(torch.softmax(logits, -1)[token]))
             feed = [token]
-        return DraftTree(tokens=tokens, parents=list(range(-1, len(tokens) - 1)), depths=list(range(1, len(tokens) + 1)),
-                         probs=probs, q=torch.stack(qs) if qs else None)
+        tree = DraftTree.chain(tokens, probs)
+        tree.q = torch.stack(qs) if qs else None
+        return tree
 

@@ -8,6 +8,15 @@
 - `JakiroTree`  the EAGLE-2 tree whose last level comes from the two-ahead output of the forward
   before it (a Jakiro head), one draft forward fewer.
 
+A shape grows `Candidates`: every node it could verify, scored by the log-probability that its
+whole path is accepted. With a lookup source (hybrid drafting, `--lookup on`), continuations of
+the newest tokens found in text already seen join the same candidates, as branches from the root
+that merge with the head's nodes where they agree, scored by how often lookups of that strength
+were accepted so far (`LookupRates`). Which nodes are verified is decided from the scores: the
+best `total_tokens - 1` of them, or, given the machine's verify-cost curve, the number that
+maximizes expected tokens per second this cycle, so a long confident lookup chain gets verified
+whole and a weak cycle stays small.
+
 The head keeps its own KV cache. Entry j of it is the head's step on (the target's feature at
 position j, the token at position j + 1), at RoPE position j, which is EAGLE's convention. After
 the context pass over the newly committed positions, the last entry pairs the newest committed
@@ -18,16 +27,23 @@ trimmed away afterwards, since only committed context belongs in the cache.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from specchat.cache import causal_mask
+from specchat.calibrate import Curve
 from specchat.deagle import DeagleParams, DepthVote
 from specchat.drafters import DraftHead
 from specchat.drafters.layers import HeadCache
 from specchat.engine import GenerationSettings
+from specchat.lookup import LookupSource
 from specchat.tree import DraftTree
+
+LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle
+LOOKUP_TOKENS = 16  # the longest lookup chain (the verify budget decides how much of it is verified)
 
 # EAGLE-2 (Li et al. 2024, arXiv 2406.16858) reference settings: 60 tokens verified per cycle
 # (root included), 6 draft levels (the code's depth=5 counts expansions after the first level),
@@ -49,10 +65,21 @@ class DynamicTreeParams:
 class TreeProposer:
     """Proposes draft trees of one shape with a draft head (see `specchat.drafters`)."""
 
-    def __init__(self, head: DraftHead, num_target_layers: int, shape: StaticTree | DynamicTree):
+    def __init__(self, head: DraftHead, num_target_layers: int, shape: StaticTree | DynamicTree,
+                 lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS):
+        """
+        Args:
+            lookup: also draft from text already seen (hybrid trees).
+            curve: the verify-cost curve; with a lookup source, each cycle verifies the number of
+                nodes that maximizes expected tokens per second (else the shape's budget).
+            lookup_tokens: the longest lookup chain.
+        """
         shape.check(head)
         self.head = head
         self.shape = shape
+        self.lookup, self.curve, self.lookup_tokens = lookup, curve, lookup_tokens
+        self.rates = LookupRates()
+        self._last: tuple[int, DraftTree] | None = None  # the latest cycle's root and tree, to learn from
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = HeadCache()
         self.consumed = 0  # cache entries of committed context pairs
@@ -60,11 +87,14 @@ class TreeProposer:
         self.pending_tokens: list[int] = []  # the tokens at those positions
 
     def describe(self) -> str:
-        return self.shape.describe()
+        return self.shape.describe() + (", with lookup (hybrid)" if self.lookup is not None else "")
 
     # -- Proposer protocol -----------------------------------------------------------------
 
     def rewind(self, length: int) -> int:
+        if self.lookup is not None:
+            self.lookup.rewind(length)
+        self._last = None
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
         if keep < self.consumed:
             self.consumed = keep
@@ -80,14 +110,34 @@ class TreeProposer:
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
         self.pending_tokens.extend(tokens)
         self.pending_features.append(features)
+        if self.lookup is not None:
+            self.lookup.observe(tokens)
+            if self._last is not None and tokens and tokens[0] == self._last[0]:
+                self.rates.learn(self._last[1], tokens[1:])
+            self._last = None
 
     @torch.inference_mode()
     def propose(self, root: int, settings: GenerationSettings, rng, max_depth: int, max_nodes: int) -> DraftTree:
+        started = time.perf_counter()
         root_hidden = self._context_pass(root)
         try:
-            return self.shape.grow(self, root_hidden, max_depth, max_nodes)
+            candidates = self.shape.grow(self, root_hidden, max_depth, max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
+        if self.lookup is None:
+            return candidates.select(self.shape.verified(max_nodes))
+        looked_up = time.perf_counter()
+        for match in self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES):
+            candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
+        lookup_seconds = time.perf_counter() - looked_up
+        if self.curve is None:
+            tree = candidates.select(self.shape.verified(max_nodes))
+        else:
+            drafting_ms = 1000 * (time.perf_counter() - started)
+            tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes)
+        tree.info["lookup_seconds"] = round(lookup_seconds, 6)
+        self._last = (root, tree)
+        return tree
 
     # -- the head's steps, for the tree shapes -----------------------------------------------
 
@@ -145,7 +195,7 @@ class StaticTree:
     def describe(self) -> str:
         return f"static, {len(self.paths)} draft tokens"
 
-    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
+    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> Candidates:
         """Fill the tree in level by level: the head runs once per level on the nodes that have children."""
         paths = sorted((p for p in self.paths if len(p) <= max_depth), key=lambda p: (len(p), p))[:max_nodes]
         index = {path: i for i, path in enumerate(paths)}
@@ -168,8 +218,14 @@ class StaticTree:
                 row = parents.index(path[:-1])
                 tokens[index[path]] = top_tokens[row][path[-1]]
                 probs[index[path]] = float(top_logp[row, path[-1]].exp())
-        return DraftTree(tokens=tokens, parents=[index.get(p[:-1], -1) for p in paths],
-                         depths=[len(p) for p in paths], probs=probs)
+        parents = [index.get(p[:-1], -1) for p in paths]
+        scores = []
+        for node, parent in enumerate(parents):  # parents come first
+            scores.append((scores[parent] if parent >= 0 else 0.0) + math.log(max(probs[node], 1e-30)))
+        return Candidates(tokens, parents, [len(p) for p in paths], probs, scores)
+
+    def verified(self, max_nodes: int) -> int:
+        return min(len(self.paths), max_nodes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,14 +258,17 @@ class DynamicTree:
         p = self.params
         return f"total_tokens {p.total_tokens}, depth {p.depth}, tree_top_k {p.top_k}"
 
-    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
+    def verified(self, max_nodes: int) -> int:
+        return min(self.params.total_tokens - 1, max_nodes)
+
+    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> Candidates:
         return self._grow(drafter, root_hidden, max_depth, max_nodes)
 
     def _grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int,
-              stop=None) -> DraftTree:
+              stop=None) -> Candidates:
         """The EAGLE-2 loop; `stop(level, growth, keep)` may end the deepening before each level's forward."""
         k, depth = self.params.top_k, min(self.params.depth, max_depth)
-        keep = min(self.params.total_tokens - 1, max_nodes)
+        keep = self.verified(max_nodes)
         top_logp, top_ids = drafter.log_probs(root_hidden[None])[0].topk(k)
         table = _NodeTable()
         table.add(drafter.to_target(top_ids), torch.full((k,), -1), 1, top_logp, top_logp)
@@ -226,9 +285,8 @@ class DynamicTree:
             growth.beam = first_child + best.cpu()
             growth.beam_hidden = None if out is None else out[best // k]
             growth.beam_scores.append(child_scores.flatten()[best])
-        tree = _select(table.tokens(), table.parents(), table.depths(), table.logps(), table.scores(), keep)
-        tree.info = growth.info
-        return tree
+        return Candidates(table.tokens().tolist(), table.parents().tolist(), table.depths().tolist(),
+                          table.logps().exp().tolist(), table.scores().tolist(), info=growth.info)
 
     def children(self, drafter: TreeProposer, growth: Growth, level: int, depth: int):
         """The top-k children of each beam node: (log-probabilities, draft ids, the beam's head outputs)."""
@@ -253,7 +311,7 @@ class DeagleTree(DynamicTree):
 
     deagle: DeagleParams = DeagleParams()
 
-    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> DraftTree:
+    def grow(self, drafter: TreeProposer, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> Candidates:
         vote = DepthVote(self.deagle)  # one per cycle
 
         def stop(level: int, growth: Growth, keep: int) -> bool:
@@ -263,10 +321,10 @@ class DeagleTree(DynamicTree):
                 growth.info.update(stop_depth=level, votes=fired)
             return bool(fired)
 
-        tree = self._grow(drafter, root_hidden, max_depth, max_nodes, stop)
-        tree.info.setdefault("stop_depth", min(self.params.depth, max_depth))
-        tree.info["depth_votes"] = vote.history
-        return tree
+        candidates = self._grow(drafter, root_hidden, max_depth, max_nodes, stop)
+        candidates.info.setdefault("stop_depth", min(self.params.depth, max_depth))
+        candidates.info["depth_votes"] = vote.history
+        return candidates
 
 
 @dataclass(frozen=True)
@@ -310,24 +368,118 @@ class JakiroTree(DynamicTree):
         return logp[rows], ids[rows]
 
 
-def _select(tokens, parents, depths, logps, scores, keep: int) -> DraftTree:
-    """Keep the `keep` best nodes by path probability (ties: shallower first), as a connected tree.
+@dataclass
+class Candidates:
+    """Nodes a cycle could verify, parents before children, each scored by the log-probability that
+    its whole path is accepted (a child's score never exceeds its parent's)."""
 
-    A child's path probability never exceeds its parent's, and ties go to the shallower node, so
-    every kept node's parent is kept too; listing them by (depth, -score) puts parents first and
-    siblings in decreasing probability.
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    probs: list[float]  # given the parent
+    scores: list[float]
+    sources: list[str] = field(default_factory=list)  # empty: all the head's
+    info: dict = field(default_factory=dict)
+    evidence: list[int] = field(default_factory=list)  # per lookup node, its match's strength (else 0)
+
+    def add_chain(self, tokens: list[int], accept: float, evidence: int) -> None:
+        """A lookup continuation from the root, each token accepted with probability `accept` given
+        its parent; where the head proposed the same token under the same parent, the node is shared."""
+        if not self.sources:
+            self.sources = ["head"] * len(self.tokens)
+            self.evidence = [0] * len(self.tokens)
+        child = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
+        parent, score = -1, 0.0
+        for depth, token in enumerate(tokens, start=1):
+            score += math.log(accept)
+            node = child.get((parent, token))
+            if node is None:
+                node = len(self.tokens)
+                self.tokens.append(token), self.parents.append(parent), self.depths.append(depth)
+                self.probs.append(accept), self.scores.append(score), self.sources.append("lookup")
+                self.evidence.append(evidence)
+                child[(parent, token)] = node
+            else:
+                self.sources[node] = "both" if self.sources[node] == "head" else self.sources[node]
+                self.scores[node] = max(self.scores[node], score)
+                self.evidence[node] = max(self.evidence[node], evidence)
+            parent, score = node, self.scores[node]
+
+    def _ranked(self) -> list[int]:
+        # Ties go to the shallower node, so every parent ranks before its children.
+        return sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depths[i], i))
+
+    def select(self, keep: int) -> DraftTree:
+        """The `keep` best nodes, as a connected tree."""
+        return self._tree(self._ranked()[:keep])
+
+    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int) -> DraftTree:
+        """The best nodes, as many as maximize expected tokens (1 + the sum of the nodes' path
+        probabilities) per millisecond of the cycle (drafting so far + verifying them all)."""
+        ranked = self._ranked()[: min(max_nodes, curve.largest - 1)]
+        best, best_rate, expected = 0, 1 / (drafting_ms + curve.cost(1)), 1.0
+        for count, node in enumerate(ranked, start=1):
+            expected += math.exp(self.scores[node])
+            rate = expected / (drafting_ms + curve.cost(count + 1))
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return self._tree(ranked[:best])
+
+    def _tree(self, chosen: list[int]) -> DraftTree:
+        chosen = sorted(chosen, key=lambda i: (self.depths[i], -self.scores[i], i))  # parents first, siblings by score
+        slot = {node: position for position, node in enumerate(chosen)}
+        info = dict(self.info)
+        if self.evidence:
+            info["lookup_evidence"] = [self.evidence[i] for i in chosen]
+        return DraftTree(
+            tokens=[int(self.tokens[i]) for i in chosen],
+            parents=[slot[self.parents[i]] if self.parents[i] >= 0 else -1 for i in chosen],
+            depths=[self.depths[i] for i in chosen],
+            probs=[float(self.probs[i]) for i in chosen],
+            info=info,
+            sources=[self.sources[i] for i in chosen] if self.sources else [],
+        )
+
+
+class LookupRates:
+    """How often a lookup token is accepted when its parent was, by the strength of its match
+    (tokens of agreeing context): the lookup nodes' probabilities, learned as the chat goes.
+
+    Starts from PRIOR (a weak belief of 1 in 2) and forgets slowly, so a chat that starts quoting
+    its own text raises it within a few cycles.
     """
-    score, depth = scores.tolist(), depths.tolist()
-    order = sorted(range(len(score)), key=lambda i: (-score[i], depth[i], i))[:keep]
-    order.sort(key=lambda i: (depth[i], -score[i], i))
-    slot = {node: position for position, node in enumerate(order)}
-    parent = parents.tolist()
-    return DraftTree(
-        tokens=[int(tokens[i]) for i in order],
-        parents=[slot[parent[i]] if parent[i] >= 0 else -1 for i in order],
-        depths=[depth[i] for i in order],
-        probs=[float(logps[i].exp()) for i in order],
-    )
+
+    BUCKETS = (1, 2, 3, 5, 8)  # evidence of at least this many tokens
+    PRIOR = (1.0, 2.0)  # accepted, offered
+    DECAY = 0.98
+
+    def __init__(self):
+        self.counts = [list(self.PRIOR) for _ in self.BUCKETS]
+
+    def _bucket(self, evidence: int) -> int:
+        return max(i for i, low in enumerate(self.BUCKETS) if evidence >= low or i == 0)
+
+    def estimate(self, evidence: int) -> float:
+        accepted, offered = self.counts[self._bucket(evidence)]
+        return min(0.99, max(0.01, accepted / offered))
+
+    def learn(self, tree: DraftTree, accepted_tokens: list[int]) -> None:
+        """Count, at every node of the accepted path (the root first), which of its lookup children
+        were accepted: one at most, the others (and all below the path's end) were not."""
+        if not tree.sources:  # no lookup node this cycle
+            return
+        children, evidence = tree.children(), tree.info.get("lookup_evidence", [])
+        node = -1
+        for token in accepted_tokens + [None]:
+            taken = next((c for c in children[node + 1] if tree.tokens[c] == token), None)
+            for c in children[node + 1]:
+                if tree.sources[c] != "head":
+                    counts = self.counts[self._bucket(evidence[c])]
+                    counts[0] = counts[0] * self.DECAY + (c == taken)
+                    counts[1] = counts[1] * self.DECAY + 1
+            if taken is None:
+                return
+            node = taken
 
 
 class _NodeTable:

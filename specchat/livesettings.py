@@ -15,7 +15,7 @@ from specchat.settings import FIELDS, Settings
 
 # What `/set KEY VALUE` may change; every other setting needs a restart (or `/method`, `/system`).
 LIVE_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k",
-             "draft_tokens", "show_accept", "compare")
+             "draft_tokens", "lookup", "show_accept", "compare")
 METHOD_SECTIONS = ("method", "draft")  # the settings a proposer is built from
 TRUE_WORDS, FALSE_WORDS = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
 UNSET_WORDS = ("none", "default")

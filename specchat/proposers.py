@@ -18,17 +18,17 @@ from specchat.drafters import load_head
 from specchat.drafting import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree, DynamicTreeParams,
                                JakiroTree, StaticTree, TreeProposer)
 from specchat.engine import Proposer
-from specchat.lookup import DEFAULT_LOOKUP_TOKENS, PromptLookupProposer
+from specchat.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
 from specchat.methods import MethodError, effective_draft, method
 from specchat.settings import Settings
 from specchat.target import Target
 from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 
-# A CPU verifies a handful of tokens for the price of one (0.5B, bf16, 2 threads: 158 ms for 16
-# against 159 ms for 1, then 192 ms for 20; README), and every draft step is paid in full, so CPU
-# trees are smaller than the papers' GPU settings.
+# A CPU verifies a handful of tokens for little more than one, and every draft step is paid in
+# full, so CPU trees are smaller than the papers' GPU settings; their size comes from the measured
+# cost curve (specchat.calibrate), within this range.
 CPU_DEPTH, CPU_TOP_K = 6, 6
-CPU_TOTAL_TOKENS_RANGE = (8, 32)
+CPU_TOTAL_TOKENS_RANGE = (4, 32)
 
 LoadModel = Callable[[str], Target]
 
@@ -94,8 +94,12 @@ BUILDERS = {builder.__name__: builder for builder in
 
 def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
     head = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
+    lookup = curve = None
+    if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
+        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
+        curve = cached_curve(target) if target.device.type == "cpu" else None
     try:
-        return TreeProposer(head, target.num_layers, shape)
+        return TreeProposer(head, target.num_layers, shape, lookup=lookup, curve=curve)
     except ValueError as error:
         raise MethodError(str(error)) from error
 

@@ -27,6 +27,8 @@ class Stats:
     verify_seconds: float = 0.0
     draft_tokens: int = 0  # draft tokens the target verified
     accepted_tokens: int = 0  # of those, accepted
+    accepted_from_lookup: int = 0  # of those, proposed by the lookup (alone, or the head too): hybrid drafting
+    lookup_seconds: float = 0.0  # spent finding lookup continuations
     accept_lengths: list[int] = field(default_factory=list)  # tokens per speculative cycle, bonus included
     finish_reason: str | None = None  # of the latest reply counted
 
@@ -43,11 +45,16 @@ class Stats:
             self.prefill_seconds += step.seconds
         elif step.cycle is not None:
             self.accept_lengths.append(len(step.tokens))
+            tree = step.cycle.tree
+            if tree.sources:  # the accepted nodes this step kept (an end of turn or the budget may cut the path)
+                kept = step.cycle.accepted[: sum(step.drafted)]
+                self.accepted_from_lookup += sum(tree.sources[node] != "head" for node in kept)
+            self.lookup_seconds += tree.info.get("lookup_seconds", 0.0)
         self.finish_reason = step.finish_reason or self.finish_reason
 
     def __iadd__(self, other: Stats) -> Stats:
         for name in ("new_tokens", "seconds", "prefill_seconds", "target_forwards", "draft_seconds", "verify_seconds",
-                     "draft_tokens", "accepted_tokens"):
+                     "draft_tokens", "accepted_tokens", "accepted_from_lookup", "lookup_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_lengths = self.accept_lengths + other.accept_lengths
         self.finish_reason = other.finish_reason or self.finish_reason
@@ -79,6 +86,8 @@ class Stats:
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "acceptance_rate": _round(self.acceptance_rate, 4),
+            "accepted_from_lookup": self.accepted_from_lookup,
+            "lookup_seconds": round(self.lookup_seconds, 4),
         }
 
 

@@ -71,6 +71,7 @@ class DraftTree:
         q: [n, vocab] distributions the tokens were *sampled* from (a draft model under
             sampling), or None for deterministic drafts (top-k, lookup).
         info: method-specific facts for the trace (e.g. DEAGLE's stop depth and votes).
+        sources: per node, what proposed it: "head", "lookup" or "both" (empty: all one drafter's).
     """
 
     tokens: list[int]
@@ -79,9 +80,17 @@ class DraftTree:
     probs: list[float]
     q: torch.Tensor | None = None
     info: dict = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: list[float] | None = None, source: str | None = None) -> DraftTree:
+        """A chain: each token the child of the one before."""
+        n = len(tokens)
+        return cls(tokens=list(tokens), parents=list(range(-1, n - 1)), depths=list(range(1, n + 1)),
+                   probs=list(probs) if probs is not None else [1.0] * n, sources=[source] * n if source else [])
 
     def children(self) -> list[list[int]]:
         """children()[0] are the root's children; children()[i + 1] are node i's; in stored order."""
@@ -112,7 +121,8 @@ class Cycle:
         return {
             "root": self.root, "tokens": self.tree.tokens, "parents": self.tree.parents,
             "probs": [round(p, 6) for p in self.tree.probs], "depths": self.tree.depths,
-            "accepted": self.accepted, "bonus": self.bonus, **self.tree.info,
+            "accepted": self.accepted, "bonus": self.bonus, **({"sources": self.tree.sources} if self.tree.sources else {}),
+            **self.tree.info,
         }
 
 

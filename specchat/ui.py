@@ -93,6 +93,8 @@ def stats_line(stats, estimated_speedup: float | None = None, comparison=None) -
     parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s", f"τ {stats.tau:.2f}"]
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance {stats.acceptance_rate:.0%} ({stats.accepted_tokens}/{stats.draft_tokens} drafted)")
+    if stats.accepted_from_lookup:
+        parts.append(f"{stats.accepted_from_lookup} accepted from lookup")
     if comparison is not None:
         verdict = "same answer"
         if comparison.divergence is not None:

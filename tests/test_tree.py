@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specchat.drafting import _select
+from specchat.drafting import Candidates
 from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
 from specchat.verify import verify_inputs
 
@@ -73,7 +73,7 @@ def test_selection_keeps_a_connected_tree_of_the_best_paths():
     depths = torch.tensor([1, 1, 1, 2, 2, 2, 2])
     logps = torch.tensor([0.6, 0.3, 0.1, 1.0, 0.0001, 0.5, 0.5]).log()
     scores = torch.cat([logps[:3], logps[3:5] + logps[0], logps[5:] + logps[1]])
-    tree = _select(tokens, parents, depths, logps, scores, keep=4)
+    tree = Candidates(tokens.tolist(), parents.tolist(), depths.tolist(), logps.exp().tolist(), scores.tolist()).select(4)
     # Best paths: 0 (.6), its child 20 (.6, ties the parent: parent first), 1 (.3), then .15 twice (21? no: 22/23).
     assert tree.tokens == [10, 11, 20, 22]
     assert tree.parents == [-1, -1, 0, 1] and tree.depths == [1, 1, 2, 2]

@@ -1,0 +1,113 @@
+"""Hybrid drafting: lookup continuations and head drafts in one tree, lossless whatever the lookup
+proposes, with the lookup found in the conversation and in the chat's earlier text."""
+
+import pytest
+
+from conftest import exact_two_token_distribution, load_tiny_target, random_head
+from specchat.calibrate import Curve
+from specchat.drafting import Candidates, DeagleTree, DynamicTreeParams, TreeProposer
+from specchat.deagle import DeagleParams
+from specchat.engine import Engine, GenerationSettings
+from specchat.lookup import LookupSource, Match
+from specchat.sampling import SamplingParams, make_generator
+from specchat.stats import Stats
+
+PROMPT = [258, 10, 20, 30, 40, 50, 198]
+FLAT = Curve({1: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 14.0})  # verifying more costs little: chains are kept
+
+
+def tokens_of(engine, prompt, settings, rng=None):
+    return [t for step in engine.generate(prompt, settings, rng) for t in step.tokens]
+
+
+@pytest.fixture(scope="module")
+def bigram(bigram_dir):
+    return load_tiny_target(bigram_dir)
+
+
+class ScriptedLookup(LookupSource):
+    """Proposes the script's continuation after the context, right, wrong or half right."""
+
+    def __init__(self, script: list[int], kind: str):
+        super().__init__()
+        self.script, self.kind = script, kind
+
+    def matches(self, root, limit, count=1):
+        start = len(self.context_ids) + 1
+        right = self.script[start : start + limit]
+        if self.kind == "wrong":
+            right = [(t + 5) % 250 for t in right]
+        elif self.kind == "half":
+            right = right[: len(right) // 2] + [(t + 5) % 250 for t in right[len(right) // 2 :]]
+        return [Match(right, evidence=4)] if right else []
+
+
+def hybrid(target, lookup, curve=FLAT):
+    head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
+    shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
+    return TreeProposer(head, target.num_layers, shape, lookup=lookup, curve=curve)
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong", "half"])
+@pytest.mark.parametrize("curve", [FLAT, None])
+def test_greedy_output_is_plain_whatever_the_lookup_proposes(bigram, kind, curve):
+    settings = GenerationSettings(max_new_tokens=30)
+    plain = tokens_of(Engine(bigram), PROMPT, settings)
+    proposer = hybrid(bigram, ScriptedLookup(PROMPT + plain, kind), curve)
+    stats = Stats()
+    tokens = []
+    for step in Engine(bigram, proposer).generate(PROMPT, settings):
+        stats.add_step(step)
+        tokens += step.tokens
+    assert tokens == plain
+    if kind == "right":
+        assert stats.accepted_from_lookup >= 10 and stats.tau > 2
+    if kind == "wrong":
+        assert stats.accepted_from_lookup == 0
+
+
+def test_sampling_with_lookup_follows_the_target_distribution(bigram):
+    prompt, top_k, runs = [258, 40, 41], 4, 600
+    joint = exact_two_token_distribution(bigram, prompt, top_k)
+    settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
+    greedy = tokens_of(Engine(bigram), prompt, GenerationSettings(max_new_tokens=3))
+    engine = Engine(bigram, hybrid(bigram, ScriptedLookup(prompt + greedy, "half")))
+    rng, counts = make_generator(1), {}
+    for _ in range(runs):
+        pair = tuple(tokens_of(engine, prompt, settings, rng)[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    assert set(counts) <= set(joint)
+    statistic = sum((counts.get(k, 0) - runs * v) ** 2 / (runs * v) for k, v in joint.items())
+    assert statistic < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+
+
+def test_a_lookup_chain_merges_with_the_heads_nodes_where_they_agree():
+    candidates = Candidates(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.3, 0.5],
+                            scores=[-0.69, -1.2, -1.39])
+    candidates.add_chain([5, 7, 9, 9, 9], accept=0.9, evidence=6)
+    assert candidates.sources == ["both", "head", "both", "lookup", "lookup", "lookup"]
+    tree = candidates.select(5)
+    assert all(p < i for i, p in enumerate(tree.parents))  # connected, parents first
+    assert tree.depths[-1] >= 3 and "lookup" in tree.sources  # the chain goes past the head's depth
+
+
+def test_the_budget_verifies_a_long_confident_chain_and_little_of_a_weak_one():
+    def chain(accept):
+        candidates = Candidates([], [], [], [], [])
+        candidates.add_chain(list(range(100, 116)), accept=accept, evidence=8)
+        return candidates
+
+    steep = Curve({1: 10.0, 2: 13.0, 4: 19.0, 8: 31.0, 16: 55.0})
+    assert len(chain(0.95).select_for_rate(steep, 3.0, 64)) >= 8
+    assert len(chain(0.2).select_for_rate(steep, 3.0, 64)) <= 1
+
+
+def test_lookup_finds_text_that_left_the_conversation():
+    source = LookupSource(max_ngram=2)
+    source.observe([1, 2, 3, 4, 5, 6])
+    source.rewind(0)  # a new conversation (/clear): the old one goes to the chat's history
+    source.observe([9, 9, 2])
+    found = source.matches(root=3, limit=3)
+    assert found and found[0].tokens == [4, 5, 6] and found[0].evidence == 2  # "2 3" agreed
+    source.observe([3, 7])
+    assert source.matches(root=2, limit=2)[0].tokens == [3, 7]  # the conversation first, latest occurrence
