@@ -21,7 +21,8 @@ from specchat.engine import Proposer
 from specchat.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
 from specchat.methods import MethodError, effective_draft, method
 from specchat.settings import Settings
-from specchat.target import Target
+from specchat import quantized
+from specchat.target import KERNEL_BITS, Target
 from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 
 # A CPU verifies a handful of tokens for little more than one, and every draft step is paid in
@@ -94,6 +95,8 @@ BUILDERS = {builder.__name__: builder for builder in
 
 def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
     head = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
+    if target.spec.quantize in KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
+        quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize])
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)

@@ -163,9 +163,10 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             if isinstance(child, nn.Linear)]
 
 
-def quantize_model(model: nn.Module, bits: int, cache: Path | None = None) -> None:
-    """Replace every linear layer of a causal LM in place by a `bits`-bit one (the LM head too: it
-    is a quarter of a small model's weights, and 5 bits keep its argmax 98% of the time).
+def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> None:
+    """Replace every linear layer of a model in place by a `bits`-bit one (a causal LM's head too:
+    it is a quarter of a small model's weights; docs/cpu-runtime.md gives what that costs in
+    fidelity). Draft heads on a quantized target are quantized too: they run every cycle.
 
     Quantizing takes seconds per hundred million weights, so the packed layers are kept in
     `cache` (a safetensors file) and read from there on later starts.

@@ -389,7 +389,7 @@ def load_target(spec: ModelSpec) -> Target:
         model = model.to(device)
     if quantize in KERNEL_BITS:
         try:
-            quantized.quantize_model(model, KERNEL_BITS[quantize], _quantized_cache(source, quantize))
+            quantized.quantize_linears(model, KERNEL_BITS[quantize], _quantized_cache(source, quantize))
         except (quantized.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
     return Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))

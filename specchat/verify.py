@@ -60,6 +60,7 @@ def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng:
     """Walk the tree with the target's logits; row 0 belongs to the root, row i + 1 to node i."""
     if tree.q is not None:
         return accept_sampled_chain(tree, logits, sampling, rng)
+    logits = logits.float()  # once for all rows: argmax over bf16 is 5x slower
     children = tree.children()
     path: list[int] = []
     row = 0

@@ -46,11 +46,11 @@ def test_packed_layers_are_cached_and_read_back(tmp_path, monkeypatch):
     model.get_output_embeddings = lambda: model[2]
     x = torch.randn(3, 64).bfloat16()
     first = pytest.importorskip("copy").deepcopy(model)
-    quantized.quantize_model(first, 5, tmp_path / "packed.safetensors")
+    quantized.quantize_linears(first, 5, tmp_path / "packed.safetensors")
     calls = []
     monkeypatch.setattr(quantized, "quantize", lambda *a: calls.append(1))
     second = pytest.importorskip("copy").deepcopy(model)
-    quantized.quantize_model(second, 5, tmp_path / "packed.safetensors")
+    quantized.quantize_linears(second, 5, tmp_path / "packed.safetensors")
     assert calls == [] and torch.equal(first(x), second(x))
 
 
