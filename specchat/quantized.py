@@ -164,9 +164,10 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> None:
-    """Replace every linear layer of a model in place by a `bits`-bit one (a causal LM's head too:
-    it is a quarter of a small model's weights; docs/cpu-runtime.md gives what that costs in
-    fidelity). Draft heads on a quantized target are quantized too: they run every cycle.
+    """Replace every linear layer of a model in place by a `bits`-bit one: a causal LM's LM head too
+    (a quarter of a small model's weights; docs/cpu-runtime.md gives what that costs in fidelity),
+    and draft heads on a quantized target (they run every cycle). A layer whose shape does not tile
+    into 16 rows and groups of 32 stays as it is.
 
     Quantizing takes seconds per hundred million weights, so the packed layers are kept in
     `cache` (a safetensors file) and read from there on later starts.
@@ -180,6 +181,8 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
     for module, name, child in linears:
         key = names[id(child)]
         N, K = child.weight.shape
+        if N % BLOCK or K % GROUP:  # the kernel's tiling does not fit (a draft head's odd vocabulary): bf16
+            continue
         if stored is not None and f"{key}.low" in stored:
             packed = {part: stored[f"{key}.{part}"] for part in ("low", "high", "scale", "bias")}
             layer = QuantizedLinear(K, N, bits, packed, child.bias)

@@ -71,3 +71,28 @@ def test_speculation_on_the_quantized_model_gives_its_plain_greedy_output(qwen_d
     proposer = TreeProposer(head.to(torch.bfloat16), target.num_layers, DynamicTree(DynamicTreeParams(8, 4, 3)))
     drafted = [t for s in Engine(target, proposer).generate(prompt, settings) for t in s.tokens]
     assert drafted == plain
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["eagle", "eagle2", "deagle", "jakiro", "sps", "pld", "deagle+lookup"])
+def test_every_method_on_the_quantized_runtime_gives_its_plain_greedy_output(qwen_dir, tmp_path, method):
+    """Every method is lossless on the quantized model too, the head quantized with it."""
+    import dataclasses
+
+    from specchat.drafters import save_head
+    from specchat.proposers import build_proposer
+    from specchat.settings import Settings
+
+    spec = ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu", quantize="int5")
+    target = load_target(spec)
+    name, _, lookup = method.partition("+")
+    kind = "jakiro" if name == "jakiro" else "eagle3"
+    save_head(random_head(kind, load_tiny_target(qwen_dir)), tmp_path / "head")
+    draft = str(qwen_dir) if name == "sps" else str(tmp_path / "head")
+    settings = Settings(model=str(qwen_dir), method=name, draft=draft, lookup=bool(lookup), total_tokens=8)
+    load_model = lambda model, gguf_file=None: load_target(dataclasses.replace(spec, model=model))  # noqa: E731
+    proposer = build_proposer(settings, target, load_model)
+    greedy = GenerationSettings(max_new_tokens=24)
+    prompt = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]
+    plain = [t for s in Engine(target).generate(prompt, greedy) for t in s.tokens]
+    assert [t for s in Engine(target, proposer).generate(prompt, greedy) for t in s.tokens] == plain
