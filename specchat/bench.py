@@ -88,6 +88,7 @@ class SessionRunner:
     def start(self, record: PromptRecord, system: str | None) -> None:
         self.session.conversation.system = record.system if record.system is not None else system
         self.session.clear()
+        self.session.engine.forget()  # each question on its own, as Spec-Bench answers them: no lookup of earlier ones
         self.session.conversation.messages.extend(record.history)
 
     def turn(self, prompt: str) -> Answer:

@@ -60,6 +60,9 @@ class DraftModelProposer:
         self.cache.trim(min(shared, self.cache.length))
         del self.cached_ids[shared:]
 
+    def forget(self) -> None:
+        pass  # it keeps nothing beyond the context
+
     def rewind(self, length: int) -> int:
         del self.context_ids[length:]
         self._sync_cache()

@@ -107,6 +107,10 @@ class TreeProposer:
         self.cache.trim(min(self.consumed, self.cache.length))
         return self.consumed + len(self.pending_tokens)
 
+    def forget(self) -> None:
+        if self.lookup is not None:  # the acceptance rates stay: they describe the head and the model, not the text
+            self.lookup.forget()
+
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
         self.pending_tokens.extend(tokens)
         self.pending_features.append(features)

@@ -112,6 +112,10 @@ class Proposer(Protocol):
     def describe(self) -> str:
         """What it drafts, in a few words (for /show)."""
 
+    def forget(self) -> None:
+        """Forget the text seen so far, beyond the context (a lookup's history of the chat): what
+        follows is unrelated (bench questions, which Spec-Bench answers independently)."""
+
 
 class Engine:
     """Generates replies from a target model, optionally speculating with a proposer."""
@@ -127,6 +131,12 @@ class Engine:
     def reset(self) -> None:
         """Drop all cached state (a new conversation)."""
         self._rewind(0)
+
+    def forget(self) -> None:
+        """A new conversation that may not draw on earlier ones (see `Proposer.forget`)."""
+        self.reset()
+        if self.proposer is not None:
+            self.proposer.forget()
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         self.proposer = proposer

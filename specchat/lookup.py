@@ -110,9 +110,15 @@ class LookupSource:
         dropped = self.context.truncate(length)
         if dropped:  # what leaves the conversation stays findable
             self.history.extend(dropped)
-            if len(self.history.tokens) > HISTORY_LIMIT:
-                self.history.truncate(0)
+            if len(self.history.tokens) > HISTORY_LIMIT:  # the older half goes
+                newer = self.history.tokens[-(HISTORY_LIMIT // 2):]
+                self.history = NgramIndex(self.history.max_ngram, self.history.min_ngram)
+                self.history.extend(newer)
         return len(self.context.tokens)
+
+    def forget(self) -> None:
+        self.context = NgramIndex(self.context.max_ngram, self.context.min_ngram)
+        self.history = NgramIndex(self.history.max_ngram, self.history.min_ngram)
 
     def matches(self, root: int, limit: int, count: int = 1) -> list[Match]:
         tail = self.context.tokens[-(MAX_EVIDENCE - 1):] + [root]  # the root's own n-gram is not indexed yet
@@ -141,6 +147,9 @@ class PromptLookupProposer:
 
     def rewind(self, length: int) -> int:
         return self.source.rewind(length)
+
+    def forget(self) -> None:
+        self.source.forget()
 
     def observe(self, tokens: list[int], features) -> None:
         self.source.observe(tokens)

@@ -111,3 +111,13 @@ def test_lookup_finds_text_that_left_the_conversation():
     assert found and found[0].tokens == [4, 5, 6] and found[0].evidence == 2  # "2 3" agreed
     source.observe([3, 7])
     assert source.matches(root=2, limit=2)[0].tokens == [3, 7]  # the conversation first, latest occurrence
+
+
+def test_forgetting_drops_the_history_too():
+    """bench answers each question on its own: nothing found in an earlier question's text."""
+    source = LookupSource(max_ngram=2)
+    source.observe([1, 2, 3, 4, 5, 6])
+    source.rewind(0)
+    source.forget()
+    source.observe([9, 9, 2])
+    assert source.matches(root=3, limit=3) == []
