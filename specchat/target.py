@@ -25,7 +25,7 @@ from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GgufConfig
 from transformers.utils import logging as transformers_logging
 
-from specchat import embedded, quantized
+from specchat import attention, embedded, quantized
 from specchat.errors import SpecchatError
 from specchat.hub import HUB_ID, HubError, hub_file, hub_folder
 from specchat.machine import cache_dir, cpu_has_bf16
@@ -387,6 +387,10 @@ def load_target(spec: ModelSpec) -> Target:
         raise ModelLoadError(f"cannot load the model from {source}: {first_line}") from error
     if quantize not in BITSANDBYTES:
         model = model.to(device)
+    if device.type == "cpu" and model.config._attn_implementation == "sdpa":
+        # SDPA but for one query token, which it runs several times too slowly on a CPU; a model
+        # whose attention does not go through transformers' interface keeps SDPA (it only warns).
+        model.set_attn_implementation(attention.ATTENTION)
     if quantize in KERNEL_BITS:
         try:
             quantized.quantize_linears(model, KERNEL_BITS[quantize], _quantized_cache(source, quantize))

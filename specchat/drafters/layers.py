@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat.attention import attention
 from specchat.cache import KVCache
 from specchat.drafters.checkpoint import HeadLoadError
 
@@ -116,5 +117,4 @@ class HeadCache(KVCache):
 
     def attend(self, layer_idx: int, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         k, v = self.update(k, v, layer_idx)
-        groups = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
+        return attention(q, k, v, mask)

@@ -1,0 +1,53 @@
+"""One-query attention on a CPU: the same numbers as SDPA, and the target loads with it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import load_tiny_target
+from specchat.attention import ATTENTION, attention, one_query
+from specchat.cache import KVCache
+
+
+def reference(query, key, value, mask):
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (14, 2)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_one_query_matches_sdpa(heads, kv_heads, mask_kind):
+    torch.manual_seed(0)
+    length = 37
+    query = torch.randn(1, heads, 1, 16)
+    key, value = torch.randn(1, kv_heads, length, 16), torch.randn(1, kv_heads, length, 16)
+    visible = torch.rand(1, 1, 1, length) > 0.3
+    visible[..., -1] = True
+    mask = {"none": None, "bool": visible,
+            "additive": torch.zeros(1, 1, 1, length).masked_fill(~visible, float("-inf"))}[mask_kind]
+    expected = reference(query, key, value, mask)
+    torch.testing.assert_close(one_query(query, key, value, mask, 16 ** -0.5), expected)
+    torch.testing.assert_close(attention(query, key, value, mask), expected)
+
+
+def test_several_queries_take_sdpa_with_the_mask():
+    torch.manual_seed(1)
+    query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(diagonal=7)
+    torch.testing.assert_close(attention(query, key, value, mask), reference(query, key, value, mask))
+
+
+def test_a_cpu_target_decodes_with_it_and_gets_sdpa_s_logits(tiny_model_dir):
+    target = load_tiny_target(tiny_model_dir)
+    assert target.model.config._attn_implementation == ATTENTION
+    ids = torch.tensor([[5, 9, 3, 17, 2, 11, 8]])
+
+    def last_logits():
+        cache = KVCache()
+        target.forward(ids[:, :-1], cache, logits_for="none")
+        return target.forward(ids[:, -1:], cache, logits_for="last").logits
+
+    ours = last_logits()
+    target.model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(ours, last_logits())
