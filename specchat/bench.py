@@ -151,20 +151,40 @@ class PeakMemory:
 def run_method(method: str, runner, records: list[PromptRecord], system: str | None, repeats: int, warmup: int,
                on_turn) -> list[TurnResult]:
     """Warm up on the first question, then answer every question `repeats` times."""
-    results = []
     for _ in range(warmup):
-        runner.start(records[0], system)
-        runner.turn(records[0].turns[0])
-    for repeat in range(repeats):
-        for record in records:
-            runner.start(record, system)
-            for index, prompt in enumerate(record.turns):
-                answer = runner.turn(prompt)
-                result = TurnResult(method=method, question=record.id, category=record.category, turn=index,
-                                    repeat=repeat, response=answer.text, tokens=answer.tokens, margins=answer.margins,
-                                    cycles=answer.cycles, **vars(answer.stats))
-                results.append(result)
-                on_turn(result)
+        _warm_up(runner, records[0], system)
+    return [result for repeat in range(repeats) for record in records
+            for result in answer_question(method, runner, record, system, repeat, on_turn)]
+
+
+def run_interleaved(runners: dict, records: list[PromptRecord], system: str | None, repeats: int, warmup: int,
+                    on_turn) -> list[TurnResult]:
+    """Every method answers a question before the next question is asked, so that a machine whose
+    speed drifts during the run (a shared or throttling CPU) slows every method alike."""
+    for runner in runners.values():
+        for _ in range(warmup):
+            _warm_up(runner, records[0], system)
+    return [result for repeat in range(repeats) for record in records for method, runner in runners.items()
+            for result in answer_question(method, runner, record, system, repeat, on_turn)]
+
+
+def _warm_up(runner, record: PromptRecord, system: str | None) -> None:
+    runner.start(record, system)
+    runner.turn(record.turns[0])
+
+
+def answer_question(method: str, runner, record: PromptRecord, system: str | None, repeat: int,
+                    on_turn) -> list[TurnResult]:
+    """Every turn of one question, in one conversation."""
+    results = []
+    runner.start(record, system)
+    for index, prompt in enumerate(record.turns):
+        answer = runner.turn(prompt)
+        result = TurnResult(method=method, question=record.id, category=record.category, turn=index,
+                            repeat=repeat, response=answer.text, tokens=answer.tokens, margins=answer.margins,
+                            cycles=answer.cycles, **vars(answer.stats))
+        results.append(result)
+        on_turn(result)
     return results
 
 
@@ -324,11 +344,12 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
             ax.plot(range(1, deepest + 1), [sum(a >= d for a in lengths) / len(lengths) for d in range(1, deepest + 1)],
                     marker="o", label=method)
     save(fig, ax, "acceptance_by_depth.png", "tree depth d", "share of cycles accepting >= d draft tokens")
-    # 4. Peak memory.
-    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(memory)), 4))
-    ax.bar(list(memory), list(memory.values()))
-    ax.tick_params(axis="x", rotation=30)
-    save(fig, ax, "memory.png", None, "peak memory (MiB)", legend=False)
+    # 4. Peak memory (not measured when the methods ran interleaved).
+    if memory:
+        fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(memory)), 4))
+        ax.bar(list(memory), list(memory.values()))
+        ax.tick_params(axis="x", rotation=30)
+        save(fig, ax, "memory.png", None, "peak memory (MiB)", legend=False)
     return written
 
 

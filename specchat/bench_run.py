@@ -28,7 +28,7 @@ from specchat.settings import FIELDS, Settings
 
 
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
-              warmup: int, output_dir: str) -> None:
+              warmup: int, output_dir: str, interleave: bool = False) -> None:
     variants = {label: parse_variant(label) for label in methods}
     if PLAIN not in variants:  # speedups are relative to plain decoding measured in the same run
         variants = {PLAIN: (PLAIN, {}), **variants}
@@ -59,34 +59,53 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "inputs": inputs, "questions": len(records), "methods": methods, "drafts": drafts, "skipped": skipped,
         "model": settings.model, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
         "max_new_tokens": generation.max_new_tokens, "temperature": settings.temperature, "repeat": repeat,
-        "warmup": warmup, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "warmup": warmup, "interleave": interleave, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
     interrupted = False
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console)
+
+    def open_runner(method: str):
+        """The method's runner (and what it loaded), or None with the reason said and recorded."""
+        name, overrides = variants[method]
+        try:
+            return _runner(dataclasses.replace(settings, method=name, draft=drafts[method], **overrides),
+                           target, chat_format, generation, load_model)
+        except SpecchatError as error:
+            console.print(f"skipping {method}: {error}", style="red", markup=False, highlight=False, soft_wrap=True)
+            skipped[method] = str(error)
+            return None
+
     with progress:
         task = progress.add_task("bench", total=turns_total, info="")
-        for method in methods:
-            progress.update(task, description=method)
+
+        def on_turn(result):
+            speed = f"{result.tokens_per_s:.1f} tok/s"
+            progress.advance(task)
+            progress.update(task, description=result.method, info=speed)
+            if not console.is_terminal:  # a log file gets no live bar: one line per turn instead
+                console.print(f"{result.method} {progress.tasks[0].completed:.0f}/{turns_total}: question "
+                              f"{result.question} turn {result.turn + 1}, {result.new_tokens} tokens, "
+                              f"{speed}, τ {result.tau:.2f}", highlight=False, soft_wrap=True)
+
+        if interleave:  # every runner at once; peak memory is then not any one method's
+            opened = {method: open_runner(method) for method in methods}
+            runners = {method: pair[0] for method, pair in opened.items() if pair is not None}
             try:
-                name, overrides = variants[method]
-                runner, owned = _runner(dataclasses.replace(settings, method=name, draft=drafts[method], **overrides),
-                                        target, chat_format, generation, load_model)
-            except SpecchatError as error:
-                console.print(f"skipping {method}: {error}", style="red", markup=False, highlight=False, soft_wrap=True)
-                skipped[method] = str(error)
+                results += bench.run_interleaved(runners, records, settings.system, repeat, warmup, on_turn)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                for runner in runners.values():
+                    runner.close()
+                del runners, opened
+                gc.collect()
+        for method in methods if not interleave else []:
+            opened = open_runner(method)
+            if opened is None:
                 continue
-
-            def on_turn(result, method=method):
-                speed = f"{result.tokens_per_s:.1f} tok/s"
-                progress.advance(task)
-                progress.update(task, info=speed)
-                if not console.is_terminal:  # a log file gets no live bar: one line per turn instead
-                    console.print(f"{method} {progress.tasks[0].completed:.0f}/{turns_total}: question "
-                                  f"{result.question} turn {result.turn + 1}, {result.new_tokens} tokens, "
-                                  f"{speed}, τ {result.tau:.2f}", highlight=False, soft_wrap=True)
-
+            runner, owned = opened
             try:
                 with PeakMemory(target.device) as peak:
                     results += bench.run_method(method, runner, records, settings.system, repeat, warmup, on_turn)

@@ -229,17 +229,19 @@ def profiles_show(name, **options):
 @click.option("--limit", type=int, default=None, help="Use the first N questions (a 2-turn MT-bench question is 2 turns).")
 @click.option("--repeat", type=int, default=1, show_default=True, help="Runs over the questions per method.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Warm-up answers per method (not measured).")
+@click.option("--interleave", is_flag=True,
+              help="Every method answers each question in turn (a drifting machine slows all alike); no peak memory.")
 @click.option("--output", "-o", "output_dir", type=click.Path(file_okay=False), default="bench-results", show_default=True,
               help="Folder for results.json, results.csv and the plots.")
 @settings_options
-def bench_command(inputs, methods, draft_for, limit, repeat, warmup, output_dir, **options):
+def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave, output_dir, **options):
     """Measure methods against plain decoding on prompt files (Spec-Bench protocol)."""
     from specchat.bench_run import run_bench  # torch and transformers load here
 
     settings, profile = resolve_settings(options)
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     run_bench(list(inputs), chosen, dict(item.split("=", 1) for item in draft_for if "=" in item), settings,
-              profile, limit, repeat, warmup, output_dir)
+              profile, limit, repeat, warmup, output_dir, interleave)
 
 
 @cli.command(name="train")

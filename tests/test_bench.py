@@ -73,6 +73,22 @@ def test_bench_end_to_end_writes_tables_json_csv_and_plots(qwen_dir, tmp_path, c
         assert (out / name).stat().st_size > 1000
 
 
+def test_interleaved_bench_asks_every_method_each_question_in_turn(qwen_dir, tmp_path, capsys):
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("hi\nmore\n")
+    out = tmp_path / "bench"
+    code, err = _bench([str(prompts), "--model", str(qwen_dir), "--methods", "pld,deagle+lookup=off", "--interleave",
+                        "--draft-for", "deagle=none", "--output", str(out)], capsys)
+    assert code == 0, err
+    data = json.loads((out / "results.json").read_text())
+    order = [(turn["question"], turn["method"]) for turn in data["turns"]]
+    questions = list(dict.fromkeys(q for q, _ in order))
+    assert order == [(q, m) for q in questions for m in ("vanilla", "pld")]  # question-major; the misfit skipped
+    assert data["meta"]["interleave"] and "deagle+lookup=off" in data["meta"]["skipped"]
+    assert data["summary"]["pld"]["overall"]["identical"] == 1.0
+    assert "peak_memory_mib" not in data["summary"]["pld"]["overall"] and not (out / "memory.png").exists()
+
+
 def _bench(args, capsys):
     code, _, err = invoke(["bench", *args, "--dtype", "float32", "--max-new-tokens", "4", "--warmup", "0"], capsys)
     return code, err
