@@ -13,9 +13,9 @@ whole path is accepted. With a lookup source (hybrid drafting, `--lookup on`), c
 the newest tokens found in text already seen join the same candidates, as branches from the root
 that merge with the head's nodes where they agree, scored by how often lookups of that strength
 were accepted so far (`LookupRates`). Which nodes are verified is decided from the scores: the
-best `total_tokens - 1` of them, or, given the machine's verify-cost curve, the number that
-maximizes expected tokens per second this cycle, so a long confident lookup chain gets verified
-whole and a weak cycle stays small.
+best `total_tokens - 1` of them, or, given the machine's verify-cost curve, the head's own tree
+(what the head alone would verify) plus as many more nodes as maximize expected tokens per second
+this cycle, so a long confident lookup chain gets verified whole and a weak one adds nothing.
 
 The head keeps its own KV cache. Entry j of it is the head's step on (the target's feature at
 position j, the token at position j + 1), at RoPE position j, which is EAGLE's convention. After
@@ -130,6 +130,8 @@ class TreeProposer:
             self.cache.trim(self.consumed)  # tree entries were scratch space
         if self.lookup is None:
             return candidates.select(self.shape.verified(max_nodes))
+        # The head's own tree (what `--lookup off` verifies) stays whole: lookup only adds nodes.
+        heads_tree = candidates.best(self.shape.verified(max_nodes))
         looked_up = time.perf_counter()
         for match in self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES):
             candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
@@ -138,7 +140,7 @@ class TreeProposer:
             tree = candidates.select(self.shape.verified(max_nodes))
         else:
             drafting_ms = 1000 * (time.perf_counter() - started)
-            tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes)
+            tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=heads_tree)
         tree.info["lookup_seconds"] = round(lookup_seconds, 6)
         self._last = (root, tree)
         return tree
@@ -413,17 +415,27 @@ class Candidates:
         # Ties go to the shallower node, so every parent ranks before its children.
         return sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depths[i], i))
 
-    def select(self, keep: int) -> DraftTree:
-        """The `keep` best nodes, as a connected tree."""
-        return self._tree(self._ranked()[:keep])
+    def best(self, keep: int) -> list[int]:
+        """The `keep` best nodes (a connected tree: a parent ranks before its children)."""
+        return self._ranked()[:keep]
 
-    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int) -> DraftTree:
-        """The best nodes, as many as maximize expected tokens (1 + the sum of the nodes' path
-        probabilities) per millisecond of the cycle (drafting so far + verifying them all)."""
-        ranked = self._ranked()[: min(max_nodes, curve.largest - 1)]
-        best, best_rate, expected = 0, 1 / (drafting_ms + curve.cost(1)), 1.0
-        for count, node in enumerate(ranked, start=1):
-            expected += math.exp(self.scores[node])
+    def select(self, keep: int) -> DraftTree:
+        """The `keep` best nodes, as a tree."""
+        return self._tree(self.best(keep))
+
+    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = ()) -> DraftTree:
+        """The `kept` nodes and as many of the best others as maximize expected tokens (1 + the sum
+        of the nodes' path probabilities) per millisecond of the cycle (drafting so far + verifying
+        them all). `kept` must be a connected tree; the others join in rank order, so every node's
+        parent is chosen before it."""
+        kept = list(kept)[:max_nodes]
+        taken = set(kept)
+        ranked = kept + [i for i in self._ranked() if i not in taken]
+        ranked = ranked[: max(len(kept), min(max_nodes, curve.largest - 1))]
+        expected = 1.0 + sum(math.exp(self.scores[node]) for node in kept)
+        best, best_rate = len(kept), expected / (drafting_ms + curve.cost(len(kept) + 1))
+        for count in range(len(kept) + 1, len(ranked) + 1):
+            expected += math.exp(self.scores[ranked[count - 1]])
             rate = expected / (drafting_ms + curve.cost(count + 1))
             if rate > best_rate:
                 best, best_rate = count, rate

@@ -102,6 +102,24 @@ def test_the_budget_verifies_a_long_confident_chain_and_little_of_a_weak_one():
     assert len(chain(0.2).select_for_rate(steep, 3.0, 64)) <= 1
 
 
+def test_lookup_only_adds_to_the_heads_own_tree():
+    def candidates(accept):
+        # The head's four nodes are unlikely (what an under-trained head proposes); lookup's chain is not.
+        found = Candidates(tokens=[5, 6, 7, 8], parents=[-1, -1, 0, 2], depths=[1, 1, 2, 3],
+                           probs=[0.3, 0.2, 0.3, 0.3], scores=[-1.2, -1.6, -2.4, -3.6])
+        heads_tree = found.best(4)
+        found.add_chain([9, 10, 11, 12, 13, 14], accept=accept, evidence=8)
+        return found, heads_tree
+
+    steep = Curve({1: 10.0, 2: 13.0, 4: 19.0, 8: 31.0, 16: 55.0})
+    found, heads_tree = candidates(0.95)
+    tree = found.select_for_rate(steep, 3.0, 64, kept=heads_tree)
+    assert [tree.tokens[i] for i, s in enumerate(tree.sources) if s == "head"] == [5, 6, 7, 8]
+    assert tree.sources.count("lookup") >= 4 and all(p < i for i, p in enumerate(tree.parents))
+    found, heads_tree = candidates(0.05)
+    assert sorted(found.select_for_rate(steep, 3.0, 64, kept=heads_tree).tokens) == [5, 6, 7, 8]
+
+
 def test_lookup_finds_text_that_left_the_conversation():
     source = LookupSource(max_ngram=2)
     source.observe([1, 2, 3, 4, 5, 6])
