@@ -14,7 +14,7 @@ from collections.abc import Callable
 from specchat.calibrate import cached_curve
 from specchat.deagle import DeagleParams
 from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.drafters import load_head
+from specchat.drafters import load_head, resolve_folder
 from specchat.drafting import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree, DynamicTreeParams,
                                JakiroTree, StaticTree, TreeProposer)
 from specchat.engine import Proposer
@@ -22,7 +22,7 @@ from specchat.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupPro
 from specchat.methods import MethodError, effective_draft, method
 from specchat.settings import Settings
 from specchat import quantized
-from specchat.target import KERNEL_BITS, Target
+from specchat.target import KERNEL_BITS, Target, quantized_cache
 from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 
 # A CPU verifies a handful of tokens for little more than one, and every draft step is paid in
@@ -94,9 +94,11 @@ BUILDERS = {builder.__name__: builder for builder in
 
 
 def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
-    head = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
+    folder = resolve_folder(settings.draft)
+    head = load_head(str(folder), target, kind=method(settings.method).head_kind or settings.draft_kind)
     if target.spec.quantize in KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
-        quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize])
+        quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize],
+                                   quantized_cache(folder, target.spec.quantize, loaded_on=target))
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)

@@ -393,7 +393,7 @@ def load_target(spec: ModelSpec) -> Target:
         model.set_attn_implementation(attention.ATTENTION)
     if quantize in KERNEL_BITS:
         try:
-            quantized.quantize_linears(model, KERNEL_BITS[quantize], _quantized_cache(source, quantize))
+            quantized.quantize_linears(model, KERNEL_BITS[quantize], quantized_cache(source, quantize))
         except (quantized.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
     return Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
@@ -424,10 +424,12 @@ def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype) -> s
     return "int5"
 
 
-def _quantized_cache(source: str, quantize: str) -> Path:
-    """Where the packed layers of a model folder are kept (keyed by its weight files)."""
-    files = sorted(Path(source).glob("*.safetensors"))
-    key = json.dumps([source] + [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files])
+def quantized_cache(source: str | Path, quantize: str, loaded_on: Target | None = None) -> Path:
+    """Where the packed layers of a model or draft-head folder are kept, keyed by its weight files;
+    a draft head's also by the target it was loaded on (its LM-head rows may be the target's)."""
+    files = sorted(Path(source).glob("*.safetensors")) + sorted(Path(source).glob("*.bin"))
+    key = json.dumps([str(source)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+                     + ([quantized_cache(loaded_on.model.name_or_path, quantize).name] if loaded_on else []))
     return cache_dir() / "quantized" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}-{quantize}.safetensors"
 
 

@@ -96,3 +96,25 @@ def test_every_method_on_the_quantized_runtime_gives_its_plain_greedy_output(qwe
     prompt = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]
     plain = [t for s in Engine(target).generate(prompt, greedy) for t in s.tokens]
     assert [t for s in Engine(target, proposer).generate(prompt, greedy) for t in s.tokens] == plain
+
+
+@needs_kernel
+def test_a_heads_packed_layers_are_cached_per_head_and_target(qwen_dir, tmp_path, monkeypatch):
+    from specchat.drafters import save_head
+    from specchat.proposers import build_proposer
+    from specchat.settings import Settings
+
+    target = load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu", quantize="int5"))
+    save_head(random_head("eagle3", load_tiny_target(qwen_dir)), tmp_path / "head")
+    settings = Settings(model=str(qwen_dir), method="eagle2", draft=str(tmp_path / "head"), total_tokens=8)
+    first = build_proposer(settings, target, None)
+    calls = []
+    real = quantized.quantize
+    monkeypatch.setattr(quantized, "quantize", lambda *a: calls.append(1) or real(*a))
+    second = build_proposer(settings, target, None)
+    assert calls == []  # read back, not quantized again
+    x = torch.randn(2, first.head.config.hidden_size).bfloat16()
+    assert torch.equal(first.head.fc(torch.cat([x, x, x], -1)), second.head.fc(torch.cat([x, x, x], -1)))
+    save_head(random_head("eagle3", load_tiny_target(qwen_dir), seed=1), tmp_path / "head")  # another head there
+    build_proposer(settings, target, None)
+    assert calls  # new weights, new key
