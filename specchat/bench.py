@@ -25,6 +25,7 @@ import math
 import os
 import threading
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -149,23 +150,26 @@ class PeakMemory:
 
 
 def run_method(method: str, runner, records: list[PromptRecord], system: str | None, repeats: int, warmup: int,
-               on_turn) -> list[TurnResult]:
-    """Warm up on the first question, then answer every question `repeats` times."""
+               on_turn) -> Iterator[TurnResult]:
+    """Warm up on the first question, then answer every question `repeats` times (results as they come)."""
     for _ in range(warmup):
         _warm_up(runner, records[0], system)
-    return [result for repeat in range(repeats) for record in records
-            for result in answer_question(method, runner, record, system, repeat, on_turn)]
+    for repeat in range(repeats):
+        for record in records:
+            yield from answer_question(method, runner, record, system, repeat, on_turn)
 
 
 def run_interleaved(runners: dict, records: list[PromptRecord], system: str | None, repeats: int, warmup: int,
-                    on_turn) -> list[TurnResult]:
+                    on_turn) -> Iterator[TurnResult]:
     """Every method answers a question before the next question is asked, so that a machine whose
     speed drifts during the run (a shared or throttling CPU) slows every method alike."""
     for runner in runners.values():
         for _ in range(warmup):
             _warm_up(runner, records[0], system)
-    return [result for repeat in range(repeats) for record in records for method, runner in runners.items()
-            for result in answer_question(method, runner, record, system, repeat, on_turn)]
+    for repeat in range(repeats):
+        for record in records:
+            for method, runner in runners.items():
+                yield from answer_question(method, runner, record, system, repeat, on_turn)
 
 
 def _warm_up(runner, record: PromptRecord, system: str | None) -> None:

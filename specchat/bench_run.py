@@ -93,7 +93,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
             opened = {method: open_runner(method) for method in methods}
             runners = {method: pair[0] for method, pair in opened.items() if pair is not None}
             try:
-                results += bench.run_interleaved(runners, records, settings.system, repeat, warmup, on_turn)
+                answers = bench.run_interleaved(runners, records, settings.system, repeat, warmup, on_turn)
+                results.extend(answers)  # consumed one by one: an interruption keeps what finished
             except KeyboardInterrupt:
                 interrupted = True
             finally:
@@ -101,23 +102,25 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
                     runner.close()
                 del runners, opened
                 gc.collect()
-        for method in methods if not interleave else []:
-            opened = open_runner(method)
-            if opened is None:
-                continue
-            runner, owned = opened
-            try:
-                with PeakMemory(target.device) as peak:
-                    results += bench.run_method(method, runner, records, settings.system, repeat, warmup, on_turn)
-            except KeyboardInterrupt:
-                interrupted = True
-            finally:
-                memory[method] = peak.peak
-                runner.close()
-                del runner, owned  # the method's drafter or assistant goes before the next one is measured
-                gc.collect()
-            if interrupted:
-                break
+        else:
+            for method in methods:
+                opened = open_runner(method)
+                if opened is None:
+                    continue
+                runner, owned = opened
+                try:
+                    with PeakMemory(target.device) as peak:
+                        answers = bench.run_method(method, runner, records, settings.system, repeat, warmup, on_turn)
+                        results.extend(answers)  # consumed one by one: an interruption keeps what finished
+                except KeyboardInterrupt:
+                    interrupted = True
+                finally:
+                    memory[method] = peak.peak
+                    runner.close()
+                    del runner, owned  # the method's drafter or assistant goes before the next one is measured
+                    gc.collect()
+                if interrupted:
+                    break
     meta["interrupted"] = interrupted
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     summary = bench.summarize(results, greedy=generation.sampling.greedy)

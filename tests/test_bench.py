@@ -4,6 +4,8 @@ import importlib.util
 import json
 import re
 
+import pytest
+
 from conftest import invoke, load_tiny_target, random_head
 from specchat.bench import TurnResult, calibration, summarize
 
@@ -87,6 +89,34 @@ def test_interleaved_bench_asks_every_method_each_question_in_turn(qwen_dir, tmp
     assert data["meta"]["interleave"] and "deagle+lookup=off" in data["meta"]["skipped"]
     assert data["summary"]["pld"]["overall"]["identical"] == 1.0
     assert "peak_memory_mib" not in data["summary"]["pld"]["overall"] and not (out / "memory.png").exists()
+
+
+def test_interleaved_answers_come_one_by_one_so_an_interruption_keeps_them():
+    from specchat.bench import Answer, run_interleaved
+    from specchat.inputs import PromptRecord
+    from specchat.stats import Stats
+
+    asked = []
+
+    class Runner:
+        def __init__(self, name):
+            self.name = name
+
+        def start(self, record, system):
+            pass
+
+        def turn(self, prompt):
+            if len(asked) == 5:
+                raise KeyboardInterrupt
+            asked.append((prompt, self.name))
+            return Answer(text="ok", stats=Stats(new_tokens=1, seconds=0.1), tokens=[1])
+
+    records = [PromptRecord(id=str(i), category=None, turns=[f"q{i}"]) for i in range(3)]
+    kept = []
+    with pytest.raises(KeyboardInterrupt):
+        kept.extend(run_interleaved({"a": Runner("a"), "b": Runner("b")}, records, None, 1, 0, lambda result: None))
+    assert asked == [("q0", "a"), ("q0", "b"), ("q1", "a"), ("q1", "b"), ("q2", "a")]
+    assert [(r.question, r.method) for r in kept] == [("0", "a"), ("0", "b"), ("1", "a"), ("1", "b"), ("2", "a")]
 
 
 def _bench(args, capsys):
