@@ -41,14 +41,20 @@ def one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return torch.matmul(probs, value.float()).to(query.dtype).reshape(batch, heads, 1, dim)
 
 
+def repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves `groups` query heads."""
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
               scale: float | None = None) -> torch.Tensor:
     """Grouped-query attention ([b, heads, n, d] over [b, kv_heads, L, d]) by the faster path for its shape."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if query.shape[2] == 1 and query.device.type == "cpu":
         return one_query(query, key, value, mask, scale)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                          enable_gqa=key.shape[1] != query.shape[1])
+    groups = query.shape[1] // key.shape[1]  # (SDPA's own enable_gqa needs torch 2.5)
+    return F.scaled_dot_product_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask,
+                                          scale=scale)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

@@ -107,11 +107,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(1, m, self.heads * self.head_dim))
 
 
-def repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped-query attention: each key/value head serves `groups` query heads."""
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
-
-
 class HeadCache(KVCache):
     """A draft head's KV cache at inference: the engine's growable cache, plus attention over it."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specchat.drafters.layers import repeat_kv
+from specchat.attention import repeat_kv
 
 
 class UnrolledKeys:
