@@ -253,6 +253,26 @@ def tiny(model_dir, *extra):
     return ["--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6", *extra]
 
 
+def tokens_of(engine, prompt, settings, rng=None):
+    return [t for step in engine.generate(prompt, settings, rng) for t in step.tokens]
+
+
+def assert_samples_follow_the_target(engine, target, prompt, top_k, runs):
+    """The first two tokens of `runs` sampled replies against the exact target distribution (chi-square)."""
+    from specchat.engine import GenerationSettings
+    from specchat.sampling import SamplingParams, make_generator
+
+    joint = exact_two_token_distribution(target, prompt, top_k)
+    settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
+    rng, counts = make_generator(1), {}
+    for _ in range(runs):
+        pair = tuple(tokens_of(engine, prompt, settings, rng)[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    assert set(counts) <= set(joint)
+    statistic = sum((counts.get(k, 0) - runs * v) ** 2 / (runs * v) for k, v in joint.items())
+    assert statistic < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+
+
 def exact_two_token_distribution(target, prompt, top_k):
     """p(x1, x2) of plain sampling at temperature 1 with top-k, from cache-free forwards."""
     def p_next(ids):

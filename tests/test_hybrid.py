@@ -3,21 +3,16 @@ proposes, with the lookup found in the conversation and in the chat's earlier te
 
 import pytest
 
-from conftest import exact_two_token_distribution, load_tiny_target, random_head
+from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.calibrate import Curve
 from specchat.drafting import Candidates, DeagleTree, DynamicTreeParams, TreeProposer
 from specchat.deagle import DeagleParams
 from specchat.engine import Engine, GenerationSettings
 from specchat.lookup import LookupSource, Match
-from specchat.sampling import SamplingParams, make_generator
 from specchat.stats import Stats
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]
 FLAT = Curve({1: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 14.0})  # verifying more costs little: chains are kept
-
-
-def tokens_of(engine, prompt, settings, rng=None):
-    return [t for step in engine.generate(prompt, settings, rng) for t in step.tokens]
 
 
 @pytest.fixture(scope="module")
@@ -67,18 +62,10 @@ def test_greedy_output_is_plain_whatever_the_lookup_proposes(bigram, kind, curve
 
 
 def test_sampling_with_lookup_follows_the_target_distribution(bigram):
-    prompt, top_k, runs = [258, 40, 41], 4, 600
-    joint = exact_two_token_distribution(bigram, prompt, top_k)
-    settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
+    prompt = [258, 40, 41]
     greedy = tokens_of(Engine(bigram), prompt, GenerationSettings(max_new_tokens=3))
     engine = Engine(bigram, hybrid(bigram, ScriptedLookup(prompt + greedy, "half")))
-    rng, counts = make_generator(1), {}
-    for _ in range(runs):
-        pair = tuple(tokens_of(engine, prompt, settings, rng)[:2])
-        counts[pair] = counts.get(pair, 0) + 1
-    assert set(counts) <= set(joint)
-    statistic = sum((counts.get(k, 0) - runs * v) ** 2 / (runs * v) for k, v in joint.items())
-    assert statistic < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+    assert_samples_follow_the_target(engine, bigram, prompt, top_k=4, runs=600)
 
 
 def test_a_lookup_chain_merges_with_the_heads_nodes_where_they_agree():

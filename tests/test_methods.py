@@ -3,20 +3,15 @@
 import pytest
 import torch
 
-from conftest import exact_two_token_distribution, load_tiny_target, oracle_head, random_head
+from conftest import assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
 from specchat.deagle import DeagleParams, DepthVote
 from specchat.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.drafting import DeagleTree, DynamicTreeParams, JakiroTree, TreeProposer
 from specchat.engine import Engine, GenerationSettings
 from specchat.lookup import PromptLookupProposer
-from specchat.sampling import SamplingParams, make_generator
 
 PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110)) + list(range(60, 80))]
 TREE = DynamicTreeParams(total_tokens=16, depth=5, top_k=4)
-
-
-def tokens_of(engine, prompt, settings, rng=None):
-    return [t for step in engine.generate(prompt, settings, rng) for t in step.tokens]
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +67,7 @@ def test_sampling_follows_the_target_distribution(method, bigram, target):
     head = oracle_head(bigram) if method == "deagle" else None
     draft = target  # for sps: a different model, so q and p really differ
     engine = Engine(bigram, make(method, bigram, head=head, draft=draft))
-    prompt, top_k, runs = [258, 40, 41], 4, 800
-    joint = exact_two_token_distribution(bigram, prompt, top_k)
-    settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
-    rng = make_generator(1)
-    counts = {}
-    for _ in range(runs):
-        pair = tuple(tokens_of(engine, prompt, settings, rng)[:2])
-        counts[pair] = counts.get(pair, 0) + 1
-    assert set(counts) <= set(joint)
-    statistic = sum((counts.get(k, 0) - runs * v) ** 2 / (runs * v) for k, v in joint.items())
-    assert statistic < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+    assert_samples_follow_the_target(engine, bigram, [258, 40, 41], top_k=4, runs=800)
 
 
 # --- DEAGLE's vote on hand-made confidence sequences ------------------------------------------------
