@@ -128,16 +128,16 @@ class TreeProposer:
             candidates = self.shape.grow(self, root_hidden, max_depth, max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
+        keep = self.shape.verified(max_nodes)
         if self.lookup is None:
-            return candidates.select(self.shape.verified(max_nodes))
-        # The head's own tree (what `--lookup off` verifies) stays whole: lookup only adds nodes.
-        heads_tree = candidates.best(self.shape.verified(max_nodes))
+            return candidates.select(keep)
+        heads_tree = candidates.best(keep)  # what `--lookup off` verifies: it stays whole, lookup only adds
         looked_up = time.perf_counter()
         for match in self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES):
             candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
         lookup_seconds = time.perf_counter() - looked_up
         if self.curve is None:
-            tree = candidates.select(self.shape.verified(max_nodes))
+            tree = candidates.select(keep)
         else:
             drafting_ms = 1000 * (time.perf_counter() - started)
             tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=heads_tree)

@@ -46,10 +46,15 @@ class NgramIndex:
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}
 
+    def reset(self, tokens: list[int] = ()) -> None:
+        """Hold exactly `tokens`."""
+        self.tokens, self.ends = [], {}
+        self.extend(list(tokens))
+
     def extend(self, tokens: list[int]) -> None:
         start = len(self.tokens)
         self.tokens.extend(tokens)
-        for end in range(max(start, 0), len(self.tokens)):
+        for end in range(start, len(self.tokens)):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n + 1 >= 0:
                     self.ends.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
@@ -58,9 +63,7 @@ class NgramIndex:
         """Keep the first `length` tokens; returns the ones dropped."""
         dropped = self.tokens[length:]
         if dropped:
-            kept = self.tokens[:length]
-            self.tokens, self.ends = [], {}
-            self.extend(kept)
+            self.reset(self.tokens[:length])
         return dropped
 
     def matches(self, tail: list[int], limit: int, count: int) -> list[Match]:
@@ -111,14 +114,12 @@ class LookupSource:
         if dropped:  # what leaves the conversation stays findable
             self.history.extend(dropped)
             if len(self.history.tokens) > HISTORY_LIMIT:  # the older half goes
-                newer = self.history.tokens[-(HISTORY_LIMIT // 2):]
-                self.history = NgramIndex(self.history.max_ngram, self.history.min_ngram)
-                self.history.extend(newer)
+                self.history.reset(self.history.tokens[-(HISTORY_LIMIT // 2):])
         return len(self.context.tokens)
 
     def forget(self) -> None:
-        self.context = NgramIndex(self.context.max_ngram, self.context.min_ngram)
-        self.history = NgramIndex(self.history.max_ngram, self.history.min_ngram)
+        self.context.reset()
+        self.history.reset()
 
     def matches(self, root: int, limit: int, count: int = 1) -> list[Match]:
         tail = self.context.tokens[-(MAX_EVIDENCE - 1):] + [root]  # the root's own n-gram is not indexed yet

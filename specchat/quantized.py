@@ -1,7 +1,7 @@
-"""Weight-only quantized linear layers for the CPU target (`--quantize int4|int5|int8`).
+"""Weight-only quantized linear layers for the CPU target (`--quantize int5|int4`).
 
-Weights are stored in 4, 5 or 8 bits with an fp16 scale and offset per group of 32 (round to
-nearest, asymmetric), and multiplied by `kernels/woq_linear.cpp`, which dequantizes each block of
+Weights are stored in 5 or 4 bits with an fp16 scale and offset per group of 32 (each group on
+the better of a symmetric and a min-max grid: `quantize`), and multiplied by `kernels/woq_linear.cpp`, which dequantizes each block of
 weights once per forward and reuses it for every token: verifying a draft tree of 8-16 tokens
 costs about what one token costs, at a third to a half of bf16's memory traffic. The kernel is
 compiled once per machine (it needs a C++ compiler and a CPU with AVX512-BF16) and cached.
@@ -29,6 +29,7 @@ from specchat.machine import cpu_flags
 LAYOUT = "woq1"  # the packed format below; a cached model in another layout is packed again
 GROUP = 32  # weights per scale and offset, along the input dimension
 BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
+PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)
 SOURCE = Path(__file__).parent / "kernels" / "woq_linear.cpp"
 CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma"]
@@ -158,9 +159,10 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    return [(module, name, child) for module in model.modules() for name, child in module.named_children()
-            if isinstance(child, nn.Linear)]
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
+    """Every linear layer: its parent module, its attribute name there, the layer, its dotted name."""
+    return [(module, name, child, f"{prefix}.{name}" if prefix else name) for prefix, module in model.named_modules()
+            for name, child in module.named_children() if isinstance(child, nn.Linear)]
 
 
 def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> None:
@@ -173,22 +175,18 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
     `cache` (a safetensors file) and read from there on later starts.
     """
     kernel()  # fail before touching the model
-    linears = _linears(model)
-    names = {id(child): f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-             for name, child in module.named_children() if isinstance(child, nn.Linear)}
     stored = _read_cache(cache, bits)
     fresh = {}
-    for module, name, child in linears:
-        key = names[id(child)]
+    for module, name, child, key in _linears(model):
         N, K = child.weight.shape
         if N % BLOCK or K % GROUP:  # the kernel's tiling does not fit (a draft head's odd vocabulary): bf16
             continue
         if stored is not None and f"{key}.low" in stored:
-            packed = {part: stored[f"{key}.{part}"] for part in ("low", "high", "scale", "bias")}
+            packed = {part: stored[f"{key}.{part}"] for part in PACKED_PARTS}
             layer = QuantizedLinear(K, N, bits, packed, child.bias)
         else:
             layer = QuantizedLinear.from_linear(child, bits)
-            fresh.update({f"{key}.{part}": getattr(layer, part) for part in ("low", "high", "scale", "bias")})
+            fresh.update({f"{key}.{part}": getattr(layer, part) for part in PACKED_PARTS})
         setattr(module, name, layer)
     if cache is not None and fresh and stored is None:
         _write_cache(cache, fresh, bits)

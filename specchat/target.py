@@ -203,10 +203,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
         gguf_dir = cache_dir() / "gguf"
         gguf_dir.mkdir(parents=True, exist_ok=True)
         gguf_path = gguf_dir / f"{model.name}.converting.gguf"
-        try:
-            embedded.assemble(model, gguf_path)
-        except embedded.EmbeddedModelError as error:
-            raise ModelLoadError(str(error)) from error
+        _assemble(model, gguf_path)
         try:
             source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
                       "chunks": installed}
@@ -281,11 +278,16 @@ def source_gguf(spec: ModelSpec) -> Path | None:
     path = cache_dir() / "gguf" / f"{source.embedded.name}.gguf"
     with _conversion_lock(path):
         if not path.is_file() or path.stat().st_size != source.embedded.size:
-            try:
-                embedded.assemble(source.embedded, path)
-            except embedded.EmbeddedModelError as error:
-                raise ModelLoadError(str(error)) from error
+            _assemble(source.embedded, path)
     return path
+
+
+def _assemble(model: embedded.EmbeddedModel, path: Path) -> None:
+    """An embedded model's chunks joined into one GGUF file at `path` (checked against its sha256)."""
+    try:
+        embedded.assemble(model, path)
+    except embedded.EmbeddedModelError as error:
+        raise ModelLoadError(str(error)) from error
 
 
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
