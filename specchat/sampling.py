@@ -58,6 +58,43 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+# Greedy choices over a large vocabulary on a CPU: torch's argmax and topk walk one long row
+# serially (~0.1 ms and ~0.15 ms over 152k logits), while the maxima of contiguous blocks
+# vectorize (~0.015 ms); the winning block is then searched alone. Same result, ties included.
+BLOCK = 128
+
+
+def _blocks(logits: torch.Tensor) -> torch.Tensor | None:
+    """[n, V] float logits as [n, V / BLOCK, BLOCK], or None where the fast path does not apply."""
+    n, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % BLOCK or vocab < 2 * BLOCK or not logits.is_contiguous():
+        return None
+    return logits.view(n, vocab // BLOCK, BLOCK)
+
+
+def argmax(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum ([n, V] float32), exactly as `logits.argmax(-1)`."""
+    blocks = _blocks(logits)
+    if blocks is None:
+        return logits.argmax(-1).tolist()
+    block = blocks.amax(-1).argmax(-1)  # the first block holding the maximum (NaN counts as maximal in both)
+    inner = blocks[torch.arange(len(block)), block].argmax(-1)
+    return (block * BLOCK + inner).tolist()
+
+
+def margins(logits: torch.Tensor) -> list[float]:
+    """Each row's top-1 minus top-2 logit ([n, V] float32): 0 at an exact tie."""
+    blocks = _blocks(logits)
+    if blocks is None:
+        top = logits.topk(2, dim=-1).values
+        return (top[:, 0] - top[:, 1]).tolist()
+    maxima = blocks.amax(-1)
+    block = maxima.argmax(-1, keepdim=True)
+    top = blocks[torch.arange(len(block)), block[:, 0]].topk(2, dim=-1).values  # best two in the best block
+    elsewhere = maxima.scatter(1, block, float("-inf")).amax(-1)  # best outside it
+    return (top[:, 0] - torch.maximum(top[:, 1], elsewhere)).tolist()
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a 1-D distribution, by inverting its cumulative sum at a uniform draw
     (exactly p; 18x faster than torch.multinomial over a 152k vocabulary on a CPU)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.sampling import SamplingParams, sample, target_probs
+from specchat.sampling import SamplingParams, argmax, sample, target_probs
 from specchat.tree import DraftTree
 
 
@@ -66,7 +66,7 @@ def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng:
     row = 0
     while True:
         if sampling.greedy:
-            best = int(logits[row].argmax())
+            best = argmax(logits[row : row + 1])[0]
             chosen = next((c for c in children[row] if tree.tokens[c] == best), None)
             if chosen is None:
                 return Acceptance(path, best)

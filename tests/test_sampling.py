@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from specchat import sampling
 from specchat.sampling import SamplingParams, make_generator, sample, target_probs
 
 
@@ -40,3 +41,20 @@ def test_same_seed_same_stream_and_the_stream_continues():
 def test_bad_parameters_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("vocab", [256, 1024, 151936, 1000])  # 1000: no whole blocks, torch's own path
+def test_blockwise_argmax_and_margins_equal_torchs_ties_and_nan_included(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        rows = 1 + trial % 4
+        logits = torch.randn(rows, vocab, generator=generator)
+        if trial % 3 == 0:  # many exact ties, within and across blocks
+            logits = torch.randint(0, 3, (rows, vocab), generator=generator).float()
+        if trial % 5 == 0:
+            logits[0, int(torch.randint(0, vocab, (), generator=generator))] = float("nan")
+        assert sampling.argmax(logits) == logits.argmax(-1).tolist()
+        top = logits.topk(2, dim=-1).values
+        expected = (top[:, 0] - top[:, 1]).tolist()
+        got = sampling.margins(logits)
+        assert [m if m == m else "nan" for m in got] == [m if m == m else "nan" for m in expected]
