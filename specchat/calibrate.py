@@ -5,7 +5,7 @@ dominates; past that, cost grows with the tokens, how fast depending on the runt
 AMX stays nearly flat to 32 tokens, a 5-bit model on AVX-512 costs 1.6x at 8). A larger tree
 gets more tokens accepted, with diminishing returns, so the verified size is the one that
 maximizes expected tokens per second under this machine's curve. The curve is measured once per
-(machine, model, dtype, quantization, threads) and cached.
+(machine, model, dtype, quantization and kernel version, threads) and cached.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat import quantized
 from specchat.cache import KVCache, causal_mask
 from specchat.machine import cache_dir, device_name, synchronize
 
@@ -64,8 +65,10 @@ class Curve:
 
 
 def _key(target) -> str:
-    return (f"{target.name}|{str(target.dtype)}|{target.spec.quantize}|{device_name(target.device)}|"
-            f"{torch.get_num_threads()}")
+    runtime = target.spec.quantize
+    if runtime in quantized.KERNEL_BITS:  # specchat's kernel: a changed kernel is timed again
+        runtime += f"-{quantized.kernel_version()}"
+    return f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}"
 
 
 @torch.inference_mode()

@@ -22,7 +22,7 @@ from specchat.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupPro
 from specchat.methods import MethodError, effective_draft, method
 from specchat.settings import Settings
 from specchat import quantized
-from specchat.target import KERNEL_BITS, Target, quantized_cache
+from specchat.target import Target, quantized_cache
 from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 
 # A CPU verifies a handful of tokens for little more than one, and every draft step is paid in
@@ -96,8 +96,8 @@ BUILDERS = {builder.__name__: builder for builder in
 def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
     folder = resolve_folder(settings.draft)
     head = load_head(str(folder), target, kind=method(settings.method).head_kind or settings.draft_kind)
-    if target.spec.quantize in KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
-        quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize],
+    if target.spec.quantize in quantized.KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
+        quantized.quantize_linears(head, quantized.KERNEL_BITS[target.spec.quantize],
                                    quantized_cache(folder, target.spec.quantize, loaded_on=target))
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget

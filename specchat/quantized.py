@@ -14,6 +14,7 @@ model itself (how far from bf16: README, docs/cpu-runtime.md).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch.utils import cpp_extension
 from specchat.machine import cpu_flags
 
 LAYOUT = "woq1"  # the packed format below; a cached model in another layout is packed again
+KERNEL_BITS = {"int5": 5, "int4": 4}  # --quantize choices this kernel runs, and their bits
 GROUP = 32  # weights per scale and offset, along the input dimension
 BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
 PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)
@@ -61,6 +63,12 @@ def kernel():
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
         raise KernelUnavailable(f"cannot compile {SOURCE.name} ({first_line}; SPECCHAT_DEBUG_BUILD=1 shows the "
                                 f"compiler's output)") from error
+
+
+@functools.cache
+def kernel_version() -> str:
+    """A short hash of the kernel's source: what it costs per forward changes with it."""
+    return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
 
 
 def unavailable_reason() -> str | None:
@@ -133,7 +141,8 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         for name, tensor in packed.items():
             self.register_buffer(name, tensor)
-        self.register_buffer("bias_term", None if bias is None else bias.detach().bfloat16())
+        # float32: the kernel adds it before rounding (as a bf16 nn.Linear's GEMM does)
+        self.register_buffer("bias_term", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int) -> QuantizedLinear:
@@ -149,14 +158,53 @@ class QuantizedLinear(nn.Module):
         identity = torch.eye(self.in_features, dtype=torch.bfloat16)
         return self._multiply(identity).T.contiguous()
 
-    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        return kernel().woq_linear(rows, self.low, self.high, self.scale, self.bias, self.out_features, self.bits)
+    def _multiply(self, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return kernel().woq_linear(rows, self.low, self.high, self.scale, self.bias, bias, self.out_features,
+                                   self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._multiply(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous())
-        if self.bias_term is not None:
-            y = y + self.bias_term
+        y = self._multiply(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous(), self.bias_term)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+    @classmethod
+    def stacked(cls, layers: list[QuantizedLinear]) -> QuantizedLinear:
+        """One layer computing several of the same input size: their outputs side by side. Blocks of
+        16 output rows are computed independently, so each part equals its own layer's output exactly."""
+        first = layers[0]
+        if any(layer.in_features != first.in_features or layer.bits != first.bits for layer in layers):
+            raise ValueError("stacked layers need the same input size and bits")
+        packed = {part: torch.cat([getattr(layer, part) for layer in layers]) for part in PACKED_PARTS}
+        biases = [layer.bias_term for layer in layers]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(layer.out_features) if b is None else b for layer, b in zip(layers, biases)])
+        return cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, packed, bias)
+
+
+class GatedMLP(nn.Module):
+    """The gated MLP of Llama-style decoders, down(act(gate(x)) * up(x)), with gate and up as one
+    kernel call: the same output, one pass over x and one dispatch fewer per layer."""
+
+    def __init__(self, gate_up: QuantizedLinear, down_proj: nn.Module, act_fn: nn.Module):
+        super().__init__()
+        self.gate_up, self.down_proj, self.act_fn = gate_up, down_proj, act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+# transformers' MLP classes that compute exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP")
+
+
+def fuse_gated_mlps(model: nn.Module) -> None:
+    """Replace each known gated MLP whose gate and up layers are quantized by a `GatedMLP`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            parts = [getattr(child, part, None) for part in ("gate_proj", "up_proj")]
+            if type(child).__name__ in GATED_MLPS and all(isinstance(part, QuantizedLinear) for part in parts):
+                setattr(parent, name, GatedMLP(QuantizedLinear.stacked(parts), child.down_proj, child.act_fn))
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
@@ -172,7 +220,8 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
     into 16 rows and groups of 32 stays as it is.
 
     Quantizing takes seconds per hundred million weights, so the packed layers are kept in
-    `cache` (a safetensors file) and read from there on later starts.
+    `cache` (a safetensors file) and read from there on later starts. Gated MLPs then run gate
+    and up as one layer (`fuse_gated_mlps`).
     """
     kernel()  # fail before touching the model
     stored = _read_cache(cache, bits)
@@ -190,6 +239,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
         setattr(module, name, layer)
     if cache is not None and fresh and stored is None:
         _write_cache(cache, fresh, bits)
+    fuse_gated_mlps(model)
 
 
 def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None:

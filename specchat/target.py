@@ -393,16 +393,15 @@ def load_target(spec: ModelSpec) -> Target:
         # SDPA but for one query token, which it runs several times too slowly on a CPU; a model
         # whose attention does not go through transformers' interface keeps SDPA (it only warns).
         model.set_attn_implementation(attention.ATTENTION)
-    if quantize in KERNEL_BITS:
+    if quantize in quantized.KERNEL_BITS:
         try:
-            quantized.quantize_linears(model, KERNEL_BITS[quantize], quantized_cache(source, quantize))
+            quantized.quantize_linears(model, quantized.KERNEL_BITS[quantize], quantized_cache(source, quantize))
         except (quantized.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
     return Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
 
 
 BITSANDBYTES = ("8bit", "4bit")
-KERNEL_BITS = {"int5": 5, "int4": 4}
 
 
 def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -413,7 +412,7 @@ def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype) -> s
     (or without a compiler) keeps bf16, which AMX CPUs verify flat anyway.
     """
     if choice != "auto":
-        if choice in KERNEL_BITS and (device.type != "cpu" or dtype != torch.bfloat16):
+        if choice in quantized.KERNEL_BITS and (device.type != "cpu" or dtype != torch.bfloat16):
             raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 (got {device.type}, "
                                  f"{dtype_name(dtype)})")
         return choice

@@ -19,7 +19,8 @@
 // k = 2p + e % 2.
 //   low[NB][K/2][16] bytes: byte j = code_j & 15 | (code_{j+16} & 15) << 4;
 //   high[NB][K/2] uint32 (5-bit codes only): bit e = code_e >> 4;
-//   scale, offset: [NB][K/32][16] fp16.
+//   scale, offset: [NB][K/32][16] fp16;
+//   bias (optional): [N] float32.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -61,7 +62,9 @@ struct Expander {
 template <int ROWS, typename Codes>
 void multiply_block(Codes codes, const int32_t* x_pairs, const float* x_sums, int64_t pairs,
                     const at::Half* scale, const at::Half* offset, float* y) {
-  constexpr int SPLIT = ROWS >= 4 ? 1 : 2;  // independent chains to hide the dot-product latency
+  // Independent accumulation chains hide vdpbf16ps's latency: with one row of x a single chain
+  // waits on itself (four chains made one-token decoding ~8% faster on a Zen 4 CPU).
+  constexpr int SPLIT = ROWS == 1 ? 4 : ROWS < 8 ? 2 : 1;
   const int64_t groups = pairs / kPairsPerGroup;
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
@@ -90,7 +93,9 @@ void multiply_block(Codes codes, const int32_t* x_pairs, const float* x_sums, in
   for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + r * 16, acc[r]);
 }
 
-// All rows of x against one block, eight rows at a time.
+// All rows of x against one block, eight rows at a time and the rest in one more pass: every pass
+// expands the block's codes again, which is most of the cost for a few rows (7 rows as 4 + 2 + 1
+// cost 1.6x 7 rows at once).
 template <typename Codes>
 void multiply_rows(Codes codes, const int32_t* x_pairs, const float* x_sums, int64_t M, int64_t pairs,
                    const at::Half* scale, const at::Half* offset, float* y) {
@@ -101,14 +106,22 @@ void multiply_rows(Codes codes, const int32_t* x_pairs, const float* x_sums, int
                                           y + row * 16);
   };
   for (; m + 8 <= M; m += 8) at(m, std::integral_constant<int, 8>{});
-  if (M - m >= 4) { at(m, std::integral_constant<int, 4>{}); m += 4; }
-  if (M - m >= 2) { at(m, std::integral_constant<int, 2>{}); m += 2; }
-  if (M - m >= 1) { at(m, std::integral_constant<int, 1>{}); }
+  switch (M - m) {
+    case 7: at(m, std::integral_constant<int, 7>{}); break;
+    case 6: at(m, std::integral_constant<int, 6>{}); break;
+    case 5: at(m, std::integral_constant<int, 5>{}); break;
+    case 4: at(m, std::integral_constant<int, 4>{}); break;
+    case 3: at(m, std::integral_constant<int, 3>{}); break;
+    case 2: at(m, std::integral_constant<int, 2>{}); break;
+    case 1: at(m, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
 }
 
 template <int BITS>
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
-                     const torch::Tensor& scale, const torch::Tensor& offset, int64_t N) {
+                     const torch::Tensor& scale, const torch::Tensor& offset, const c10::optional<torch::Tensor>& bias,
+                     int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), pairs = K / 2, groups = K / kGroup, blocks = N / 16;
   auto y = torch::empty({M, N}, x.options());
   const auto* x_pairs = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
@@ -125,6 +138,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& low, const tor
   const auto* scale_ptr = scale.data_ptr<at::Half>();
   const auto* offset_ptr = offset.data_ptr<at::Half>();
   auto* y_ptr = y.data_ptr<at::BFloat16>();
+  const float* bias_ptr = bias ? bias->data_ptr<float>() : nullptr;
   const Expander expand;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(M * 16);
@@ -134,8 +148,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& low, const tor
       auto codes = [&](int64_t p) { return expand.operator()<BITS>(block_low, block_high, p); };
       multiply_rows(codes, x_pairs, x_sums, M, pairs, scale_ptr + nb * groups * 16, offset_ptr + nb * groups * 16,
                     tile.data());
+      // The bias joins in float32, so each output is rounded to bf16 once (and no separate add runs).
+      const __m512 bias16 = bias_ptr ? _mm512_loadu_ps(bias_ptr + nb * 16) : _mm512_setzero_ps();
       for (int64_t m = 0; m < M; ++m) {
-        const __m256bh out = _mm512_cvtneps_pbh(_mm512_loadu_ps(tile.data() + m * 16));
+        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(tile.data() + m * 16), bias16));
         std::memcpy(y_ptr + m * N + nb * 16, &out, 16 * sizeof(at::BFloat16));
       }
     }
@@ -144,12 +160,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& low, const tor
 }
 
 torch::Tensor woq_linear(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
-                         const torch::Tensor& scale, const torch::Tensor& offset, int64_t N, int64_t bits) {
+                         const torch::Tensor& scale, const torch::Tensor& offset, const c10::optional<torch::Tensor>& bias,
+                         int64_t N, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(x.size(1) % kGroup == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
-  if (bits == 4) return linear<4>(x, low, high, scale, offset, N);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "bias: contiguous float32 [N]");
+  if (bits == 4) return linear<4>(x, low, high, scale, offset, bias, N);
   TORCH_CHECK(bits == 5, "bits must be 4 or 5");
-  return linear<5>(x, low, high, scale, offset, N);
+  return linear<5>(x, low, high, scale, offset, bias, N);
 }
 
 }  // namespace
