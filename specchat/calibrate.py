@@ -24,7 +24,7 @@ from specchat.machine import cache_dir, device_name, synchronize
 
 SIZES = (1, 4, 6, 8, 12, 16, 20, 24, 32, 48)
 CONTEXT = 256  # tokens already cached while timing (a typical chat turn)
-REPEATS = 3
+REPEATS = 5
 # Expected tokens per cycle with a verified tree of n tokens, tau(n) = 1 + TAU_PER_DOUBLING * log2(n),
 # and drafting's cost per cycle as a share of one plain forward: both measured with the bundled
 # EAGLE-3 head under deagle on a 2-core AVX-512 CPU (tau 1.58 / 1.70 / 1.85 at 4 / 8 / 16 tokens,
@@ -73,25 +73,26 @@ def _key(target) -> str:
 
 @torch.inference_mode()
 def measure(target, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS) -> Curve:
+    """Each size timed `repeats` times, the sizes taken in turn each round and the fastest run kept:
+    a small VM's speed drifts by 20-30% within seconds, and timing one size after another folded
+    that drift into the curve's shape (6 tokens measured dearer than 8 in one run, cheaper in the next)."""
     generator = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, len(target.tokenizer))
     cache = KVCache()
     target.forward(torch.randint(0, vocab, (1, context), generator=generator).to(target.device), cache, logits_for="none")
-    result = {}
-    for n in sizes:
-        ids = torch.randint(0, vocab, (1, n), generator=generator).to(target.device)
-        mask = causal_mask(context, n, target.device)
-        positions = torch.arange(context, context + n, device=target.device)[None]
-        times = []
-        for _ in range(repeats + 1):  # the first run warms kernels up and is not counted
+    inputs = {n: (torch.randint(0, vocab, (1, n), generator=generator).to(target.device),
+                  torch.arange(context, context + n, device=target.device)[None],
+                  causal_mask(context, n, target.device)) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # the first round warms kernels up and is not counted
+        for n, (ids, positions, mask) in inputs.items():
             synchronize(target.device)
             start = time.perf_counter()
             target.forward(ids, cache, positions=positions, mask=mask, logits_for="all")
             synchronize(target.device)
-            times.append(time.perf_counter() - start)
+            times[n].append(time.perf_counter() - start)
             cache.trim(context)
-        result[n] = round(sorted(times[1:])[len(times[1:]) // 2] * 1000, 2)
-    return Curve(result)
+    return Curve({n: round(min(runs[1:]) * 1000, 2) for n, runs in times.items()})
 
 
 def cached_curve(target) -> Curve:

@@ -20,3 +20,22 @@ def test_the_curve_is_measured_once_and_cached(qwen_dir, monkeypatch):
     first = calibrate.cached_curve(target)
     second = calibrate.cached_curve(target)
     assert calls == [1] and first.milliseconds == second.milliseconds and set(first.milliseconds) == {1, 4}
+
+
+def test_sizes_are_timed_in_turn_and_the_fastest_run_kept(qwen_dir, monkeypatch):
+    """A machine that slows down for a while slows every size alike instead of bending the curve."""
+    target = load_tiny_target(qwen_dir)
+    order, clock = [], [0.0]
+    real_forward = target.forward
+
+    def forward(ids, cache, **kwargs):  # each forward "takes" n ms, 50 ms more while the machine is slow
+        order.append(ids.shape[1])
+        slow = 4 <= len(order) <= 7
+        clock[0] += (ids.shape[1] + 50 * slow) / 1000
+        return real_forward(ids, cache, **kwargs)
+
+    monkeypatch.setattr(target, "forward", forward)
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    curve = calibrate.measure(target, sizes=(1, 4, 6), context=8, repeats=3)
+    assert order == [8] + [1, 4, 6] * 4  # the prefill, then the sizes in turn, round after round
+    assert curve.milliseconds == {1: 1.0, 4: 4.0, 6: 6.0}
