@@ -207,6 +207,39 @@ def fuse_gated_mlps(model: nn.Module) -> None:
                 setattr(parent, name, GatedMLP(QuantizedLinear.stacked(parts), child.down_proj, child.act_fn))
 
 
+class SharedProjection(nn.Module):
+    """One of several layers that read the same input (an attention's q, k and v), computed together:
+    the first of them to see an input runs the stacked layer, the others take their columns of that
+    output while their input is the very same tensor (and compute it again otherwise). The output is
+    dropped once every part has taken its columns, so a long prompt's is not kept."""
+
+    def __init__(self, stacked: QuantizedLinear, columns: slice, shared: dict, parts: int):
+        super().__init__()
+        self.stacked, self.columns, self.shared, self.parts = stacked, columns, shared, parts
+        self.in_features, self.out_features = stacked.in_features, columns.stop - columns.start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared.get("input") is not x:
+            self.shared.update(input=x, output=self.stacked(x), taken=0)
+        columns = self.shared["output"][..., self.columns]
+        self.shared["taken"] += 1
+        if self.shared["taken"] == self.parts:
+            self.shared.clear()
+        return columns
+
+
+def share_projections(model: nn.Module, names=("q_proj", "k_proj", "v_proj")) -> None:
+    """Give each module's quantized q, k and v projections one kernel call per input."""
+    for module in list(model.modules()):
+        parts = [getattr(module, name, None) for name in names]
+        if not all(isinstance(part, QuantizedLinear) for part in parts):
+            continue
+        stacked, shared, start = QuantizedLinear.stacked(parts), {}, 0
+        for name, part in zip(names, parts):
+            setattr(module, name, SharedProjection(stacked, slice(start, start + part.out_features), shared, len(parts)))
+            start += part.out_features
+
+
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
     """Every linear layer: its parent module, its attribute name there, the layer, its dotted name."""
     return [(module, name, child, f"{prefix}.{name}" if prefix else name) for prefix, module in model.named_modules()
@@ -221,7 +254,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
 
     Quantizing takes seconds per hundred million weights, so the packed layers are kept in
     `cache` (a safetensors file) and read from there on later starts. Gated MLPs then run gate
-    and up as one layer (`fuse_gated_mlps`).
+    and up as one layer (`fuse_gated_mlps`), attentions q, k and v (`share_projections`).
     """
     kernel()  # fail before touching the model
     stored = _read_cache(cache, bits)
@@ -240,6 +273,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
     if cache is not None and fresh and stored is None:
         _write_cache(cache, fresh, bits)
     fuse_gated_mlps(model)
+    share_projections(model)
 
 
 def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None:
