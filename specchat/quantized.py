@@ -27,14 +27,14 @@ from torch.utils import cpp_extension
 
 from specchat.machine import cpu_flags
 
-LAYOUT = "woq1"  # the packed format below; a cached model in another layout is packed again
+LAYOUT = "woq2"  # the packed format below; a cached model in another layout is packed again
 KERNEL_BITS = {"int5": 5, "int4": 4}  # --quantize choices this kernel runs, and their bits
 GROUP = 32  # weights per scale and offset, along the input dimension
 BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
 PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)
 SOURCE = Path(__file__).parent / "kernels" / "woq_linear.cpp"
-CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma"]
+CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c")
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -119,15 +119,14 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
 def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """The kernel's layout (see the comment at the top of kernels/woq_linear.cpp)."""
     N, K = codes.shape
-    # [N, K] -> [blocks, pairs, 32]: element e of pair vector p is row e // 2, column 2p + e % 2.
-    vectors = codes.reshape(N // BLOCK, BLOCK, K // 2, 2).permute(0, 2, 1, 3).reshape(N // BLOCK, K // 2, 2 * BLOCK)
-    nibbles = vectors & 15
-    low = (nibbles[..., :BLOCK] | (nibbles[..., BLOCK:] << 4)).contiguous()
-    high = torch.zeros(0, dtype=torch.int32)
-    if bits == 5:
-        weights = torch.tensor([1 << e for e in range(2 * BLOCK)], dtype=torch.int64)
-        word = ((vectors >> 4).long() * weights).sum(-1)  # 32 high bits as one uint32, kept as int32
-        high = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
+    # [N, K] -> [blocks, quads, 64]: byte 4r + b of quad j is row r, column 4j + b.
+    quads = codes.reshape(N // BLOCK, BLOCK, K // 4, 4).permute(0, 2, 1, 3).reshape(N // BLOCK, K // 4, 4 * BLOCK)
+    nibbles = (quads & 15).reshape(N // BLOCK, K // 8, 2, 4 * BLOCK)
+    low = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).contiguous()
+    high = torch.zeros(0, dtype=torch.uint8)
+    if bits == 5:  # bit t of quad j's little-endian 64-bit word: byte t's fifth bit
+        fifth = (quads >> 4).reshape(N // BLOCK, K // 4, 8, 8).to(torch.int32)
+        high = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).contiguous()
     per_group = lambda t: t.reshape(N // BLOCK, BLOCK, K // GROUP).transpose(1, 2).contiguous()  # noqa: E731
     return {"low": low, "high": high, "scale": per_group(scale), "bias": per_group(offset)}
 

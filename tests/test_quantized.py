@@ -8,6 +8,7 @@ from conftest import load_tiny_target, random_head
 from specchat import quantized
 from specchat.drafting import DynamicTree, DynamicTreeParams, TreeProposer
 from specchat.engine import Engine, GenerationSettings
+from specchat.speedup import divergence
 from specchat.target import ModelLoadError, ModelSpec, load_target
 
 needs_kernel = pytest.mark.skipif(quantized.missing_cpu_features() != [] or quantized.unavailable_reason() is not None,
@@ -46,6 +47,16 @@ def test_stacked_layers_and_the_fused_gated_mlp_give_exactly_the_separate_layers
         for rows in (slice(0, blocks), slice(blocks, None)))
     x = torch.randn(2, 5, fused.gate_up.in_features).bfloat16()
     assert torch.equal(fused(x), fused.down_proj(fused.act_fn(gate(x)) * up(x)))
+
+
+@needs_kernel
+def test_a_rows_output_does_not_depend_on_the_rows_multiplied_with_it():
+    """Integer products: a token verified in a tree of 13 gets exactly what it gets alone."""
+    torch.manual_seed(0)
+    layer = quantized.QuantizedLinear.from_linear(torch.nn.Linear(256, 64).bfloat16(), 5)
+    x = torch.randn(13, 256).bfloat16() * torch.logspace(-2, 2, 256).bfloat16()  # a wide range per group
+    together = layer(x)
+    assert all(torch.equal(layer(x[i : i + 1])[0], together[i]) for i in range(13))
 
 
 def test_weights_from_a_q5_0_file_are_reproduced_exactly():
@@ -95,7 +106,10 @@ def test_speculation_on_the_quantized_model_gives_its_plain_greedy_output(qwen_d
 @needs_kernel
 @pytest.mark.parametrize("method", ["eagle", "eagle2", "deagle", "jakiro", "sps", "pld", "deagle+lookup"])
 def test_every_method_on_the_quantized_runtime_gives_its_plain_greedy_output(qwen_dir, tmp_path, method):
-    """Every method is lossless on the quantized model too, the head quantized with it."""
+    """Every method is lossless on the quantized model too, the head quantized with it: in bf16 a
+    verified tree's attention rounds differently from one token's, so an answer may part from plain
+    decoding's only where plain decoding chose between near-equal logits (the tiny model has exact
+    ties in bf16)."""
     import dataclasses
 
     from specchat.drafters import save_head
@@ -113,8 +127,12 @@ def test_every_method_on_the_quantized_runtime_gives_its_plain_greedy_output(qwe
     proposer = build_proposer(settings, target, load_model)
     greedy = GenerationSettings(max_new_tokens=24)
     prompt = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]
-    plain = [t for s in Engine(target).generate(prompt, greedy) for t in s.tokens]
-    assert [t for s in Engine(target, proposer).generate(prompt, greedy) for t in s.tokens] == plain
+    plain_steps = list(Engine(target).generate(prompt, greedy))
+    plain, margins = [t for s in plain_steps for t in s.tokens], [m for s in plain_steps for m in s.margins]
+    steps = list(Engine(target, proposer).generate(prompt, greedy))
+    assert sum(s.draft_tokens for s in steps) > 0  # it did speculate
+    where = divergence([t for s in steps for t in s.tokens], plain, margins)
+    assert where is None or where.near_tie, where
 
 
 @needs_kernel
