@@ -2,7 +2,7 @@
 
 A forward over a handful of tokens costs about what one costs while reading the weights
 dominates; past that, cost grows with the tokens, how fast depending on the runtime (bf16 with
-AMX stays nearly flat to 32 tokens, a 5-bit model on AVX-512 costs 1.6x at 8). A larger tree
+AMX stays nearly flat to 32 tokens, a 5-bit model on AVX-512 costs 1.4x at 8). A larger tree
 gets more tokens accepted, with diminishing returns, so the verified size is the one that
 maximizes expected tokens per second under this machine's curve. The curve is measured once per
 (machine, model, dtype, quantization and kernel version, threads) and cached.

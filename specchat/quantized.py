@@ -1,10 +1,11 @@
 """Weight-only quantized linear layers for the CPU target (`--quantize int5|int4`).
 
 Weights are stored in 5 or 4 bits with an fp16 scale and offset per group of 32 (each group on
-the better of a symmetric and a min-max grid: `quantize`), and multiplied by `kernels/woq_linear.cpp`, which dequantizes each block of
-weights once per forward and reuses it for every token: verifying a draft tree of 8-16 tokens
-costs about what one token costs, at a third to a half of bf16's memory traffic. The kernel is
-compiled once per machine (it needs a C++ compiler and a CPU with AVX512-BF16) and cached.
+the better of a symmetric and a min-max grid: `quantize`), and multiplied by `kernels/woq_linear.cpp`,
+which unpacks each block of weights once per forward and multiplies it with every token in 8-bit
+integer products: verifying 8 tokens costs ~1.4x one, at a third of bf16's memory traffic. The
+kernel is compiled once per machine (it needs a C++ compiler and a CPU with AVX512-BF16 and
+AVX512-VNNI) and cached.
 
 Plain decoding and verification both run through these layers, so speculative decoding stays
 exact relative to plain decoding of the same quantized model; what quantization changes is the
@@ -38,7 +39,7 @@ COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-m
 
 
 class KernelUnavailable(RuntimeError):
-    """The quantized kernel cannot run here (no AVX512-BF16, or it could not be compiled)."""
+    """The quantized kernel cannot run here (no AVX512-BF16/VNNI, or it could not be compiled)."""
 
 
 def missing_cpu_features() -> list[str]:

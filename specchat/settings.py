@@ -85,7 +85,7 @@ class Settings:
     quantize: str = _setting("auto", "model", "quantize",
                              "Target weights: int5/int4 (specchat's CPU kernel: verifying a draft tree costs about one "
                              "token), 8bit/4bit (bitsandbytes), none (the dtype's own). auto: int5 on a CPU with "
-                             "AVX512-BF16 and a C++ compiler when the dtype is bf16, else none.",
+                             "AVX512-BF16/VNNI and a C++ compiler when the dtype is bf16, else none.",
                              ("auto", "none", "int5", "int4", "8bit", "4bit"))
     chat_template: str | None = _setting(None, "model", "chat_template",
                                          "Chat template for a tokenizer that has none: a built-in name (vicuna) "

@@ -407,9 +407,9 @@ BITSANDBYTES = ("8bit", "4bit")
 def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype) -> str:
     """`auto`: specchat's 5-bit kernel for a bf16 model on a CPU that runs it, else the dtype's own weights.
 
-    Measured on a 2-core AVX-512 CPU (docs/cpu-runtime.md): the 0.5B decodes in ~20 ms per token
-    with it against ~51 in bf16, and verifying 8 tokens costs ~1.6x one. A CPU without AVX512-BF16
-    (or without a compiler) keeps bf16, which AMX CPUs verify flat anyway.
+    Measured on a 2-core AVX-512 CPU (docs/cpu-runtime.md): the 0.5B decodes in ~16 ms per token
+    with it against ~51 in bf16, and verifying 8 tokens costs ~1.4x one. A CPU without AVX512-BF16
+    and VNNI (or without a compiler) keeps bf16, which AMX CPUs verify flat anyway.
     """
     if choice != "auto":
         if choice in quantized.KERNEL_BITS and (device.type != "cpu" or dtype != torch.bfloat16):
