@@ -36,12 +36,15 @@ def run_cli(args, capsys):
 
 
 def test_greedy_run_on_the_default_model_is_deterministic(shared_cache, tmp_path, capsys):
+    """Plain greedy decoding of the int5 model. (The default profile's trees are sized by measured
+    timings, and in bf16 a differently shaped tree may round a near-tie the other way: its exactness
+    is tested in float32 below and on the tiny model.)"""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "turns": ["Write a haiku about rain.", "Now one about sun."]}) + "\n")
-    args = ["run", str(prompts), "--max-new-tokens", "12"]
+    args = ["run", str(prompts), "--max-new-tokens", "12", "--method", "vanilla"]
     first, second = (json.loads(run_cli(args, capsys)) for _ in range(2))
     assert [t["response"] for t in first["turns"]] == [t["response"] for t in second["turns"]]
-    assert len(first["turns"]) == 2 and all(t["new_tokens"] == 12 for t in first["turns"])
+    assert len(first["turns"]) == 2 and all(1 <= t["new_tokens"] <= 12 for t in first["turns"])
     assert first["turns"][0]["response"].strip()  # it says something
     stamp = json.loads(next(shared_cache.glob("models/*/specchat-source.json")).read_text())
     assert stamp["sha256"] == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
