@@ -35,7 +35,8 @@ BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
 PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)
 SOURCE = Path(__file__).parent / "kernels" / "woq_linear.cpp"
 CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c")
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma"]
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
+                 "-mfma"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -166,7 +167,6 @@ class QuantizedLinear(nn.Module):
         y = self._multiply(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous(), self.bias_term)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-
     @classmethod
     def stacked(cls, layers: list[QuantizedLinear]) -> QuantizedLinear:
         """One layer computing several of the same input size: their outputs side by side. Blocks of
@@ -236,7 +236,8 @@ def share_projections(model: nn.Module, names=("q_proj", "k_proj", "v_proj")) ->
             continue
         stacked, shared, start = QuantizedLinear.stacked(parts), {}, 0
         for name, part in zip(names, parts):
-            setattr(module, name, SharedProjection(stacked, slice(start, start + part.out_features), shared, len(parts)))
+            columns = slice(start, start + part.out_features)
+            setattr(module, name, SharedProjection(stacked, columns, shared, len(parts)))
             start += part.out_features
 
 
