@@ -216,7 +216,6 @@ class SharedProjection(nn.Module):
     def __init__(self, stacked: QuantizedLinear, columns: slice, shared: dict, parts: int):
         super().__init__()
         self.stacked, self.columns, self.shared, self.parts = stacked, columns, shared, parts
-        self.in_features, self.out_features = stacked.in_features, columns.stop - columns.start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared.get("input") is not x:
