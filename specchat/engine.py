@@ -229,7 +229,7 @@ class Engine:
         first = self._draw(out.logits[-1], settings.sampling, rng)
         self._sync()
         return StepResult(tokens=[first], drafted=[False], seconds=time.perf_counter() - start, prefill=True,
-                          margins=_margins(out.logits[-1:]))
+                          margins=margins(out.logits[-1:]))
 
     @torch.inference_mode()
     def decode_step(self, root: int, settings: GenerationSettings, rng) -> StepResult:
@@ -240,7 +240,7 @@ class Engine:
         token = self._draw(out.logits[-1], settings.sampling, rng)
         self._sync()
         return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start,
-                          margins=_margins(out.logits[-1:]))
+                          margins=margins(out.logits[-1:]))
 
     @torch.inference_mode()
     def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
@@ -275,16 +275,11 @@ class Engine:
             tokens=committed[1:] + [acceptance.bonus], drafted=[True] * len(acceptance.path) + [False],
             seconds=time.perf_counter() - start, draft_seconds=drafted - start, verify_seconds=verified - drafted,
             draft_tokens=len(tree), cycle=Cycle(root, tree, acceptance.path, acceptance.bonus),
-            margins=_margins(out.logits[keep]),  # row 0 chose the first token, node i's row the token after it
+            margins=margins(out.logits[keep]),  # row 0 chose the first token, node i's row the token after it
         )
 
     @staticmethod
     def _draw(logits: torch.Tensor, sampling: SamplingParams, rng) -> int:
         if sampling.greedy:
-            return argmax(logits.float()[None])[0]  # argmax over bf16 is 5x slower than converting first
+            return argmax(logits[None])[0]
         return sample(target_probs(logits, sampling), rng)
-
-
-def _margins(logits: torch.Tensor) -> list[float]:
-    """Top-1 minus top-2 logit of each row."""
-    return margins(logits.float())
