@@ -12,14 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specchat.chat import ChatFormat, ChatSession, resolve_template
-from specchat.engine import Engine, GenerationSettings
+from specchat.decode.engine import Engine, GenerationSettings
 from specchat.errors import UsageError
 from specchat.live import LiveChat
 from specchat.methods import MethodError, effective_draft, needs_draft
+from specchat import peers  # noqa: F401  (attaches the peers' builders to their methods)
 from specchat.proposers import LoadModel, build_proposer
-from specchat.sampling import SamplingParams, make_generator
+from specchat.decode.sampling import SamplingParams, make_generator
 from specchat.settings import Settings
-from specchat.target import ModelSpec, Target, load_target
+from specchat.decode.target import ModelSpec, Target
+from specchat.sources import load_target
 
 
 def model_loader(settings: Settings) -> LoadModel:

@@ -17,14 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from specchat import app, bench, peers
+from specchat import app, bench
 from specchat.bench import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError
 from specchat.inputs import read_prompts
-from specchat.machine import hardware
+from specchat.decode.machine import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, default_draft
-from specchat.livesettings import METHOD_SECTIONS, LiveChatError, parse_value
-from specchat.settings import FIELDS, Settings
+from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 
 
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
@@ -159,6 +158,6 @@ def _runner(settings: Settings, target, chat_format, generation, load_model):
     """The runner for `settings.method`, and whatever it loaded that should be let go afterwards."""
     entry = METHODS[settings.method]
     if entry.peer:
-        return peers.BUILDERS[entry.build](settings, target, chat_format, generation, load_model)
+        return entry.build(settings, target, chat_format, generation, load_model)
     session = app.open_session(settings, target, chat_format, generation, load_model)
     return SessionRunner(session), session.engine.proposer

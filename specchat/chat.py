@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import jinja2
 import torch
 
-from specchat.engine import Engine, GenerationSettings, StepResult
+from specchat.decode.engine import Engine, GenerationSettings, StepResult
 from specchat.errors import SpecchatError, UsageError
 from specchat.stats import Stats
 

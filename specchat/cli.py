@@ -23,11 +23,10 @@ from rich.console import Console
 
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, UsageError
-from specchat.livesettings import FALSE_WORDS, TRUE_WORDS
 from specchat.inputs import check_outputs, read_prompts, read_stdin
 from specchat.methods import HEAD_FORMATS, METHODS, plain_unless_drafted
 from specchat.repl import run_repl
-from specchat.settings import FIELDS, ProfileError, Settings
+from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI, TrainingProgress
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

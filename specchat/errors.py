@@ -23,3 +23,7 @@ class UsageError(SpecchatError):
 
 class ContextLengthError(SpecchatError, ValueError):
     """The prompt does not fit in the model's context."""
+
+
+class ModelLoadError(SpecchatError, RuntimeError):
+    """The target model could not be found or loaded; the message says why in one line."""

@@ -17,16 +17,15 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.chat import ChatSession, Conversation, TurnEvent
-from specchat.drafting import DynamicTreeParams
-from specchat.engine import Engine, GenerationSettings
+from specchat.decode.head_proposer import DynamicTreeParams
+from specchat.decode.engine import Engine, GenerationSettings
 from specchat.errors import SpecchatError
-from specchat.livesettings import (LIVE_KEYS, METHOD_SECTIONS, LiveChatError, method_key, parse_value, show_value,
-                                  with_method_of)
+from specchat.settings import (FIELDS, LIVE_KEYS, METHOD_SECTIONS, LiveChatError, Settings, method_key, parse_value,
+                               show_value, with_method_of)
 from specchat.methods import CHAT_METHODS, METHODS, PLAIN, effective_draft, needs_draft
 from specchat.proposers import build_proposer
-from specchat.sampling import SamplingParams, make_generator
-from specchat.settings import FIELDS, Settings
-from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
+from specchat.decode.sampling import SamplingParams, make_generator
+from specchat.decode.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
 from specchat.stats import Stats
 from specchat.transcript import load_transcript, save_transcript
 
@@ -38,7 +37,7 @@ class MethodTotals(Stats):
     turns: int = 0
     drafted_at_depth: list[int] = field(default_factory=list)  # [d-1]: cycles whose tree reached depth d
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: ... and had d tokens accepted
-    # Decoding time (prefill left out, see `specchat.speedup`) of the replies with an estimate,
+    # Decoding time (prefill left out, see `specchat.decode.speedup`) of the replies with an estimate,
     # and plain decoding's estimated time for them; then the replies that were compared.
     estimate_seconds: float = 0.0
     estimate_plain_seconds: float = 0.0
@@ -111,7 +110,7 @@ class LiveChat:
         self.load_model = load_model
         self.totals: dict[str, MethodTotals] = {}
         self.last_turn: Turn | None = None
-        self.last_cycle = None  # the newest `specchat.tree.Cycle`, for /tree
+        self.last_cycle = None  # the newest `specchat.decode.tree.Cycle`, for /tree
         self.clock = PlainStepClock(session.engine)
         self._plain_engine: Engine | None = None
         self._proposers = {method_key(settings): session.engine.proposer}  # loaded once, reused on switching back

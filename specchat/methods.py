@@ -3,16 +3,18 @@
 The one registry the rest reads: the choices of `--method` (settings), the command line's help,
 `bench` (which methods exist and which are other tools' peers), `/method`, and the draft a method
 uses when none is given. It imports nothing heavy, so the command line uses it before torch
-loads; each entry names its builder, a function in `specchat.proposers` (specchat's methods) or
-`specchat.peers` (other tools' implementations, which only `bench` runs).
+loads; each entry holds its builder once the module that writes it is imported (`builds`):
+`specchat.proposers` for specchat's methods, `specchat.peers` for other tools' implementations,
+which only `bench` runs. The assembly layer (`specchat.app`) imports both.
 
 eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
-Jakiro head. Every specchat method is verified by the same exact rules (`specchat.verify`).
+Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.verify`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specchat.embedded import DEFAULT_MODEL
@@ -20,43 +22,56 @@ from specchat.errors import UsageError
 from specchat import heads
 
 PLAIN = "vanilla"  # plain decoding: the baseline every speedup is measured against
-HEAD_FORMATS = ("eagle", "eagle3", "jakiro")  # the draft head formats `specchat.drafters` reads
+HEAD_FORMATS = ("eagle", "eagle3", "jakiro")  # the draft head formats `drafters` reads
 HEAD = "a draft head (folder or hub id; EAGLE-1/2, EAGLE-3 or Jakiro format)"
 MODEL = "a small draft model sharing the target's tokenizer (like --model)"
 QWEN_05B, QWEN_15B = DEFAULT_MODEL, "qwen2.5-coder-1.5b-instruct"
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Method:
     name: str
     summary: str
-    build: str  # the builder: a function of `specchat.proposers`, or of `specchat.peers` for a peer
     draft: str | None = None  # what --draft must name (HEAD or MODEL); None: the method takes no draft
     head_kind: str | None = None  # the head format it needs (None: any)
     bundled: dict[str, str] = field(default_factory=dict)  # target model -> its draft when none is given
     peer: bool = False  # another tool's implementation on the same target, run only by `bench`
+    static_tree: bool = False  # it can draft a --static-tree
+    # What builds it, attached where the builder is written (`builds`): for specchat's methods
+    # build(settings, target, load_model) -> the engine's Proposer (None: plain decoding), in
+    # `specchat.proposers`; for a peer build(settings, target, chat_format, generation, load_model)
+    # -> (a bench runner, what it loaded), in `specchat.peers`.
+    build: Callable | None = field(default=None, repr=False)
 
 
-METHODS = {method.name: method for method in (
-    Method(PLAIN, "plain decoding", build="plain"),
-    Method("eagle", "EAGLE-1 static tree from a draft head", build="static_tree", draft=HEAD,
-           bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle"}),
-    Method("eagle2", "EAGLE-2 dynamic tree from a draft head", build="dynamic_tree", draft=HEAD,
-           bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}),
-    Method("deagle", "EAGLE-2 tree with DEAGLE's dynamic depth", build="deagle_tree", draft=HEAD,
-           bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}),
-    Method("jakiro", "EAGLE-2 tree from a Jakiro MoE head, last level in parallel", build="jakiro_tree", draft=HEAD,
-           head_kind="jakiro", bundled={QWEN_05B: "qwen2.5-coder-0.5b-jakiro"}),
-    Method("sps", "speculative sampling with a small draft model", build="draft_model", draft=MODEL,
-           bundled={QWEN_15B: QWEN_05B}),
-    Method("pld", "prompt lookup (n-gram matches, no draft model)", build="lookup"),
-    Method("hf-assisted", "transformers' assisted generation with a small draft model", build="hf_assisted",
-           draft=MODEL, bundled={QWEN_15B: QWEN_05B}, peer=True),
-    Method("hf-pld", "transformers' prompt lookup decoding", build="hf_prompt_lookup", peer=True),
-    Method("llamacpp", "llama.cpp decoding the target's GGUF file", build="llamacpp", peer=True),
-    Method("llamacpp-lookup", "llama.cpp's prompt lookup decoding on the target's GGUF file", build="llamacpp_lookup",
-           peer=True),
-)}
+def builds(*entries: Method):
+    """Decorator: the function builds these methods (each entry then holds it as `build`)."""
+    def attach(builder: Callable) -> Callable:
+        for entry in entries:
+            entry.build = builder
+        return builder
+
+    return attach
+
+
+VANILLA = Method(PLAIN, "plain decoding")
+EAGLE = Method("eagle", "EAGLE-1 static tree from a draft head", draft=HEAD, static_tree=True,
+               bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle"})
+EAGLE2 = Method("eagle2", "EAGLE-2 dynamic tree from a draft head", draft=HEAD,
+                bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"})
+DEAGLE = Method("deagle", "EAGLE-2 tree with DEAGLE's dynamic depth", draft=HEAD,
+                bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"})
+JAKIRO = Method("jakiro", "EAGLE-2 tree from a Jakiro MoE head, last level in parallel", draft=HEAD,
+                head_kind="jakiro", static_tree=True, bundled={QWEN_05B: "qwen2.5-coder-0.5b-jakiro"})
+SPS = Method("sps", "speculative sampling with a small draft model", draft=MODEL, bundled={QWEN_15B: QWEN_05B})
+PLD = Method("pld", "prompt lookup (n-gram matches, no draft model)")
+HF_ASSISTED = Method("hf-assisted", "transformers' assisted generation with a small draft model", draft=MODEL,
+                     bundled={QWEN_15B: QWEN_05B}, peer=True)
+HF_PLD = Method("hf-pld", "transformers' prompt lookup decoding", peer=True)
+LLAMACPP = Method("llamacpp", "llama.cpp decoding the target's GGUF file", peer=True)
+LLAMACPP_LOOKUP = Method("llamacpp-lookup", "llama.cpp's prompt lookup decoding on the target's GGUF file", peer=True)
+METHODS = {entry.name: entry for entry in (VANILLA, EAGLE, EAGLE2, DEAGLE, JAKIRO, SPS, PLD, HF_ASSISTED, HF_PLD,
+                                           LLAMACPP, LLAMACPP_LOOKUP)}
 CHAT_METHODS = tuple(name for name, method in METHODS.items() if not method.peer)  # what --method takes
 
 

@@ -8,7 +8,7 @@
   to beat. Prompts are the same token ids (the model's own chat template), sampling is the plain
   distribution (temperature only: no top-k 40, min-p or repetition penalty of its defaults).
 
-Each builder (named by `specchat.methods`) returns a runner with the interface of
+Each builder (attached to its entry of `specchat.methods`) returns a runner with the interface of
 `specchat.bench.SessionRunner` and whatever it loaded, to be let go when the method is done.
 Target forwards are counted (a forward hook, or llama.cpp's evaluation calls), so τ means the
 same as for specchat's methods; the time to the first token is the prefill.
@@ -24,12 +24,15 @@ from transformers.generation.streamers import BaseStreamer
 
 from specchat.bench import Answer
 from specchat.chat import ChatFormat, Conversation
-from specchat.engine import GenerationSettings
+from specchat.decode.engine import GenerationSettings
 from specchat.errors import SpecchatError
 from specchat.inputs import PromptRecord
+from specchat import methods
+from specchat.methods import builds
 from specchat.settings import Settings
 from specchat.stats import Stats
-from specchat.target import Target, source_gguf
+from specchat.decode.target import Target
+from specchat.sources import source_gguf
 
 HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens default
 # llama-cpp-python's LlamaPromptLookupDecoding defaults (FACTS.md measured 16-36 tok/s with 10 tokens).
@@ -109,12 +112,14 @@ class GenerateRunner:
         return Answer(decoder.text, stats, new)
 
 
+@builds(methods.HF_ASSISTED)
 def hf_assisted(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                 load_model) -> tuple[GenerateRunner, Target]:
     assistant = load_model(settings.draft)
     return GenerateRunner(target, chat_format, generation, {"assistant_model": assistant.model}, settings.seed), assistant
 
 
+@builds(methods.HF_PLD)
 def hf_prompt_lookup(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                      load_model) -> tuple[GenerateRunner, None]:
     kwargs = {"prompt_lookup_num_tokens": HF_PLD_TOKENS}
@@ -191,14 +196,14 @@ def _llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, gener
     return LlamaCppRunner(gguf, chat_format, generation, settings.seed, torch.get_num_threads(), context, lookup), None
 
 
+@builds(methods.LLAMACPP)
 def llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
              load_model) -> tuple[LlamaCppRunner, None]:
     return _llamacpp(settings, target, chat_format, generation, lookup=False)
 
 
+@builds(methods.LLAMACPP_LOOKUP)
 def llamacpp_lookup(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                     load_model) -> tuple[LlamaCppRunner, None]:
     return _llamacpp(settings, target, chat_format, generation, lookup=True)
 
-
-BUILDERS = {builder.__name__: builder for builder in (hf_assisted, hf_prompt_lookup, llamacpp, llamacpp_lookup)}

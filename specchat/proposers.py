@@ -1,7 +1,7 @@
-"""Building a method's proposer from the settings: the builders that `specchat.methods` names.
+"""Building a method's proposer from the settings: each builder attaches itself to its methods' entries.
 
 Tree budgets: on CUDA the papers' numbers; on a CPU the verified size comes from the machine's
-measured cost curve (`specchat.calibrate`), since a CPU verifies a handful of tokens for the
+measured cost curve (`specchat.decode.calibrate`), since a CPU verifies a handful of tokens for the
 price of one but pays every draft step in full. Every combination of settings that makes no
 sense for a method is refused here, in one place.
 """
@@ -11,23 +11,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from specchat.calibrate import cached_curve
-from specchat.deagle import DeagleParams
-from specchat.draft_model import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.drafters import load_head, resolve_folder
-from specchat.drafting import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree, DynamicTreeParams,
-                               JakiroTree, StaticTree, TreeProposer)
-from specchat.engine import Proposer
-from specchat.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
-from specchat.methods import MethodError, effective_draft, method
+from specchat import methods
+from specchat.decode import quantized
+from specchat.decode.calibrate import cached_curve
+from specchat.decode.deagle import DeagleParams
+from specchat.decode.engine import Proposer
+from specchat.decode.head_proposer import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree,
+                                           DynamicTreeParams, JakiroTree, StaticTree, TreeProposer)
+from specchat.decode.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
+from specchat.decode.model_proposer import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
+from specchat.decode.target import Target, quantized_cache
+from specchat.decode.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
+from specchat.methods import MethodError, builds, effective_draft, method
 from specchat.settings import Settings
-from specchat import quantized
-from specchat.target import Target, quantized_cache
-from specchat.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
+from specchat.sources import load_head
 
 # A CPU verifies a handful of tokens for little more than one, and every draft step is paid in
 # full, so CPU trees are smaller than the papers' GPU settings; their size comes from the measured
-# cost curve (specchat.calibrate), within this range.
+# cost curve (specchat.decode.calibrate), within this range.
 CPU_DEPTH, CPU_TOP_K = 6, 6
 CPU_TOTAL_TOKENS_RANGE = (4, 32)
 
@@ -45,15 +46,18 @@ def build_proposer(settings: Settings, target: Target, load_model: LoadModel | N
     draft = effective_draft(settings)
     if entry.draft and not draft:
         raise MethodError(f"--method {entry.name} needs --draft: {entry.draft}")
-    if settings.static_tree and entry.build not in ("static_tree", "jakiro_tree"):
-        raise MethodError(f"--static-tree applies to eagle and jakiro, not {entry.name}")
-    return BUILDERS[entry.build](dataclasses.replace(settings, draft=draft), target, load_model)
+    if settings.static_tree and not entry.static_tree:
+        takes = ", ".join(name for name, other in methods.METHODS.items() if other.static_tree)
+        raise MethodError(f"--static-tree applies to {takes}, not {entry.name}")
+    return entry.build(dataclasses.replace(settings, draft=draft), target, load_model)
 
 
+@builds(methods.VANILLA)
 def plain(settings: Settings, target: Target, load_model: LoadModel | None) -> None:
     return None
 
 
+@builds(methods.PLD)
 def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> PromptLookupProposer:
     try:
         return PromptLookupProposer(settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
@@ -62,6 +66,7 @@ def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> 
         raise MethodError(str(error)) from error
 
 
+@builds(methods.SPS)
 def draft_model(settings: Settings, target: Target, load_model: LoadModel | None) -> DraftModelProposer:
     draft = load_model(settings.draft)
     try:
@@ -71,31 +76,30 @@ def draft_model(settings: Settings, target: Target, load_model: LoadModel | None
     return DraftModelProposer(draft, target.vocab_size, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
 
 
+@builds(methods.EAGLE)
 def static_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
     return _tree_proposer(settings, target, StaticTree(_static_paths(settings, target)))
 
 
+@builds(methods.EAGLE2)
 def dynamic_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
     return _tree_proposer(settings, target, DynamicTree(dynamic_params(settings, target)))
 
 
+@builds(methods.DEAGLE)
 def deagle_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
     return _tree_proposer(settings, target, DeagleTree(dynamic_params(settings, target), deagle_params(settings)))
 
 
+@builds(methods.JAKIRO)
 def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
     if settings.static_tree:  # a Jakiro head drafts a given static tree like any head
         return static_tree(settings, target, load_model)
     return _tree_proposer(settings, target, JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
 
 
-BUILDERS = {builder.__name__: builder for builder in
-            (plain, lookup, draft_model, static_tree, dynamic_tree, deagle_tree, jakiro_tree)}
-
-
 def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
-    folder = resolve_folder(settings.draft)
-    head = load_head(str(folder), target, kind=method(settings.method).head_kind or settings.draft_kind)
+    head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
     if target.spec.quantize in quantized.KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
         quantized.quantize_linears(head, quantized.KERNEL_BITS[target.spec.quantize],
                                    quantized_cache(folder, target.spec.quantize, loaded_on=target))

@@ -23,7 +23,7 @@ from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 
 from specchat.errors import ContextLengthError
-from specchat.livesettings import LIVE_KEYS, LiveChatError, show_value
+from specchat.settings import LIVE_KEYS, LiveChatError, show_value
 from specchat.methods import CHAT_METHODS, METHODS, effective_draft, needs_draft
 from specchat.transcript import TranscriptError
 from specchat.ui import ChatUI

@@ -5,6 +5,10 @@ choices. From that one declaration come the TOML profile schema, the command-lin
 (`--name`), the environment variables (`SPECCHAT_NAME`) and the man-page coverage test.
 
 Precedence, highest first: command line > environment > profile > the defaults below.
+
+Mid-chat, `/set KEY VALUE` (text) and `/load` (JSON) change the settings in LIVE_KEYS; both go
+through `parse_value`, which checks a value against the setting's declared type and choices.
+Nothing here imports torch, so the chat's prompt uses it before torch has loaded.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specchat import deagle, lookup
+from specchat.decode import deagle, lookup, options
 from specchat.embedded import DEFAULT_MODEL
-from specchat.errors import UsageError
+from specchat.errors import SpecchatError, UsageError
 from specchat.methods import CHAT_METHODS, HEAD_FORMATS, PLAIN
 
 if sys.version_info >= (3, 11):
@@ -78,15 +82,15 @@ class Settings:
     model: str = _setting(DEFAULT_MODEL, "model", "path",
                           "Target model: an embedded model name, a .gguf file, a Hugging Face folder or a hub id.")
     gguf_file: str | None = _setting(None, "model", "gguf_file", "GGUF file inside the --model folder or hub repo.")
-    dtype: str = _setting("auto", "model", "dtype",
+    dtype: str = _setting(options.AUTO, "model", "dtype",
                           "Weights and compute dtype (auto: bf16 on a CPU with bf16 support or on CUDA, else float32).",
-                          ("auto", "bfloat16", "float16", "float32"))
-    device: str = _setting("auto", "model", "device", "Device: auto, cpu, cuda or cuda:N.")
-    quantize: str = _setting("auto", "model", "quantize",
+                          (options.AUTO, *options.DTYPES))
+    device: str = _setting(options.AUTO, "model", "device", "Device: auto, cpu, cuda or cuda:N.")
+    quantize: str = _setting(options.AUTO, "model", "quantize",
                              "Target weights: int5/int4 (specchat's CPU kernel: verifying a draft tree costs about one "
                              "token), 8bit/4bit (bitsandbytes), none (the dtype's own). auto: int5 on a CPU with "
                              "AVX512-BF16/VNNI and a C++ compiler when the dtype is bf16, else none.",
-                             ("auto", "none", "int5", "int4", "8bit", "4bit"))
+                             options.QUANTIZE)
     chat_template: str | None = _setting(None, "model", "chat_template",
                                          "Chat template for a tokenizer that has none: a built-in name (vicuna) "
                                          "or a Jinja file.")
@@ -150,7 +154,7 @@ class Settings:
                             check=_probability_mass)
     top_k: int = _setting(0, "generation", "top_k", "Sample only among the k most likely tokens (0: no limit).",
                           check=_within(0))
-    max_new_tokens: int = _setting(512, "generation", "max_new_tokens", "Most tokens per reply.", check=_within(1))
+    max_new_tokens: int = _setting(options.MAX_NEW_TOKENS, "generation", "max_new_tokens", "Most tokens per reply.", check=_within(1))
     seed: int | None = _setting(None, "generation", "seed",
                                 "Seed the random stream once per run (successive prompts continue it).",
                                 check=_within(0, MAX_SEED))
@@ -283,3 +287,75 @@ def resolve(overrides: dict, profile: str | None = None) -> tuple[Settings, str]
     settings = Settings(**values)
     check_together(settings)
     return settings, name
+
+
+# ---------------------------------------------------------------------------------------------
+# Changing settings mid-chat
+
+# What `/set KEY VALUE` may change; every other setting needs a restart (or `/method`, `/system`).
+LIVE_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k",
+             "draft_tokens", "lookup", "show_accept", "compare")
+METHOD_SECTIONS = ("method", "draft")  # the settings a proposer is built from
+TRUE_WORDS, FALSE_WORDS = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+UNSET_WORDS = ("none", "default")
+
+
+class LiveChatError(SpecchatError, ValueError):
+    """A change that cannot be made; the message is one line for the user, and nothing changed."""
+
+
+def parse_value(key: str, value):
+    """A setting's value from text (`/set`) or JSON (`/load`), checked against its type and choices."""
+    choices = FIELDS[key].metadata["choices"]
+    value = _typed_value(key, value)
+    if choices and value is not None and value not in choices:
+        raise LiveChatError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+    problem = check_value(key, value)
+    if problem:
+        raise LiveChatError(f"{key} {problem}")
+    return value
+
+
+def _typed_value(key: str, value):
+    kind = field_type(key)
+    optional = FIELDS[key].type.endswith("| None")
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if optional and word in UNSET_WORDS:
+            return None
+        if kind is bool and word in TRUE_WORDS + FALSE_WORDS:
+            return word in TRUE_WORDS
+        if kind in (int, float):
+            try:
+                return kind(word)
+            except ValueError:
+                pass
+        if kind is str:
+            return value
+    elif value is None and optional:
+        return None
+    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = {bool: "on or off", int: "a whole number", float: "a number", str: "text"}[kind]
+    unset = f" or {UNSET_WORDS[0]}" if optional else ""
+    raise LiveChatError(f"{key} takes {expected}{unset}, got {value!r}")
+
+
+def method_key(settings: Settings) -> tuple:
+    """Everything a proposer is built from: equal keys give interchangeable proposers."""
+    return tuple(getattr(settings, name) for name, f in FIELDS.items() if f.metadata["section"] in METHOD_SECTIONS)
+
+
+def with_method_of(settings: Settings, other: Settings) -> Settings:
+    """`settings` with the method and draft settings of `other`."""
+    return dataclasses.replace(settings, **{name: getattr(other, name) for name, f in FIELDS.items()
+                                            if f.metadata["section"] in METHOD_SECTIONS})
+
+
+def show_value(value) -> str:
+    """A setting's value as `/set` takes it back: on/off, none, or the value."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)

@@ -33,7 +33,7 @@ class Stats:
     finish_reason: str | None = None  # of the latest reply counted
 
     def add_step(self, step) -> None:
-        """Count one engine step (`specchat.engine.StepResult`)."""
+        """Count one engine step (`specchat.decode.engine.StepResult`)."""
         self.new_tokens += len(step.tokens)
         self.seconds += step.seconds
         self.target_forwards += step.target_forwards

@@ -95,7 +95,8 @@ def isolated_dirs(tmp_path, monkeypatch):
 
 
 def load_tiny_target(path, dtype: str = "float32"):
-    from specchat.target import ModelSpec, load_target
+    from specchat.decode.target import ModelSpec
+    from specchat.sources import load_target
 
     return load_target(ModelSpec(model=str(path), dtype=dtype, device="cpu"))
 
@@ -105,9 +106,9 @@ def load_tiny_target(path, dtype: str = "float32"):
 
 
 def head_config(kind: str, **overrides):
-    from specchat.drafters.eagle import EagleConfig
-    from specchat.drafters.eagle3 import Eagle3Config
-    from specchat.drafters.jakiro import JakiroConfig
+    from drafters.eagle import EagleConfig
+    from drafters.eagle3 import Eagle3Config
+    from drafters.jakiro import JakiroConfig
 
     common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=TINY_VOCAB)
@@ -118,9 +119,9 @@ def head_config(kind: str, **overrides):
 
 
 def random_head(kind: str, target, seed: int = 0, **overrides):
-    from specchat.drafters.eagle import EagleHead
-    from specchat.drafters.eagle3 import Eagle3Head
-    from specchat.drafters.jakiro import JakiroHead
+    from drafters.eagle import EagleHead
+    from drafters.eagle3 import Eagle3Head
+    from drafters.jakiro import JakiroHead
 
     torch.manual_seed(seed)
     config = head_config(kind, **overrides)
@@ -153,7 +154,7 @@ def oracle_head(target):
     It outputs (a multiple of) the embedding of its input token; the target's LM head on it ranks
     tokens as the target does after that token (the target's feature is the same vector, RMS-normalised).
     """
-    from specchat.drafters.eagle import EagleHead
+    from drafters.eagle import EagleHead
 
     H = target.hidden_size
     head = EagleHead(head_config("eagle"), target.embed_tokens, target.lm_head)
@@ -195,7 +196,7 @@ class ScriptedProposer:
         self.context.extend(tokens)
 
     def propose(self, root, settings, rng, max_depth, max_nodes):
-        from specchat.tree import DraftTree
+        from specchat.decode.tree import DraftTree
 
         start = len(self.context) + 1  # the script position right after the root
         right = self.script[start : start + min(self.depth, max_depth)]
@@ -259,8 +260,8 @@ def tokens_of(engine, prompt, settings, rng=None):
 
 def assert_samples_follow_the_target(engine, target, prompt, top_k, runs):
     """The first two tokens of `runs` sampled replies against the exact target distribution (chi-square)."""
-    from specchat.engine import GenerationSettings
-    from specchat.sampling import SamplingParams, make_generator
+    from specchat.decode.engine import GenerationSettings
+    from specchat.decode.sampling import SamplingParams, make_generator
 
     joint = exact_two_token_distribution(target, prompt, top_k)
     settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))

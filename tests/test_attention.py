@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import load_tiny_target
-from specchat.attention import ATTENTION, attention, one_query
-from specchat.cache import KVCache
+from drafters.attention import attention, one_query
+from specchat.decode.target import ATTENTION
+from specchat.decode.cache import KVCache
 
 
 def reference(query, key, value, mask):

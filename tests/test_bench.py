@@ -125,7 +125,7 @@ def _bench(args, capsys):
 
 
 def test_draft_goes_to_every_method_that_drafts_and_a_misfit_is_skipped(qwen_dir, tmp_path, capsys):
-    from specchat.drafters import save_head
+    from drafters import save_head
 
     head = tmp_path / "head"
     save_head(random_head("eagle", load_tiny_target(qwen_dir)), head)

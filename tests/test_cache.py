@@ -4,7 +4,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import build_model
-from specchat.cache import CHUNK, KVCache
+from drafters.cache import CHUNK
+from specchat.decode.cache import KVCache
 
 
 def run(model, ids, cache, positions=None, mask=None):

@@ -1,8 +1,8 @@
 """The verify-cost curve and the tree size it picks."""
 
 from conftest import load_tiny_target
-from specchat import calibrate
-from specchat.calibrate import Curve
+from specchat.decode import calibrate
+from specchat.decode.calibrate import Curve
 
 
 def test_the_size_with_the_best_expected_rate_is_picked():

@@ -75,7 +75,7 @@ def test_a_bad_environment_value_names_the_variable(variable, value, flag, capsy
 
 
 def test_a_head_bundled_for_the_target_is_used_when_no_draft_is_given(qwen_dir, tmp_path, capsys, monkeypatch):
-    from specchat.drafters import save_head
+    from drafters import save_head
 
     save_head(random_head("eagle3", load_tiny_target(qwen_dir)), tmp_path / "tiny-eagle3")
     monkeypatch.setattr("specchat.heads.bundled_heads", lambda: {"tiny-eagle3": tmp_path / "tiny-eagle3"})
@@ -117,7 +117,7 @@ def test_too_long_prompt_fails_but_keeps_the_other_records(qwen_dir, tmp_path, c
 
 def test_speculative_run_records_and_trace(qwen_dir, tmp_path, capsys):
     from conftest import load_tiny_target, random_head
-    from specchat.drafters import save_head
+    from drafters import save_head
 
     save_head(random_head("eagle3", load_tiny_target(qwen_dir)), tmp_path / "head")
     prompts, trace = tmp_path / "q.jsonl", tmp_path / "trace.jsonl"

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import load_tiny_target, random_head
-from specchat.drafters import HeadLoadError, load_head, save_head
+from drafters import HeadLoadError, load_head, save_head
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def target(qwen_dir):
 
 
 def outputs(head, target):
-    from specchat.drafters.layers import HeadCache
+    from drafters.cache import HeadCache
 
     torch.manual_seed(0)
     width = head.fc.in_features if head.kind == "eagle3" else target.hidden_size
@@ -144,8 +144,13 @@ def test_kind_mismatch_and_missing_files(target, tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(HeadLoadError, match="no model.safetensors, model.safetensors.index.json or pytorch_model.bin"):
         load_head(str(tmp_path / "empty"), target)
-    with pytest.raises(HeadLoadError, match="cannot reach the Hugging Face hub"):
-        load_head("someone/no-such-head", target)
+
+
+def test_a_head_name_that_is_no_folder_is_fetched_from_the_hub(target):
+    from specchat.sources import DraftHeadError, load_head as load_named_head
+
+    with pytest.raises(DraftHeadError, match="cannot reach the Hugging Face hub"):
+        load_named_head("someone/no-such-head", target)
 
 
 class Payload:

@@ -6,8 +6,10 @@ import json
 import pytest
 import torch
 
-from specchat import embedded, target
-from specchat.target import ModelLoadError, ModelSpec, locate
+from specchat import embedded, sources
+from specchat.decode.target import ModelSpec
+from specchat.errors import ModelLoadError
+from specchat.sources import locate
 
 
 @pytest.fixture
@@ -67,7 +69,7 @@ def _converted_folder(cache, model, stamp_chunks):
     """A finished conversion in the cache, as an earlier install would have left it."""
     folder = cache / "models" / f"{model.name}-float32"
     folder.mkdir(parents=True)
-    (folder / target.STAMP).write_text(json.dumps({"embedded": model.name, "sha256": model.sha256,
+    (folder / sources.STAMP).write_text(json.dumps({"embedded": model.name, "sha256": model.sha256,
                                                     "dtype": "float32", "chunks": stamp_chunks}))
     return folder
 
@@ -75,10 +77,10 @@ def _converted_folder(cache, model, stamp_chunks):
 def test_a_conversion_from_another_install_is_reused_after_checking_the_chunks(fake_chunks, tmp_path, monkeypatch):
     model, _ = fake_chunks
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(target, "convert_gguf", lambda *args: pytest.fail("converted again"))
+    monkeypatch.setattr(sources, "convert_gguf", lambda *args: pytest.fail("converted again"))
     folder = _converted_folder(tmp_path / "cache", model, [["/old/venv/part01.bin", 3000, 0]])
-    assert target.embedded_folder(model, torch.float32) == folder
-    stamp = json.loads((folder / target.STAMP).read_text())
+    assert sources.embedded_folder(model, torch.float32) == folder
+    stamp = json.loads((folder / sources.STAMP).read_text())
     assert stamp["chunks"] == embedded.fingerprint(embedded.chunk_files(model))
 
 
@@ -89,4 +91,4 @@ def test_chunks_that_changed_under_an_old_conversion_are_an_error(fake_chunks, t
     part.write_bytes(b"corrupted" + part.read_bytes()[9:])
     _converted_folder(tmp_path / "cache", model, [])
     with pytest.raises(ModelLoadError, match="pip install --force-reinstall"):
-        target.embedded_folder(model, torch.float32)
+        sources.embedded_folder(model, torch.float32)

@@ -4,11 +4,11 @@ proposes, with the lookup found in the conversation and in the chat's earlier te
 import pytest
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
-from specchat.calibrate import Curve
-from specchat.drafting import Candidates, DeagleTree, DynamicTreeParams, TreeProposer
-from specchat.deagle import DeagleParams
-from specchat.engine import Engine, GenerationSettings
-from specchat.lookup import LookupSource, Match
+from specchat.decode.calibrate import Curve
+from specchat.decode.head_proposer import Candidates, DeagleTree, DynamicTreeParams, TreeProposer
+from specchat.decode.deagle import DeagleParams
+from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.lookup import LookupSource, Match
 from specchat.stats import Stats
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]

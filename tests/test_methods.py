@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
-from specchat.deagle import DeagleParams, DepthVote
-from specchat.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.drafting import DeagleTree, DynamicTreeParams, JakiroTree, TreeProposer
-from specchat.engine import Engine, GenerationSettings
-from specchat.lookup import PromptLookupProposer
+from specchat.decode.deagle import DeagleParams, DepthVote
+from specchat.decode.model_proposer import DraftModelProposer, TokenizerMismatch, check_tokenizers
+from specchat.decode.head_proposer import DeagleTree, DynamicTreeParams, JakiroTree, TreeProposer
+from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.lookup import PromptLookupProposer
 
 PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110)) + list(range(60, 80))]
 TREE = DynamicTreeParams(total_tokens=16, depth=5, top_k=4)

@@ -1,6 +1,9 @@
-"""Project invariants: CI runs exactly the README's test command."""
+"""Project invariants: CI runs exactly the README's test command; the walls between the wings hold."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +27,7 @@ def test_ci_runs_the_readme_test_command():
 
 def project_modules() -> dict[str, ast.Module]:
     modules = {}
-    for path in sorted((ROOT / "specchat").rglob("*.py")):
+    for path in sorted([*(ROOT / "specchat").rglob("*.py"), *(ROOT / "drafters").rglob("*.py")]):
         parts = path.relative_to(ROOT).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         modules[name] = ast.parse(path.read_text(), str(path))
@@ -67,8 +70,40 @@ def test_no_import_cycles_among_the_project_modules():
             visit(name, [name])
 
 
+def all_imports(tree: ast.Module) -> set[str]:
+    """Every module named by an absolute import, at module level or inside functions alike."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_drafters_is_a_leaf_that_needs_torch_and_safetensors_only():
+    modules = {name: tree for name, tree in project_modules().items() if name.split(".")[0] == "drafters"}
+    assert "drafters.eagle3" in modules
+    allowed = set(sys.stdlib_module_names) | {"torch", "safetensors", "drafters"}
+    for name, tree in modules.items():
+        outside = {module for module in all_imports(tree) if module.split(".")[0] not in allowed}
+        assert not outside, f"{name} imports {sorted(outside)}: drafters imports torch, safetensors and the standard library only"
+    code = "import sys, drafters; print(sorted(m for m in sys.modules if m.split('.')[0] in ('specchat', 'transformers')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_decoding_core_imports_only_itself_drafters_and_the_errors():
+    core = {name: tree for name, tree in project_modules().items() if name.startswith("specchat.decode")}
+    assert "specchat.decode.engine" in core
+    for name, tree in core.items():
+        ours = {module for module in all_imports(tree) if module.split(".")[0] == "specchat"}
+        outside = {module for module in ours if not module.startswith("specchat.decode") and module != "specchat.errors"}
+        assert not outside, f"{name} imports {sorted(outside)}; the core knows nothing of the layers above it"
+
+
 def test_each_method_name_is_written_once_outside_the_registry():
-    from specchat.drafters import FORMATS
+    from drafters import FORMATS
     from specchat.methods import HEAD_FORMATS, METHODS
 
     assert tuple(FORMATS) == HEAD_FORMATS  # head formats: the registry's list, each architecture file's KIND
@@ -82,9 +117,16 @@ def test_each_method_name_is_written_once_outside_the_registry():
 
 def test_the_command_line_starts_without_torch():
     """--help, profiles and the chat prompt come up before torch and transformers load."""
-    import subprocess
-    import sys
-
     code = "import sys, specchat.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_foreign_drafters_package_is_named_not_used(tmp_path):
+    """PyPI's unrelated `drafters` (0.0.1: a few protocol classes) ahead of ours on the path is refused in one line."""
+    (tmp_path / "drafters").mkdir()
+    (tmp_path / "drafters" / "__init__.py").write_text('__version__ = "0.0.1"\n\nclass Draft:\n    pass\n')
+    run = subprocess.run([sys.executable, "-c", "import specchat"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode != 0
+    assert "shadowed by another package of that name" in run.stderr and "pip uninstall drafters" in run.stderr

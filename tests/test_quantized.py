@@ -5,11 +5,13 @@ import pytest
 import torch
 
 from conftest import load_tiny_target, random_head
-from specchat import quantized
-from specchat.drafting import DynamicTree, DynamicTreeParams, TreeProposer
-from specchat.engine import Engine, GenerationSettings
-from specchat.speedup import divergence
-from specchat.target import ModelLoadError, ModelSpec, load_target
+from specchat.decode import quantized
+from specchat.decode.head_proposer import DynamicTree, DynamicTreeParams, TreeProposer
+from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.speedup import divergence
+from specchat.decode.target import ModelSpec
+from specchat.errors import ModelLoadError
+from specchat.sources import load_target
 
 needs_kernel = pytest.mark.skipif(quantized.missing_cpu_features() != [] or quantized.unavailable_reason() is not None,
                                   reason="the quantized kernel needs AVX512-BF16 and a C++ compiler")
@@ -112,7 +114,7 @@ def test_every_method_on_the_quantized_runtime_gives_its_plain_greedy_output(qwe
     ties in bf16)."""
     import dataclasses
 
-    from specchat.drafters import save_head
+    from drafters import save_head
     from specchat.proposers import build_proposer
     from specchat.settings import Settings
 
@@ -137,7 +139,7 @@ def test_every_method_on_the_quantized_runtime_gives_its_plain_greedy_output(qwe
 
 @needs_kernel
 def test_a_heads_packed_layers_are_cached_per_head_and_target(qwen_dir, tmp_path, monkeypatch):
-    from specchat.drafters import save_head
+    from drafters import save_head
     from specchat.proposers import build_proposer
     from specchat.settings import Settings
 

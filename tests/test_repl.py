@@ -16,7 +16,7 @@ from rich.console import Console
 from conftest import invoke, load_tiny_target, oracle_head, random_head, tiny
 from specchat.cli import open_chat, resolve_settings
 from specchat.methods import plain_unless_drafted
-from specchat.livesettings import LiveChatError, parse_value
+from specchat.settings import LiveChatError, parse_value
 from specchat.repl import block_is_open, history_path, run_repl, unwrap_block
 from specchat.ui import ChatUI
 
@@ -44,7 +44,7 @@ def drive(chat, keys: str, terminal: bool = False) -> str:
 
 @pytest.fixture(scope="module")
 def head_dirs(qwen_dir, bigram_dir, tmp_path_factory):
-    from specchat.drafters import save_head
+    from drafters import save_head
 
     folder = tmp_path_factory.mktemp("heads")
     save_head(random_head("eagle3", load_tiny_target(qwen_dir)), folder / "random")
@@ -245,7 +245,7 @@ def test_run_compare_adds_the_measured_speedup(qwen_dir, capsys, monkeypatch):
 
 
 def test_ctrl_c_during_run_exits_130_and_keeps_finished_records(qwen_dir, tmp_path, capsys, monkeypatch):
-    from specchat.engine import Engine
+    from specchat.decode.engine import Engine
 
     generate = Engine.generate
 

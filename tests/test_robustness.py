@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB, invoke, load_tiny_target, random_head, tiny
-from specchat import target as target_mod
-from specchat.drafters import HeadLoadError, load_head, save_head
-from specchat.engine import Engine, GenerationSettings
+from specchat import sources
+from drafters import HeadLoadError, load_head, save_head
+from specchat.decode.engine import Engine, GenerationSettings
 from specchat.inputs import InputError, read_prompts
 
 
@@ -268,8 +268,8 @@ def test_a_pickle_that_is_not_plain_tensors_is_one_line(tiny_target, tmp_path):
 
 
 def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
-    from specchat.deagle import DeagleParams
-    from specchat.drafting import DeagleTree, DynamicTreeParams, TreeProposer
+    from specchat.decode.deagle import DeagleParams
+    from specchat.decode.head_proposer import DeagleTree, DynamicTreeParams, TreeProposer
 
     bigram = load_tiny_target(bigram_dir)
     head = random_head("eagle3", bigram)
@@ -295,15 +295,15 @@ def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
         conversions.append(destination)
         time.sleep(0.5)
         destination.mkdir(parents=True)
-        (destination / target_mod.STAMP).write_text(json.dumps(source))
+        (destination / sources.STAMP).write_text(json.dumps(source))
         return destination
 
-    monkeypatch.setattr(target_mod, "convert_gguf", slow_convert)
+    monkeypatch.setattr(sources, "convert_gguf", slow_convert)
     folders, errors = [], []
 
     def load():
         try:
-            folders.append(target_mod.gguf_folder(gguf, torch.float32))
+            folders.append(sources.gguf_folder(gguf, torch.float32))
         except Exception as error:  # collected, so the assertion below shows it
             errors.append(error)
 

@@ -5,10 +5,10 @@ import pytest
 
 from conftest import exact_two_token_distribution, load_tiny_target, oracle_head, random_head
 from specchat.chat import ChatFormat, Conversation
-from specchat.drafting import DynamicTree, DynamicTreeParams, StaticTree, TreeProposer
-from specchat.engine import Engine, GenerationSettings
-from specchat.sampling import SamplingParams, make_generator
-from specchat.tree import MC_SIM_7B_63
+from specchat.decode.head_proposer import DynamicTree, DynamicTreeParams, StaticTree, TreeProposer
+from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.sampling import SamplingParams, make_generator
+from specchat.decode.tree import MC_SIM_7B_63
 
 PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110))]
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import load_tiny_target, random_head
-from specchat.drafters import load_head
+from drafters import load_head
 from specchat.train.unrolled import UnrolledKeys
-from specchat.drafters.layers import HeadCache
+from drafters.cache import HeadCache
 from specchat.train.data import encode, read_conversations
 from specchat.train.features import extract
 from specchat.train.regenerate import regenerate
@@ -107,7 +107,7 @@ def test_unrolled_steps_see_what_tree_nodes_see(target):
 
 @pytest.fixture(scope="module")
 def store(target, tmp_path_factory):
-    from specchat.sampling import make_generator  # noqa: F401  (keeps the fixture order obvious)
+    from specchat.decode.sampling import make_generator  # noqa: F401  (keeps the fixture order obvious)
 
     tokenizer = target.tokenizer
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def test_a_few_steps_reduce_the_loss_and_the_head_loads_back(kind, target, store
     after = mean_loss()
     assert after < 0.8 * before, (before, after)
     assert state.step == 25 and state.evaluations and len(state.evaluations[-1]["top1_by_step"]) == config.eval_steps
-    from specchat.drafters import save_head
+    from drafters import save_head
 
     save_head(head, tmp_path / "head")
     loaded = load_head(str(tmp_path / "head"), target)

@@ -9,9 +9,9 @@ instead of the residual) moves the statistic far beyond the threshold.
 import pytest
 import torch
 
-from specchat.sampling import SamplingParams, target_probs
-from specchat.tree import DraftTree
-from specchat.verify import accept
+from specchat.decode.sampling import SamplingParams, target_probs
+from specchat.decode.tree import DraftTree
+from specchat.decode.verify import accept
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below
 CHI2_CRITICAL = {4: 18.47, 5: 20.52, 7: 24.32}

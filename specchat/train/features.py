@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specchat.cache import KVCache
+from specchat.decode.cache import KVCache
 
 LOGIT_CHUNK = 256  # positions per LM-head call when taking the target's argmax (bounds memory)
 INDEX = "index.json"

@@ -17,10 +17,10 @@ import torch
 
 from specchat import __version__
 from specchat.chat import ChatFormat
-from specchat.drafters import save_head
-from specchat.drafters.eagle3 import default_feature_layers
+from drafters import save_head
+from drafters.eagle3 import default_feature_layers
 from specchat.errors import UsageError
-from specchat.machine import cache_dir, hardware
+from specchat.decode.machine import cache_dir, hardware
 from specchat.train import trainer
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, extract

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.cache import KVCache
+from specchat.decode.cache import KVCache
 from specchat.train.data import TrainingConversation
 
 DEFAULT_BATCH = 32  # sequences per generate call; a CPU does ~32 tokens per forward for the price of ~1.3

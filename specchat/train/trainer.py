@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specchat.drafters.eagle import EagleConfig, EagleHead
-from specchat.drafters.eagle3 import Eagle3Config, Eagle3Head
-from specchat.drafters.jakiro import JakiroConfig, JakiroHead
+from drafters.eagle import EagleConfig, EagleHead
+from drafters.eagle3 import Eagle3Config, Eagle3Head
+from drafters.jakiro import JakiroConfig, JakiroHead
 from specchat.train.unrolled import UnrolledKeys
 
 # EAGLE's loss weights and input noise.

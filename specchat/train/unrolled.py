@@ -1,7 +1,7 @@
 """Attention across unrolled draft steps, for training-time test (EAGLE-3, arXiv 2503.01840 §3.2).
 
 The draft layer's `Attention` hands its queries, keys and values to this store instead of an
-inference cache (`specchat.drafters.layers.HeadCache`); both implement `attend`.
+inference cache (`drafters.layers.HeadCache`); both implement `attend`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specchat.attention import repeat_kv
+from drafters.attention import repeat_kv
 
 
 class UnrolledKeys:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.engine import Engine, GenerationSettings
-from specchat.machine import synchronize
+from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.machine import synchronize
 
 # One untimed step warms up allocations; the median of the timed ones resists a noisy neighbour.
 WARMUP_STEPS, TIMED_STEPS = 1, 3

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specchat.tree import DraftTree
+from specchat.decode.tree import DraftTree
 
 # transformers' prompt lookup defaults (prompt_lookup_num_tokens=10 tokens proposed,
 # max_matching_ngram_size=2), with trigrams first: longer keys find fewer, better matches.

@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specchat.drafters.base import DraftHead, LayerConfig, check_target_fit, read_layer_config
-from specchat.drafters.checkpoint import HeadLoadError, load_strict
-from specchat.drafters.eagle import EagleLayer
-from specchat.drafters.layers import RMSNorm
+from drafters.base import DraftHead, TargetParts, check_target_fit, read_layer_config
+from drafters.checkpoint import HeadLoadError, load_strict
+from drafters.layers import DecoderLayer, LayerConfig, RMSNorm
 
 KIND = "eagle3"
 NAME = "EAGLE-3"
@@ -69,7 +68,7 @@ class Eagle3Config(LayerConfig):
         return out
 
 
-class Eagle3Layer(EagleLayer):
+class Eagle3Layer(DecoderLayer):
     """The decoder layer: attention reads cat(input_layernorm(embedding), hidden_norm(feature))."""
 
     def __init__(self, config: LayerConfig):
@@ -131,7 +130,7 @@ def matches(keys: set[str]) -> bool:
     return any(k.startswith("midlayer.") for k in keys) or "layers.0.hidden_norm.weight" in keys
 
 
-def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> Eagle3Head:
+def load(folder: Path, raw_config: dict, state: dict, source: Path, target: TargetParts) -> Eagle3Head:
     config = Eagle3Config.from_dict(raw_config, str(folder / "config.json"))
     check_target_fit(config, target, source, feature_size=config.target_hidden_size or config.hidden_size)
     head = Eagle3Head(config, target.embed_tokens, own_embedding="embed_tokens.weight" in state)

@@ -1,51 +1,30 @@
-"""What every draft head is: the Llama-style config fields they share, and the interface the drafter
-and the trainer use (`DraftHead`), so neither needs to probe a head for what it can do.
+"""What every draft head is: the interface the drafter and the trainer use (`DraftHead`), so neither
+needs to probe a head for what it can do; what a head needs of its target (`TargetParts`); and the
+checks of the config fields every head shares (`LayerConfig`, in layers.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
-from specchat.drafters.checkpoint import HeadLoadError
-from specchat.drafters.layers import DEFAULT_ROPE_THETA, Rope
+from drafters.checkpoint import HeadLoadError
+from drafters.layers import DEFAULT_ROPE_THETA, LayerConfig
 
 
-@dataclass(frozen=True)
-class LayerConfig:
-    """The Llama-style fields every head config has (keys the head does not use are ignored)."""
+class TargetParts(Protocol):
+    """What a head reads of the model it drafts for: its sizes, where it runs, and the embedding
+    and LM head it may share (EAGLE-1/2 and Jakiro draw logits from the target's own LM head)."""
 
     hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
     vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = DEFAULT_ROPE_THETA
-    rope_scaling: dict | None = None
-    qkv_bias: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rope(self) -> Rope:
-        return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
-
-    def layer_dict(self, architecture: str = "LlamaForCausalLM") -> dict:
-        """The Llama-style config.json fields every head format writes."""
-        return {
-            "architectures": [architecture], "model_type": "llama", "hidden_act": "silu",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling, "qkv_bias": self.qkv_bias,
-        }
+    device: torch.device
+    dtype: torch.dtype
+    embed_tokens: nn.Embedding
+    lm_head: nn.Module
 
 
 def read_layer_config(raw: dict, where: str) -> dict:
@@ -78,7 +57,7 @@ def read_layer_config(raw: dict, where: str) -> dict:
     )
 
 
-def check_target_fit(config: LayerConfig, target, source: Path, feature_size: int | None = None) -> None:
+def check_target_fit(config: LayerConfig, target: TargetParts, source: Path, feature_size: int | None = None) -> None:
     """Hidden size and vocabulary must be the target's, or the head's numbers mean nothing."""
     if config.vocab_size != target.vocab_size:
         raise HeadLoadError(f"{source}: the head's vocab_size is {config.vocab_size} but the target's is {target.vocab_size}")
@@ -89,7 +68,7 @@ def check_target_fit(config: LayerConfig, target, source: Path, feature_size: in
 
 
 class DraftHead(nn.Module):
-    """The interface of a draft head; one subclass per published format (`specchat.drafters.*`).
+    """The interface of a draft head; one subclass per published format (`drafters.eagle`, ...).
 
     One draft step reads, per position, a feature (the target's hidden state there, or the head's
     own output of the step before) and the next token, and returns the head's output [m, H];

@@ -13,11 +13,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specchat.errors import SpecchatError
 
-
-class HeadLoadError(SpecchatError, ValueError):
-    """A draft head cannot be loaded; the message names the file, key or mismatch."""
+class HeadLoadError(ValueError):
+    """A draft head cannot be loaded; the one-line message names the file, key or mismatch."""
 
 
 def read_config(folder: Path) -> dict:

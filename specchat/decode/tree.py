@@ -4,7 +4,7 @@ A draft tree grows from the root, the newest token (not yet in the target's cach
 stored parents-before-children, and siblings in decreasing draft probability, which is the order
 in which verification tries them. The target verifies the root and every node in one forward:
 each node attends to the cached context, to its ancestors and to itself (tree attention), at the
-position its depth gives it (`specchat.verify.verify_inputs` builds that forward's inputs).
+position its depth gives it (`specchat.decode.verify.verify_inputs` builds that forward's inputs).
 
 Plain data, no tensors: the lookup drafter and the method registry use it before torch loads.
 """

@@ -1,4 +1,4 @@
-"""Attention for one query token on a CPU, where torch's SDPA is at its slowest.
+"""Attention for draft heads and targets alike: grouped-query attention by the faster path for its shape.
 
 Plain decoding and the first step of every reply attend with one query token. On a CPU, torch's
 `scaled_dot_product_attention` runs that shape through its flash kernel, which parallelizes over
@@ -8,19 +8,14 @@ heads (bf16, 2 threads, AVX-512 CPU) it takes 0.10 ms per layer at 100 cached to
 and 0.19 ms (docs/cpu-runtime.md). At a 1,000-token context that is 18 ms of a 40 ms decode step.
 For two or more query tokens (verifying a draft tree) SDPA is as fast or faster, so it stays.
 
-`ATTENTION` is registered with transformers' attention and mask interfaces, so a model loaded
-with `attn_implementation=ATTENTION` gets SDPA's masks and SDPA itself for every other shape.
+specchat registers `one_query` with transformers' attention interface for its targets
+(`specchat.decode.target`); the heads here call `attention` directly.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-ATTENTION = "specchat_sdpa"
 
 
 def one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -56,17 +51,3 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return F.scaled_dot_product_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask,
                                           scale=scale)
 
-
-def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                      **kwargs):
-    """transformers' attention-function signature; SDPA's own function for what `one_query` does not cover."""
-    plain = dropout == 0.0 and all(kwargs.get(name) is None for name in ("softcap", "s_aux", "sinks", "position_bias"))
-    if query.shape[2] != 1 or query.device.type != "cpu" or not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return one_query(query, key, value, attention_mask, scale).transpose(1, 2), None
-
-
-AttentionInterface.register(ATTENTION, attention_forward)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)

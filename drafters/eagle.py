@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specchat.drafters.base import DraftHead, LayerConfig, check_target_fit, read_layer_config
-from specchat.drafters.checkpoint import load_strict
-from specchat.drafters.layers import Attention, RMSNorm, SwiGLU
+from drafters.base import DraftHead, TargetParts, check_target_fit, read_layer_config
+from drafters.checkpoint import load_strict
+from drafters.layers import DecoderLayer, LayerConfig
 
 KIND = "eagle"
 NAME = "EAGLE-1/2"
@@ -45,28 +45,13 @@ class EagleConfig(LayerConfig):
         return {**self.layer_dict(), "bias": self.bias}
 
 
-class EagleLayer(nn.Module):
-    """The decoder layer; index 0 in EAGLE skips the input norm (fc output goes straight in)."""
-
-    def __init__(self, config: LayerConfig, attention_in: int | None = None):
-        super().__init__()
-        self.self_attn = Attention(attention_in or config.hidden_size, config.hidden_size, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim, config.qkv_bias)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
-
-    def forward(self, x, cos, sin, mask, keys) -> torch.Tensor:
-        h = x + self.self_attn(x, cos, sin, mask, keys)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class EagleHead(DraftHead):
     """EAGLE-1/2 head. Token ids in and out are target-vocabulary ids."""
 
     kind = KIND
     uses_target_lm_head = True
     config_class = EagleConfig
-    layer_class = EagleLayer
+    layer_class = DecoderLayer
 
     def __init__(self, config: EagleConfig, target_embed: nn.Embedding, target_lm_head: nn.Linear,
                  own_embedding: bool = False):
@@ -118,7 +103,8 @@ def matches(keys: set[str]) -> bool:
     return "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
 
 
-def load(folder: Path, raw_config: dict, state: dict, source: Path, target, head_class=EagleHead) -> EagleHead:
+def load(folder: Path, raw_config: dict, state: dict, source: Path, target: TargetParts,
+         head_class=EagleHead) -> EagleHead:
     """A head of `head_class` (EAGLE-1/2, or Jakiro, which shares the layout) from its checkpoint."""
     config = head_class.config_class.from_dict(raw_config, str(folder / "config.json"))
     check_target_fit(config, target, source)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.sampling import SamplingParams, argmax, sample, target_probs
-from specchat.tree import DraftTree
+from specchat.decode.sampling import SamplingParams, argmax, sample, target_probs
+from specchat.decode.tree import DraftTree
 
 
 def verify_inputs(tree: DraftTree, root: int, cached: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -26,10 +26,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils import cpp_extension
 
-from specchat.machine import cpu_flags
+from specchat.decode.machine import cpu_flags
+from specchat.decode.options import KERNEL_BITS  # noqa: F401  (the --quantize choices this kernel runs)
 
 LAYOUT = "woq2"  # the packed format below; a cached model in another layout is packed again
-KERNEL_BITS = {"int5": 5, "int4": 4}  # --quantize choices this kernel runs, and their bits
 GROUP = 32  # weights per scale and offset, along the input dimension
 BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
 PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat import quantized
-from specchat.cache import KVCache, causal_mask
-from specchat.machine import cache_dir, device_name, synchronize
+from specchat.decode import quantized
+from specchat.decode.cache import KVCache, causal_mask
+from specchat.decode.machine import cache_dir, device_name, synchronize
 
 SIZES = (1, 4, 6, 8, 12, 16, 20, 24, 32, 48)
 CONTEXT = 256  # tokens already cached while timing (a typical chat turn)

@@ -1,16 +1,22 @@
 """Draft heads: one file per published architecture, and `load_head`, which tells a checkpoint's format.
 
-    base.py        the config fields every head shares and the `DraftHead` interface
-    layers.py      RMSNorm, SwiGLU, rotary embedding, attention, the head's KV cache
+    base.py        the `DraftHead` interface, the `TargetParts` a head needs of its target
+    layers.py      the config fields every head shares; RMSNorm, SwiGLU, rotary embedding,
+                   attention, the decoder layer
+    attention.py   grouped-query attention by the faster path for its shape
+    cache.py       the head's KV cache (grows in place; trimmed and compacted explicitly)
     checkpoint.py  config.json and weight files, strict loading
     eagle.py       EAGLE-1/2        eagle3.py  EAGLE-3        jakiro.py  Jakiro (MoE)
 
+A package of its own, importing torch, safetensors and the standard library only, so that anyone
+can read, test and reuse the heads without the chat tool around them (specchat is one user).
+
 Each architecture module declares its NAME, the KEYS its checkpoints hold, its published
-KEY_MAP, `matches(keys)` and `load(...)`. A head folder (local, bundled, or a hub id fetched
-through the hub client) holds `config.json` and `model.safetensors` (or shards with an index, or
-`pytorch_model.bin`). The format is told from the checkpoint's keys, and loading is strict: a
-missing, unexpected or mis-shaped key, or a hidden size or vocabulary that is not the target's,
-is an error that names it.
+KEY_MAP, `matches(keys)` and `load(...)`. A head folder holds `config.json` and
+`model.safetensors` (or shards with an index, or `pytorch_model.bin`, read with weights_only).
+The format is told from the checkpoint's keys, and loading is strict: a missing, unexpected or
+mis-shaped key, or a hidden size or vocabulary that is not the target's, is a `HeadLoadError`
+whose one-line message names it. Finding a folder (bundled heads, hub ids) is the caller's job.
 """
 
 from __future__ import annotations
@@ -21,22 +27,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specchat.drafters import eagle, eagle3, jakiro
-from specchat.drafters.base import DraftHead
-from specchat.drafters.checkpoint import HeadLoadError, read_config, read_safetensors, read_weights, write_weights
-from specchat import heads
-from specchat.hub import HUB_ID, HubError, hub_folder
+from drafters import eagle, eagle3, jakiro
+from drafters.base import DraftHead, TargetParts
+from drafters.checkpoint import HeadLoadError, read_config, read_safetensors, read_weights, write_weights
 
-FORMATS = {module.KIND: module for module in (eagle, eagle3, jakiro)}  # in the order of methods.HEAD_FORMATS
+FORMATS = {module.KIND: module for module in (eagle, eagle3, jakiro)}
 # Told apart most specific first: a Jakiro checkpoint also has every key an EAGLE one has.
 DETECTION_ORDER = (eagle3, jakiro, eagle)
-HEAD_FILES = ["*.json", "*.safetensors", "*.bin"]
+HEAD_FILES = ["*.json", "*.safetensors", "*.bin"]  # what a head folder holds (to fetch one)
 # specchat's extension for heads that use the target's LM head (EAGLE-1/2, Jakiro): the token ids
 # they draft over. Other engines ignore the file and draft over the whole vocabulary, which is
 # equally lossless, only slower on a CPU.
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
-__all__ = ["DraftHead", "HeadLoadError", "load_head", "save_head", "FORMATS"]
+__all__ = ["DraftHead", "TargetParts", "HeadLoadError", "load_head", "save_head", "FORMATS"]
 
 
 def known_formats() -> str:
@@ -62,28 +66,14 @@ def map_keys(state: dict, key_map: dict[str, str]) -> dict:
     return {mapped(key): value for key, value in state.items()}
 
 
-def resolve_folder(name: str) -> Path:
-    """A bundled head by name, a head folder on disk, or a hub repository snapshot."""
-    bundled = heads.bundled_heads()
-    if name in bundled:
-        return bundled[name]
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise HeadLoadError(f"{name} is a file; a draft head is a folder with config.json and weights")
-    if not HUB_ID.match(name):
-        raise HeadLoadError(f"no draft head {name!r}: not a folder and not a hub id (org/name)")
-    try:
-        return Path(hub_folder(name, HEAD_FILES))
-    except HubError as error:  # a mistyped relative path looks like a hub id too: say both
-        raise HeadLoadError(f"no draft head {name!r}: no such folder here ({Path.cwd()}), and as a hub id: {error}") \
-            from error
+def load_head(folder: str | Path, target: TargetParts, kind: str | None = None) -> DraftHead:
+    """Load the draft head in `folder` for `target`, in the target's dtype and device.
 
-
-def load_head(name: str, target, kind: str | None = None) -> DraftHead:
-    """Load the draft head at `name` (folder or hub id) for `target`, in the target's dtype and device."""
-    folder = resolve_folder(name)
+    `kind` (a key of FORMATS) is what the caller expects; another format is an error.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HeadLoadError(f"{folder} is not a folder; a draft head is a folder with config.json and weights")
     raw_config = read_config(folder)
     state, source = read_weights(folder)
     detected = detect_kind(state, source)

@@ -4,7 +4,7 @@
 
 - `StaticTree`  EAGLE-1: a fixed tree of child ranks, filled in level by level;
 - `DynamicTree` EAGLE-2: expand the most probable nodes level by level, keep the best overall;
-- `DeagleTree`  the EAGLE-2 tree, deepened only while DEAGLE's vote allows (`specchat.deagle`);
+- `DeagleTree`  the EAGLE-2 tree, deepened only while DEAGLE's vote allows (`specchat.decode.deagle`);
 - `JakiroTree`  the EAGLE-2 tree whose last level comes from the two-ahead output of the forward
   before it (a Jakiro head), one draft forward fewer.
 
@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.cache import causal_mask
-from specchat.calibrate import Curve
-from specchat.deagle import DeagleParams, DepthVote
-from specchat.drafters import DraftHead
-from specchat.drafters.layers import HeadCache
-from specchat.engine import GenerationSettings
-from specchat.lookup import LookupSource
-from specchat.tree import DraftTree
+from specchat.decode.cache import causal_mask
+from specchat.decode.calibrate import Curve
+from specchat.decode.deagle import DeagleParams, DepthVote
+from drafters import DraftHead
+from drafters.cache import HeadCache
+from specchat.decode.engine import GenerationSettings
+from specchat.decode.lookup import LookupSource
+from specchat.decode.tree import DraftTree
 
 LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle
 LOOKUP_TOKENS = 16  # the longest lookup chain (the verify budget decides how much of it is verified)
@@ -63,7 +63,7 @@ class DynamicTreeParams:
 
 
 class TreeProposer:
-    """Proposes draft trees of one shape with a draft head (see `specchat.drafters`)."""
+    """Proposes draft trees of one shape with a draft head (see `drafters`)."""
 
     def __init__(self, head: DraftHead, num_target_layers: int, shape: StaticTree | DynamicTree,
                  lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS):
@@ -191,7 +191,7 @@ class TreeProposer:
 
 @dataclass(frozen=True)
 class StaticTree:
-    """EAGLE-1: a fixed tree of child ranks (paths from the root, e.g. `specchat.tree.MC_SIM_7B_63`)."""
+    """EAGLE-1: a fixed tree of child ranks (paths from the root, e.g. `specchat.decode.tree.MC_SIM_7B_63`)."""
 
     paths: tuple[tuple[int, ...], ...]
 

@@ -1,10 +1,10 @@
-"""The layers draft heads are made of, and the head's own KV cache.
+"""The layers draft heads are made of.
 
 The published heads are single Llama-style decoder layers; their parameter names here are the
 checkpoints' own (`self_attn.q_proj`, `mlp.gate_proj`, `post_attention_layernorm`, ...), so a
 state dict maps onto the modules without renaming beyond each format's documented key map.
 
-Attention asks its key store to attend (`HeadCache.attend` at inference; the training-time test
+Attention asks its key store to attend (`drafters.cache.HeadCache.attend` at inference; the training-time test
 of `specchat.train.unrolled` during training), so the layer itself knows nothing of either.
 """
 
@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.attention import attention
-from specchat.cache import KVCache
-from specchat.drafters.checkpoint import HeadLoadError
+from drafters.checkpoint import HeadLoadError
 
 DEFAULT_ROPE_THETA = 10000.0  # Llama's default; EAGLE/EAGLE-3 head configs often omit rope_theta
 
@@ -78,6 +76,39 @@ class Rope:
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """The Llama-style fields every head config has (keys the head does not use are ignored)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = DEFAULT_ROPE_THETA
+    rope_scaling: dict | None = None
+    qkv_bias: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def layer_dict(self, architecture: str = "LlamaForCausalLM") -> dict:
+        """The Llama-style config.json fields every head format writes."""
+        return {
+            "architectures": [architecture], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling, "qkv_bias": self.qkv_bias,
+        }
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
@@ -107,9 +138,17 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(1, m, self.heads * self.head_dim))
 
 
-class HeadCache(KVCache):
-    """A draft head's KV cache at inference: the engine's growable cache, plus attention over it."""
 
-    def attend(self, layer_idx: int, q, k, v, mask: torch.Tensor) -> torch.Tensor:
-        k, v = self.update(k, v, layer_idx)
-        return attention(q, k, v, mask)
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer without the input norm, as EAGLE's layer 0 is (fc's output goes straight in)."""
+
+    def __init__(self, config: LayerConfig, attention_in: int | None = None):
+        super().__init__()
+        self.self_attn = Attention(attention_in or config.hidden_size, config.hidden_size, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, config.qkv_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, keys) -> torch.Tensor:
+        h = x + self.self_attn(x, cos, sin, mask, keys)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from specchat.cache import KVCache
-from specchat.engine import GenerationSettings
-from specchat.sampling import sample, target_probs
-from specchat.tree import DraftTree
+from specchat.decode.cache import KVCache
+from specchat.decode.engine import GenerationSettings
+from specchat.decode.sampling import sample, target_probs
+from specchat.decode.tree import DraftTree
 
 DEFAULT_DRAFT_TOKENS = 3  # chain length; see the README's sps measurements on the 1.5B target
 

@@ -24,14 +24,14 @@ from typing import Protocol
 
 import torch
 
-from specchat.cache import KVCache
+from specchat.decode.cache import KVCache
 from specchat.errors import ContextLengthError
-from specchat.machine import synchronize
-from specchat.sampling import SamplingParams, argmax, margins, sample, target_probs
-from specchat.settings import Settings
-from specchat.target import Target
-from specchat.tree import Cycle, DraftTree
-from specchat.verify import accept, verify_inputs
+from specchat.decode.machine import synchronize
+from specchat.decode.options import MAX_NEW_TOKENS
+from specchat.decode.sampling import SamplingParams, argmax, margins, sample, target_probs
+from specchat.decode.target import Target
+from specchat.decode.tree import Cycle, DraftTree
+from specchat.decode.verify import accept, verify_inputs
 
 # Long prompts are prefilled in pieces of this many tokens, which bounds the size of the
 # attention mask and scores without changing the result.
@@ -42,7 +42,7 @@ PREFILL_CHUNK = 512
 class GenerationSettings:
     """What one reply may do: how many tokens, how they are drawn, what ends it."""
 
-    max_new_tokens: int = Settings.max_new_tokens  # user-facing defaults are declared once, in specchat.settings
+    max_new_tokens: int = MAX_NEW_TOKENS
     sampling: SamplingParams = SamplingParams()
     stop_ids: frozenset[int] = frozenset()
 
@@ -66,7 +66,7 @@ class StepResult:
         finish_reason: "stop" (end-of-turn token), "length" (token budget or context full), or
             None while the reply goes on.
         prefill: True for the first step of a reply (prompt processing plus the first token).
-        cycle: the draft tree and what was accepted (`specchat.tree.Cycle`), for traces and /tree.
+        cycle: the draft tree and what was accepted (`specchat.decode.tree.Cycle`), for traces and /tree.
         margins: per token, the target's top-1 minus top-2 logit where it was chosen: how near a
             tie the choice was, which tells rounding noise from a bug when two runs differ.
     """

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specchat.drafters import eagle
-from specchat.drafters.base import LayerConfig, read_layer_config
-from specchat.drafters.checkpoint import HeadLoadError
-from specchat.drafters.eagle import EagleHead
-from specchat.drafters.layers import Attention, RMSNorm, SwiGLU
+from drafters import eagle
+from drafters.base import TargetParts, read_layer_config
+from drafters.checkpoint import HeadLoadError
+from drafters.eagle import EagleHead
+from drafters.layers import Attention, LayerConfig, RMSNorm, SwiGLU
 
 KIND = "jakiro"
 NAME = "Jakiro"
@@ -116,5 +116,5 @@ def matches(keys: set[str]) -> bool:
     return any(".mlp_moe." in k for k in keys)
 
 
-def load(folder: Path, raw_config: dict, state: dict, source: Path, target) -> JakiroHead:
+def load(folder: Path, raw_config: dict, state: dict, source: Path, target: TargetParts) -> JakiroHead:
     return eagle.load(folder, raw_config, state, source, target, head_class=JakiroHead)

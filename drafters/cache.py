@@ -1,0 +1,116 @@
+"""KV storage that grows in place and is trimmed and compacted explicitly: the rule every cache follows.
+
+Speculative decoding appends a whole draft tree to a cache and then keeps only the accepted path.
+With storage that has spare room, both follow-ups are cheap: trimming only moves a length, and
+compaction copies the accepted entries down next to the committed prefix. Nothing else changes
+the length of a cache, so whoever owns it always knows what it holds.
+
+`GrowingKV` is one layer's keys and values; `HeadCache` is a draft head's cache, one `GrowingKV`
+per layer, which also attends. specchat's target cache wraps the same storage in transformers'
+`Cache` API (`specchat.decode.cache`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.attention import attention
+
+# Room is added in multiples of this many positions, so decoding one token at a time
+# reallocates only once every CHUNK tokens.
+CHUNK = 256
+
+
+class GrowingKV:
+    """One layer's keys and values [b, kv_heads, positions, d] in buffers with spare room at the end.
+
+    `keys`/`values` are views of the used part; `capacity` is the size of the buffers behind them.
+    """
+
+    def __init__(self):
+        self.length = 0
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self.keys = self.values = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._key_buffer is None else self._key_buffer.shape[-2]
+
+    def _refresh_views(self) -> None:
+        self.keys = self._key_buffer[:, :, : self.length]
+        self.values = self._value_buffer[:, :, : self.length]
+
+    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
+        if self._key_buffer is None:
+            self._key_buffer = keys.new_empty((*keys.shape[:2], 0, keys.shape[3]))
+            self._value_buffer = values.new_empty((*values.shape[:2], 0, values.shape[3]))
+        if needed <= self.capacity:
+            return
+        new_capacity = -(-max(needed, 2 * self.capacity) // CHUNK) * CHUNK
+        for name in ("_key_buffer", "_value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], new_capacity, old.shape[3]))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add positions at the end; returns every key and value held."""
+        added = keys.shape[-2]
+        self._reserve(keys, values, self.length + added)
+        self._key_buffer[:, :, self.length : self.length + added] = keys
+        self._value_buffer[:, :, self.length : self.length + added] = values
+        self.length += added
+        self._refresh_views()
+        return self.keys, self.values
+
+    def trim(self, length: int) -> None:
+        """Keep the first `length` positions."""
+        if self._key_buffer is not None and length < self.length:
+            self.length = length
+            self._refresh_views()
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep positions [0, start) plus `start + keep`, in that order."""
+        # The gather on the right-hand side copies before the write, so overlapping ranges are safe.
+        for buffer in (self._key_buffer, self._value_buffer):
+            buffer[:, :, start : start + keep.numel()] = buffer[:, :, start + keep]
+        self.length = start + keep.numel()
+        self._refresh_views()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._key_buffer is None else self._key_buffer.nbytes + self._value_buffer.nbytes
+
+
+class HeadCache:
+    """A draft head's KV cache at inference: one `GrowingKV` per layer, and attention over it.
+
+    The owner changes its length only through `trim` and `compact`; head forwards append to it.
+    """
+
+    def __init__(self):
+        self.layers: list[GrowingKV] = []
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def attend(self, layer_idx: int, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(GrowingKV())
+        k, v = self.layers[layer_idx].append(k, v)
+        return attention(q, k, v, mask)
+
+    def trim(self, length: int) -> None:
+        assert 0 <= length <= self.length, f"cannot trim a cache of {self.length} to {length}"
+        for layer in self.layers:
+            layer.trim(length)
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        assert keep.numel() == 0 or int(keep.max()) < self.length - start, "compaction index out of range"
+        for layer in self.layers:
+            layer.compact(start, keep.to(layer.keys.device))
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

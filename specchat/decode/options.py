@@ -1,0 +1,14 @@
+"""What the decoding core can be asked for, and its defaults, declared here once.
+
+Torch-free, so that the command line and the settings layer (`specchat.settings`) offer these
+choices before torch loads; the core's modules read them from here too.
+"""
+
+from __future__ import annotations
+
+AUTO = "auto"  # --dtype, --device, --quantize: chosen for the machine (specchat.decode.target)
+DTYPES = ("bfloat16", "float16", "float32")
+KERNEL_BITS = {"int5": 5, "int4": 4}  # specchat's weight-only CPU kernel (specchat.decode.quantized)
+BITSANDBYTES = ("8bit", "4bit")  # bitsandbytes' quantized weights
+QUANTIZE = (AUTO, "none", *KERNEL_BITS, *BITSANDBYTES)
+MAX_NEW_TOKENS = 512  # most tokens per reply

