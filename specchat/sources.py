@@ -76,9 +76,84 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def _read_stamp(folder: Path) -> dict | None:
     try:
-        return json.loads((folder / STAMP).read_text())
+        stamp = json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
         return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+# What transformers needs of a converted folder: the config, the tokenizer and the weights.
+NEEDED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+def _manifest(folder: Path) -> dict[str, int]:
+    """Every file of a converted folder with its size, recorded in the stamp when the conversion ends."""
+    return {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file() and path.name != STAMP}
+
+
+def _safetensors_damage(path: Path) -> str | None:
+    """A safetensors file's header read and its size checked against the header's last offset
+    (a cut-off file is shorter), without reading the tensors."""
+    try:
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            if not 2 <= header_size <= path.stat().st_size - 8:
+                return f"{path.name} has no safetensors header"
+            header = json.loads(handle.read(header_size))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+        return f"{path.name} cannot be read ({error})"
+    if path.stat().st_size != 8 + header_size + end:
+        return f"{path.name} is {path.stat().st_size:,} bytes, its header says {8 + header_size + end:,}"
+    return None
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a converted folder in the cache, or None if it is whole.
+
+    Cheap (no tensor is read): the files recorded at the end of the conversion are there with
+    their sizes, the ones the loader needs are among them, JSON files parse, safetensors files
+    are as long as their headers say.
+    """
+    stamp = _read_stamp(folder)
+    if stamp is None:
+        return f"{STAMP} is missing or damaged"
+    recorded = stamp.get("files")
+    files = recorded if isinstance(recorded, dict) else _manifest(folder)  # a conversion of an older specchat
+    for name in NEEDED_FILES:
+        if name not in files:
+            return f"{name} is missing"
+    if not any(name.endswith(".safetensors") for name in files):
+        return "no weights (*.safetensors)"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size:,} bytes, {size:,} when written"
+        if name.endswith(".json"):
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as error:
+                return f"{name} is not valid JSON ({error})"
+        elif name.endswith(".safetensors") and (problem := _safetensors_damage(path)):
+            return problem
+    return None
+
+
+def _usable(folder: Path) -> dict | None:
+    """The stamp of a whole converted folder; a damaged one is removed (saying so) and None returned.
+    Call with the folder's conversion lock held."""
+    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # left by a process killed mid-conversion:
+        shutil.rmtree(stale, ignore_errors=True)  # a living one would hold the lock we hold
+    if not folder.exists():
+        return None
+    problem = damage(folder)
+    if problem is None:
+        return _read_stamp(folder)
+    print(f"specchat: the converted model in {folder} is damaged ({problem}): converting it again", file=sys.stderr)
+    shutil.rmtree(folder, ignore_errors=True)
+    return None
 
 
 def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
@@ -102,19 +177,21 @@ def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
 
 
 def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
-    """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically)."""
+    """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically: the folder
+    appears whole, its files and their sizes recorded in the stamp written last)."""
     print(f"specchat: converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...", file=sys.stderr)
     destination.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + ".tmp-"))
     try:
-        write_hf_folder(gguf_path, dtype, work)
-        (work / STAMP).write_text(json.dumps(source, indent=1))
         try:
+            write_hf_folder(gguf_path, dtype, work)
+            (work / STAMP).write_text(json.dumps({**source, "files": _manifest(work)}, indent=1))
+            if destination.exists():  # damaged, or unstamped: what is in `work` replaces it
+                shutil.rmtree(destination)
             os.replace(work, destination)
-        except OSError:
-            if _read_stamp(destination) is None:  # not a finished conversion by a concurrent process
-                shutil.rmtree(destination, ignore_errors=True)
-                os.replace(work, destination)
+        except OSError as error:  # a full disk, a read-only cache
+            raise ModelLoadError(f"cannot write the converted model into {destination.parent}: "
+                                 f"{error.strerror or error}") from error
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return destination
@@ -132,7 +209,7 @@ def gguf_folder(gguf_path: Path, dtype: torch.dtype) -> Path:
     sha = _file_sha256(gguf_path)
     folder = cache_dir() / "models" / f"gguf-{sha[:16]}-{dtype_name(dtype)}"
     with _conversion_lock(folder):
-        if _read_stamp(folder) is None:
+        if _usable(folder) is None:
             convert_gguf(gguf_path, dtype, folder, {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)})
     return folder
 
@@ -152,7 +229,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
         raise ModelLoadError(str(error)) from error
     folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
     with _conversion_lock(folder):
-        stamp, installed = _read_stamp(folder), embedded.fingerprint(chunks)
+        stamp, installed = _usable(folder), embedded.fingerprint(chunks)
         if stamp and stamp.get("sha256") == model.sha256:
             if stamp.get("chunks") == installed:
                 return folder
@@ -171,8 +248,6 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
         try:
             source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
                       "chunks": installed}
-            if folder.exists():
-                shutil.rmtree(folder)
             convert_gguf(gguf_path, dtype, folder, source)
         finally:
             gguf_path.unlink(missing_ok=True)  # the converted folder replaces it

@@ -8,13 +8,11 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
 
 from conftest import TINY_VOCAB, invoke, load_tiny_target, random_head, tiny
-from specchat import sources
 from drafters import HeadLoadError, load_head, save_head
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.inputs import InputError, read_prompts
@@ -280,36 +278,3 @@ def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
     proposer = TreeProposer(head, bigram.num_layers, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
     drafted = [t for s in Engine(bigram, proposer).generate([258, 10, 20, 30], settings) for t in s.tokens]
     assert drafted == plain
-
-
-# --- concurrent first runs --------------------------------------------------------------------------------
-
-
-def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
-    """Two loads of the same GGUF at once: the second waits for the first one's conversion."""
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(100))
-    conversions = []
-
-    def slow_convert(path, dtype, destination, source):
-        conversions.append(destination)
-        time.sleep(0.5)
-        destination.mkdir(parents=True)
-        (destination / sources.STAMP).write_text(json.dumps(source))
-        return destination
-
-    monkeypatch.setattr(sources, "convert_gguf", slow_convert)
-    folders, errors = [], []
-
-    def load():
-        try:
-            folders.append(sources.gguf_folder(gguf, torch.float32))
-        except Exception as error:  # collected, so the assertion below shows it
-            errors.append(error)
-
-    threads = [threading.Thread(target=load) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and len(conversions) == 1 and folders[0] == folders[1]

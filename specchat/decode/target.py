@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,9 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except pickle.UnpicklingError as error:  # torch's text is advice on turning the protection off: not ours
+        raise ModelLoadError(f"cannot load the model from {source}: a pickled weights file holds more than tensors; "
+                             f"specchat reads pickles only with weights_only=True") from error
     except (OSError, ValueError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the model from {source}: {first_line}") from error

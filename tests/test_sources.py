@@ -1,0 +1,158 @@
+"""The model cache heals itself: a converted folder is checked before use and made again when any
+of its files is missing, cut short or garbled; what a killed conversion left behind is removed;
+a full disk and a pickled model give one-line errors."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import load_tiny_target
+from specchat import sources
+from specchat.errors import ModelLoadError
+
+
+@pytest.fixture
+def gguf(tmp_path, qwen_dir, monkeypatch):
+    """A GGUF file whose conversion copies the tiny model folder (the parser is transformers' business)."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(100))
+    conversions = []
+
+    def write_hf_folder(gguf_path, dtype, folder):
+        conversions.append(folder)
+        shutil.copytree(qwen_dir, folder, dirs_exist_ok=True)
+
+    monkeypatch.setattr(sources, "write_hf_folder", write_hf_folder)
+    return SimpleNamespace(path=path, conversions=conversions)
+
+
+def converted(gguf):
+    return sources.gguf_folder(gguf.path, torch.float32)
+
+
+def test_a_conversion_records_its_files_and_is_whole(gguf):
+    folder = converted(gguf)
+    stamp = json.loads((folder / sources.STAMP).read_text())
+    assert set(stamp["files"]) >= {"config.json", "tokenizer.json", "model.safetensors"}
+    assert sources.damage(folder) is None
+    assert converted(gguf) == folder and len(gguf.conversions) == 1  # used as it is
+
+
+def damage_cases(folder):
+    for path in sorted(folder.iterdir()):
+        yield f"delete {path.name}", lambda path=path: path.unlink()
+        yield f"cut {path.name}", lambda path=path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        if path.suffix == ".json":  # same size, not JSON any more
+            yield f"garble {path.name}", lambda path=path: path.write_bytes(b"\xff" * path.stat().st_size)
+    yield "empty safetensors", lambda: (folder / "model.safetensors").write_bytes(b"")
+
+
+def test_every_file_of_a_converted_model_damaged_is_made_again(gguf, capfd):
+    folder = converted(gguf)
+    capfd.readouterr()
+    cases = list(damage_cases(folder))
+    assert len(cases) >= 10
+    for number, (what, damage) in enumerate(cases, start=2):
+        damage()
+        assert converted(gguf) == folder, what
+        assert len(gguf.conversions) == number, f"{what}: not converted again"
+        assert sources.damage(folder) is None, what
+        err = capfd.readouterr().err
+        assert f"the converted model in {folder} is damaged" in err and "converting it again" in err, what
+        assert len(err.strip().splitlines()) == 2, err  # the damage line, then the conversion's own line
+
+
+def test_a_repaired_model_answers(gguf, capfd):
+    folder = converted(gguf)
+    (folder / "tokenizer.json").unlink()  # once: a stamp trusted, nothing printed, exit 0
+    target = load_tiny_target(converted(gguf))
+    assert target.tokenizer("hi")["input_ids"]
+
+
+def test_what_a_killed_conversion_left_is_removed(gguf, tmp_path):
+    """A conversion killed with SIGKILL in a child process: its temporary folder goes at the next start."""
+    started = tmp_path / "started"
+    code = textwrap.dedent(f"""
+        import shutil, sys, time, torch
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from specchat import sources
+        def write_hf_folder(gguf_path, dtype, folder):
+            (folder / "config.json").write_text("{{}}")
+            open({str(started)!r}, "w").close()
+            time.sleep(60)
+        sources.write_hf_folder = write_hf_folder
+        sources.gguf_folder(__import__("pathlib").Path({str(gguf.path)!r}), torch.float32)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert child.poll() is None and time.monotonic() < deadline, "the child did not start converting"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    models = sources.cache_dir() / "models"
+    assert list(models.glob("*.tmp-*")), "the killed conversion should have left its folder"
+    folder = converted(gguf)
+    assert not list(models.glob("*.tmp-*")) and sources.damage(folder) is None
+
+
+def test_a_living_conversion_keeps_its_folder(gguf, qwen_dir, monkeypatch):
+    """A second start while the first converts waits for it; the first one's work is never removed."""
+    def slow(gguf_path, dtype, folder):
+        gguf.conversions.append(folder)
+        time.sleep(0.5)
+        shutil.copytree(qwen_dir, folder, dirs_exist_ok=True)
+
+    monkeypatch.setattr(sources, "write_hf_folder", slow)
+    folders, errors = [], []
+
+    def load():
+        try:
+            folders.append(converted(gguf))
+        except Exception as error:  # collected, so the assertion below shows it
+            errors.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join()
+    assert not errors and len(gguf.conversions) == 1 and folders[0] == folders[1]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(gguf, monkeypatch):
+    def full(gguf_path, dtype, folder):
+        (folder / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sources, "write_hf_folder", full)
+    with pytest.raises(ModelLoadError, match="cannot write the converted model into .*No space left on device"):
+        converted(gguf)
+    assert [path.name for path in (sources.cache_dir() / "models").iterdir() if not path.name.endswith(".lock")] == []
+
+
+class Payload:
+    """Stands for arbitrary code a pickle could run on load."""
+
+
+def test_a_pickled_model_folder_gets_specchats_message(qwen_dir, tmp_path):
+    folder = tmp_path / "pickled"
+    shutil.copytree(qwen_dir, folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2), "payload": Payload()}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="weights_only=True") as caught:
+        load_tiny_target(folder)
+    assert "\n" not in str(caught.value) and "Unpickl" not in str(caught.value)
