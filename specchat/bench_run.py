@@ -13,9 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from specchat import app, bench
 from specchat.bench import PeakMemory, SessionRunner
@@ -124,17 +127,64 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     summary = bench.summarize(results, greedy=generation.sampling.greedy)
     written = bench.write_outputs(Path(output_dir), results, summary, memory, meta)
-    categories = sorted({c for m in summary.values() for c in m}, key=lambda c: (c == "overall", c))
-    for category in categories:
-        table = Table(title=f"{category} · {settings.model} · T={settings.temperature} · {generation.max_new_tokens} tokens")
-        for column in bench.TABLE_COLUMNS:
-            table.add_column(column, justify="right" if column != "method" else "left")
-        for row in bench.table_rows(summary, category):
-            table.add_row(*row)
-        Console().print(table)
+    about = f"{settings.model} · T={settings.temperature} · {generation.max_new_tokens} tokens"
+    Console().print(result_tables(summary, about))
     console.print(f"wrote {output_dir}/results.json, results.csv and {', '.join(p.name for p in written)}")
     if interrupted:
         raise KeyboardInterrupt
+
+
+# Short headers for bench.TABLE_COLUMNS, so that a table fits an 80-column terminal or pipe; the
+# legend under the tables explains them once.
+SHORT_HEADERS = {"speedup": "×", "decode tok/s": "dec\ntok/s", "decode speedup": "dec\n×", "acceptance": "acc",
+                 "identical": "same", "near-tie divergences": "ties", "peak MiB": "MiB"}
+LEGEND = ("tok/s: new tokens per second · ×: speedup over vanilla · dec: decoding alone, after each turn's first "
+          "token · τ: tokens per target forward · acc: share of draft tokens accepted · same: answers identical "
+          "to vanilla's · ties: differing answers that first differ at a near-tie, of how many · MiB: peak memory")
+# Where the whole table is too wide, it is shown as two: these columns (speed and memory), then the
+# others (drafting and output).
+SPEED_COLUMNS = ("tok/s", "speedup", "decode tok/s", "decode speedup", "peak MiB")
+
+
+def result_tables(summary: dict, about: str) -> Group:
+    """The terminal report: a table per category (overall last), titled `category · about`, then the legend."""
+    categories = sorted({c for m in summary.values() for c in m}, key=lambda c: (c == "overall", c))
+    parts = []
+    for category in categories:
+        parts += [ResultTable(f"{category} · {about}", bench.table_rows(summary, category)), ""]
+    if parts:
+        parts.append(Text(LEGEND, style="dim"))
+    return Group(*parts)
+
+
+class ResultTable:
+    """One category's rows (bench.table_rows): one table where it fits the width, else two narrower
+    ones with the method column in each. Method names are never cut: a name too long even for
+    the narrow tables folds onto a second line."""
+
+    def __init__(self, title: str, rows: list[list[str]]):
+        self.title, self.rows = title, rows
+
+    def table(self, columns, title=None) -> Table:
+        table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), pad_edge=False,
+                      header_style="bold")
+        index = [0] + [bench.TABLE_COLUMNS.index(c) for c in columns]
+        for i in index:
+            name = bench.TABLE_COLUMNS[i]
+            table.add_column(SHORT_HEADERS.get(name, name), justify="left" if i == 0 else "right",
+                             no_wrap=name not in ("method", "near-tie divergences"), overflow="fold")
+        for row in self.rows:
+            table.add_row(*(row[i] for i in index))
+        return table
+
+    def __rich_console__(self, console, options):
+        whole = self.table(bench.TABLE_COLUMNS[1:], self.title)
+        if Measurement.get(console, options.update_width(10_000), whole).maximum <= options.max_width:
+            yield whole
+            return
+        yield self.table([c for c in bench.TABLE_COLUMNS[1:] if c in SPEED_COLUMNS], self.title)
+        yield ""
+        yield self.table([c for c in bench.TABLE_COLUMNS[1:] if c not in SPEED_COLUMNS])
 
 
 def parse_variant(label: str) -> tuple[str, dict]:

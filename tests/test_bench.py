@@ -188,3 +188,71 @@ def test_llamacpp_peer_is_skipped_in_one_line_without_its_package_or_a_gguf(qwen
         code, err = _bench([str(prompts), "--model", str(qwen_dir), "--methods", "llamacpp-lookup", "-o",
                             str(tmp_path / "b")], capsys)
         assert code == 0 and "has no GGUF file" in err
+
+
+METHODS_SHOWN = ["vanilla", "deagle", "deagle+lookup=off", "pld", "llamacpp", "llamacpp-lookup", "hf-assisted"]
+
+
+def realistic_summary():
+    """Two categories of two questions; speeds, τ, acceptance, divergences and memory like a real run's."""
+    plain = [1, 2, 3, 4, 5, 6, 7, 8]
+    margins = [3.0, 0.2, 4.0, 5.0, 2.0, 2.0, 2.0, 2.0]
+    speed = {"vanilla": 18.3, "deagle": 41.27, "deagle+lookup=off": 38.02, "pld": 24.6, "llamacpp": 23.11,
+             "llamacpp-lookup": 29.45, "hf-assisted": 12.4}
+    tau = {"vanilla": 1.0, "deagle": 3.4, "deagle+lookup=off": 3.1, "pld": 1.6, "llamacpp": 1.0, "llamacpp-lookup": 1.5,
+           "hf-assisted": 2.0}
+    results = []
+    for method in METHODS_SHOWN:
+        for question, category in ((1, "writing"), (2, "coding"), (3, "writing"), (4, "coding")):
+            tokens = list(plain)
+            if method == "hf-assisted" and question < 3:
+                tokens[2 * question - 1] = 9  # question 1 at the near-tie, question 2 at a clear margin
+            if method == "deagle+lookup=off" and question == 1:
+                tokens[1] = 9
+            seconds = len(tokens) / speed[method] * (1 + question / 20)
+            drafted = {} if tau[method] == 1.0 else {"draft_tokens": 40, "accepted_tokens": round(8 - 8 / tau[method])}
+            forwards = round(len(tokens) / tau[method])
+            result = turn(method, question, 0, len(tokens), seconds, forwards, category=category, prefill_seconds=0.05,
+                          **drafted)
+            result.tokens, result.margins = tokens, (margins if method == "vanilla" else [])
+            results.append(result)
+    summary = summarize(results, greedy=True)
+    for method, categories in summary.items():
+        for numbers in categories.values():
+            numbers["peak_memory_mib"] = 1530.4 + 170 * METHODS_SHOWN.index(method)
+    return summary
+
+
+def rendered(width):
+    import io
+
+    from rich.console import Console
+
+    from specchat.bench_run import result_tables
+
+    console = Console(width=width, file=io.StringIO(), force_terminal=False)
+    console.print(result_tables(realistic_summary(), "Qwen/Qwen2.5-7B-Instruct · T=0.0 · 256 tokens"))
+    return console.file.getvalue()
+
+
+@pytest.mark.parametrize("width", [80, 120, 60])
+def test_result_tables_are_readable_at_the_width_of_the_terminal_or_pipe(width):
+    out = rendered(width)
+    print(out)  # pytest -s shows the tables
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= width
+    for category in ("writing", "coding", "overall"):
+        assert out.count(f"{category} · Qwen/Qwen2.5-7B-Instruct") == 1
+    assert out.index("writing ·") < out.index("overall ·")  # overall last
+    names = re.findall(r"^(\S+)  +[\d–]", out, re.M)  # the first cell of every row, whole
+    tables = 3 if width >= 80 else 6  # narrower than the whole table: two tables per category
+    assert names == METHODS_SHOWN * tables
+    headers = [line.split() for line in out.splitlines() if line.startswith("method ")]
+    assert len(headers) == tables
+    if width >= 80:
+        assert headers[0] == ["method", "tok/s", "×", "tok/s", "×", "τ", "acc", "same", "ties", "MiB"]
+    else:
+        assert headers[:2] == [["method", "tok/s", "×", "tok/s", "×", "MiB"], ["method", "τ", "acc", "same", "ties"]]
+    assert "50% of 2" in out and "100% of 1" in out  # hf-assisted overall; deagle+lookup=off, writing
+    legend = " ".join(out.split())
+    assert legend.count("×: speedup over vanilla") == 1
+    assert "ties: differing answers that first differ at a near-tie" in legend

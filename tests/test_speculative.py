@@ -1,13 +1,16 @@
 """Speculative decoding end to end on tiny models: greedy output is exactly plain greedy output,
 sampled output follows the target distribution, and the caches stay consistent."""
 
-import pytest
+from types import SimpleNamespace
 
-from conftest import exact_two_token_distribution, load_tiny_target, oracle_head, random_head
+import pytest
+import torch
+
+from conftest import (assert_samples_follow_the_target, exact_two_token_distribution, load_tiny_target, oracle_head,
+                      random_head)
 from specchat.chat import ChatFormat, Conversation
 from specchat.decode.head_proposer import DynamicTree, DynamicTreeParams, StaticTree, TreeProposer
 from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.sampling import SamplingParams, make_generator
 from specchat.decode.tree import MC_SIM_7B_63
 
 PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110))]
@@ -126,20 +129,30 @@ def test_sampled_first_two_tokens_follow_the_target_distribution(case, bigram, q
     else:
         model = load_tiny_target(qwen_dir)
         head = random_head("eagle3", model, seed=3)
-    prompt, top_k, runs = [258, 40, 41], 4, 1500
-    joint = exact_two_token_distribution(model, prompt, top_k)
-    # Three tokens, so the second one can come from an accepted draft (the first is the prefill's).
-    settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
+    runs, drafted = 1500, []
     engine = Engine(model, proposer(head, model, "dynamic"))  # one engine: every run reuses the cached prompt
-    rng = make_generator(0)
-    counts, drafted = {}, 0
-    for _ in range(runs):
-        steps = list(engine.generate(prompt, settings, rng))
-        pair = tuple([t for s in steps for t in s.tokens][:2])
-        counts[pair] = counts.get(pair, 0) + 1
-        drafted += [d for s in steps for d in s.drafted][1]
-    assert set(counts) <= set(joint)
-    statistic = sum((counts.get(k, 0) - runs * v) ** 2 / (runs * v) for k, v in joint.items())
-    assert statistic < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+    assert_samples_follow_the_target(engine, model, [258, 40, 41], top_k=4, runs=runs, seed=0, drafted=drafted)
     if case == "eagle-often-right":
-        assert drafted > runs / 4  # the second token really came from accepted drafts often
+        assert drafted[0] > runs / 4  # the second token really came from accepted drafts often
+
+
+class SamplesFrom:
+    """An 'engine' whose replies' first two tokens follow `joint` (exactly, by construction)."""
+
+    def __init__(self, joint: dict):
+        self.pairs, self.probs = list(joint), torch.tensor(list(joint.values()))
+
+    def generate(self, prompt, settings, rng):
+        yield SimpleNamespace(tokens=list(self.pairs[int(torch.multinomial(self.probs, 1, generator=rng))]))
+
+
+def test_the_sampling_check_catches_a_biased_sampler_at_the_engine_tests_sample_size(bigram):
+    """The power of the check above, two samples and pooled rare pairs included, at the fewest runs
+    an engine test uses (600, test_hybrid): replies at temperature 1.5 instead of 1 are rejected
+    (statistic ~150 against a bound of 26), replies at temperature 1 are not."""
+    prompt = [258, 40, 41]
+    assert_samples_follow_the_target(SamplesFrom(exact_two_token_distribution(bigram, prompt, 4)), bigram, prompt,
+                                     top_k=4, runs=600)
+    biased = SamplesFrom(exact_two_token_distribution(bigram, prompt, 4, temperature=1.5))
+    with pytest.raises(AssertionError, match="do not follow the distribution"):
+        assert_samples_follow_the_target(biased, bigram, prompt, top_k=4, runs=600)

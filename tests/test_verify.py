@@ -1,27 +1,21 @@
 """Acceptance: greedy follows the argmax; sampling leaves the target distribution exactly unchanged.
 
 The statistical tests compare the empirical distribution of the accepted/bonus token with p by
-a chi-square test at a small significance level; with the sample sizes used, a wrong rule (for
-example accepting with p(x) without renormalising after a rejection, or drawing the bonus from p
-instead of the residual) moves the statistic far beyond the threshold.
+the shared chi-square check of conftest (`assert_follows`: p = 0.001, a second sample only after
+a first failure); with the sample sizes used, a wrong rule (for example accepting with p(x)
+without renormalising after a rejection, or drawing the bonus from p instead of the residual)
+moves the statistic far beyond the threshold, and a test below shows that it does.
 """
+
+import math
 
 import pytest
 import torch
 
+from conftest import CHI2_CRITICAL, CHI2_LEVEL, assert_follows, chi_square
 from specchat.decode.sampling import SamplingParams, target_probs
 from specchat.decode.tree import DraftTree
 from specchat.decode.verify import accept
-
-# chi-square critical values at p = 0.001 for the degrees of freedom used below
-CHI2_CRITICAL = {4: 18.47, 5: 20.52, 7: 24.32}
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "a token with zero target probability was produced"
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
 def test_greedy_follows_the_argmax_down_the_tree():
@@ -54,23 +48,27 @@ def test_sampled_first_token_follows_p_whatever_the_draft(sampling):
     # Three root children, deliberately including unlikely tokens, in a 'wrong' order.
     tree = DraftTree(tokens=[6, 2, 0], parents=[-1, -1, -1], depths=[1, 1, 1], probs=[0.9, 0.05, 0.05])
     p = target_probs(logits[0], sampling)
-    counts = first_token_counts(tree, logits, sampling, draws=20000)
-    dof = int((p > 0).sum()) - 1
-    assert chi_square(counts, p) < CHI2_CRITICAL[dof]
+    assert_follows(lambda seed: first_token_counts(tree, logits, sampling, draws=20000, seed=seed), p, seed=0)
 
 
 def test_a_rule_without_the_residual_would_be_caught():
-    """Sanity check of the test's power: drawing the bonus from p (not the residual) is rejected."""
+    """Sanity check of the test's power: drawing the bonus from p (not the residual) is rejected,
+    by the same two-sample check the lossless rules pass."""
     torch.manual_seed(1)
     logits = torch.randn(2, 8)
     sampling = SamplingParams(temperature=1.0)
     p = target_probs(logits[0], sampling)
-    rng = torch.Generator().manual_seed(0)
-    counts = torch.zeros(8)
-    for _ in range(20000):  # the flawed rule: accept 6 with p(6), else sample from p
-        token = 6 if float(torch.rand((), generator=rng)) < float(p[6]) else int(torch.multinomial(p, 1, generator=rng))
-        counts[token] += 1
-    assert chi_square(counts, p) > CHI2_CRITICAL[7]
+
+    def flawed(seed):
+        rng = torch.Generator().manual_seed(seed)
+        counts = torch.zeros(8)
+        for _ in range(20000):  # the flawed rule: accept 6 with p(6), else sample from p
+            accepted = float(torch.rand((), generator=rng)) < float(p[6])
+            counts[6 if accepted else int(torch.multinomial(p, 1, generator=rng))] += 1
+        return counts
+
+    with pytest.raises(AssertionError, match="do not follow the distribution"):
+        assert_follows(flawed, p, seed=0)
 
 
 def test_sampled_chain_with_q_follows_p():
@@ -81,11 +79,64 @@ def test_sampled_chain_with_q_follows_p():
     q = torch.softmax(torch.randn(vocab) * 2, -1)
     sampling = SamplingParams(temperature=1.0)
     p = target_probs(logits[0], sampling)
-    rng = torch.Generator().manual_seed(3)
-    counts = torch.zeros(vocab)
-    for _ in range(20000):
-        x = int(torch.multinomial(q, 1, generator=rng))
-        tree = DraftTree(tokens=[x], parents=[-1], depths=[1], probs=[float(q[x])], q=q[None])
-        out = accept(tree, logits, sampling, rng)
-        counts[x if out.path else out.bonus] += 1
-    assert chi_square(counts, p) < CHI2_CRITICAL[5]
+
+    def sample(seed):
+        rng = torch.Generator().manual_seed(seed)
+        counts = torch.zeros(vocab)
+        for _ in range(20000):
+            x = int(torch.multinomial(q, 1, generator=rng))
+            tree = DraftTree(tokens=[x], parents=[-1], depths=[1], probs=[float(q[x])], q=q[None])
+            out = accept(tree, logits, sampling, rng)
+            counts[x if out.path else out.bonus] += 1
+        return counts
+
+    assert_follows(sample, p, seed=3)
+
+
+# --- the shared chi-square check itself -------------------------------------------------------------
+
+
+def test_a_chance_failure_is_retried_once_with_another_seed():
+    p = {"a": 0.5, "b": 0.3, "c": 0.2}
+    exact, off = {"a": 500, "b": 300, "c": 200}, {"a": 600, "b": 250, "c": 150}  # off: statistic 40.8 > 13.8
+    seeds = []
+
+    def unlucky_once(seed):
+        seeds.append(seed)
+        return off if len(seeds) == 1 else exact
+
+    assert_follows(unlucky_once, p, seed=7)
+    assert seeds == [7, 8]
+    seeds.clear()
+    assert_follows(lambda seed: seeds.append(seed) or exact, p, seed=7)
+    assert seeds == [7]  # a first sample that passes is the only one
+    with pytest.raises(AssertionError, match=r"chi-square \[40.83, 40.83\] \(seeds 7 and 8\) both above 13.816"):
+        assert_follows(lambda seed: off, p, seed=7)
+
+
+def test_rare_outcomes_are_pooled_and_impossible_ones_fail():
+    # 100 draws expect 0.1 of "c": alone it would add (1 - 0.1)^2 / 0.1 = 8.1 for one lucky draw;
+    # pooled with "b" until the cell expects at least 5 draws, it adds nothing.
+    assert chi_square({"a": 50, "b": 49, "c": 1}, {"a": 0.5, "b": 0.499, "c": 0.001}) == (0.0, 1)
+    with pytest.raises(AssertionError, match="zero target probability"):
+        chi_square(torch.tensor([5.0, 0.0, 1.0]), torch.tensor([0.5, 0.5, 0.0]))
+
+
+def chi_square_tail(x: float, dof: int) -> float:
+    """P(X > x) for X chi-square with `dof` degrees of freedom: 1 - P(dof/2, x/2), the regularised
+    lower incomplete gamma function by its power series (Abramowitz and Stegun 6.5.29)."""
+    s, z = dof / 2, x / 2
+    term = total = 1 / s
+    n = 0
+    while term > 1e-17 * total:
+        n += 1
+        term *= z / (s + n)
+        total += term
+    return 1 - math.exp(s * math.log(z) - z - math.lgamma(s)) * total
+
+
+def test_the_critical_values_are_the_upper_points_of_the_chi_square_law():
+    for dof, critical in CHI2_CRITICAL.items():
+        # Three decimals: the tail at the rounded value is within 5e-7 of the level.
+        assert abs(chi_square_tail(critical, dof) - CHI2_LEVEL) < 5e-7, dof
+    assert abs(chi_square_tail(3.841, 1) - 0.05) < 1e-4 and abs(chi_square_tail(9.488, 4) - 0.05) < 1e-4  # 5% points
