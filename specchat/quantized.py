@@ -7,14 +7,16 @@ integer products: verifying 8 tokens costs ~1.4x one, at a third of bf16's memor
 kernel is compiled once per machine (it needs a C++ compiler and an x86 CPU with AVX2, FMA and
 F16C) and cached.
 
-It has three paths, one per instruction set, named as `SPECCHAT_CPU_ISA` takes them:
-`avx512` (AVX512-VNNI: vpdpbusd on 512-bit registers), `avx-vnni` (AVX-VNNI: vpdpbusd on 256-bit
-registers; Intel 12th gen+, AMD Zen 4+) and `avx2` (vpmaddubsw + vpmaddwd; Intel Haswell+, AMD
-Zen 1-3). Without the variable the best one the CPU has runs (`kernel_isa`); with it, that one
-runs or the kernel is unavailable, naming the CPU flags it lacks (tests force each path this way).
-All three compute the same integer sums and the same float operations, so their outputs are
-bit-identical. Every path takes bf16 or float32 activations and returns the same dtype
-(`kernel_info` says which dtype a model should use here).
+It has a path per instruction set, named as `SPECCHAT_CPU_ISA` takes them: `avx512`
+(AVX512-VNNI: vpdpbusd on 512-bit registers; Intel Xeons since Cascade Lake, Ice/Tiger/Rocket Lake
+cores, AMD Zen 4+), `avx-vnni` (AVX-VNNI: vpdpbusd on 256-bit registers; Intel Core 12th gen and later, which have no
+AVX-512) and `avx2` (vpmaddubsw + vpmaddwd; Intel Haswell and later, AMD Zen 1-3), plus
+`avx-vnni-evex` (avx-vnni's code, for testing it on AVX-512 CPUs, which lack AVX-VNNI). Without the
+variable the best one the CPU has runs (`kernel_isa`); with it, that one runs or the kernel is
+unavailable, naming the CPU flags it lacks (tests force each path this way). All paths compute
+the same integer sums and the same float operations, so their outputs are bit-identical. Every
+path takes bf16 or float32 activations and returns the same dtype (`kernel_info` says which dtype
+a model should use here).
 
 Plain decoding and verification both run through these layers, so speculative decoding stays
 exact relative to plain decoding of the same quantized model; what quantization changes is the
