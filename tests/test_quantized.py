@@ -13,27 +13,119 @@ from specchat.decode.target import ModelSpec
 from specchat.errors import ModelLoadError
 from specchat.sources import load_target
 
-needs_kernel = pytest.mark.skipif(quantized.missing_cpu_features() != [] or quantized.unavailable_reason() is not None,
-                                  reason="the quantized kernel needs AVX512-BF16 and a C++ compiler")
+needs_kernel = pytest.mark.skipif(quantized.unavailable_reason() is not None,
+                                  reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
+RUNNABLE = quantized.runnable_isas()  # every path this machine runs (avx-vnni only without AVX-512)
+
+
+@pytest.fixture
+def force_isa(monkeypatch):
+    """Run the kernel on a given path, as SPECCHAT_CPU_ISA does (the choice is made again after the test)."""
+
+    def force(isa: str | None):
+        if isa is None:
+            monkeypatch.delenv(quantized.ISA_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(quantized.ISA_VARIABLE, isa)
+        quantized.kernel_isa.cache_clear()
+
+    yield force
+    quantized.kernel_isa.cache_clear()
+
+
+@pytest.fixture(params=list(quantized.ISAS))
+def isa(request, force_isa):
+    """Each path in turn, those the CPU lacks skipped."""
+    if request.param not in RUNNABLE:
+        pytest.skip(f"this CPU (or compiler) has no {request.param} path")
+    force_isa(request.param)
+    return request.param
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bits", [4, 5])
-def test_the_kernel_multiplies_by_exactly_the_dequantized_weights(bits):
+def test_the_kernel_multiplies_by_exactly_the_dequantized_weights(isa, bits, dtype):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 48, bias=True).bfloat16()
+    linear = torch.nn.Linear(96, 48, bias=True).to(dtype)
     layer = quantized.QuantizedLinear.from_linear(linear, bits)
     reference = quantized.dequantize(*quantized.quantize(linear.weight.detach(), bits))
-    for rows in (*range(1, 10), 15, 17):  # every register tiling: 8-row tiles, then the 1-7 rows left in one pass
-        x = torch.randn(rows, 96).bfloat16()
+    for rows in (*range(1, 10), 15, 17):  # every register tiling: full tiles, then the rows left in one pass
+        x = torch.randn(rows, 96).to(dtype)
         expected = x.float() @ reference.T + linear.bias.float()
-        got = layer(x).float()
-        assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), rows  # bf16 rounding only
+        got = layer(x)
+        assert got.dtype == dtype
+        assert (got.float() - expected).abs().max() <= 0.02 * expected.abs().max(), rows  # int8 x, bf16 rounding
+    assert layer.weight.dtype == dtype
     assert torch.allclose(layer.weight.float(), reference, atol=1e-2, rtol=1e-2)
 
 
 @needs_kernel
-def test_stacked_layers_and_the_fused_gated_mlp_give_exactly_the_separate_layers_outputs(qwen_dir):
+def test_bf16_activations_get_the_float32_result_rounded_once(isa):
+    """x is quantized to int8 either way, so bf16 in differs from float32 in only by the final rounding."""
+    torch.manual_seed(0)
+    layer = quantized.QuantizedLinear.from_linear(torch.nn.Linear(128, 64).bfloat16(), 5)
+    x = torch.randn(5, 128).bfloat16()
+    assert torch.equal(layer(x), layer(x.float()).bfloat16())
+    assert layer(x.half()).dtype == torch.float16  # other dtypes go through float32
+
+
+@pytest.mark.skipif(len(RUNNABLE) < 2, reason="this machine runs one path of the kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_path_gives_bit_identical_outputs(force_isa, dtype):
+    """The same int32 sums (vpdpbusd or vpmaddubsw + vpmaddwd) and the same float operations."""
+    torch.manual_seed(0)
+    layers = [quantized.QuantizedLinear.from_linear(torch.nn.Linear(256, 48).to(dtype), bits) for bits in (4, 5)]
+    xs = [torch.randn(rows, 256).to(dtype) * torch.logspace(-3, 3, 256).to(dtype) for rows in (*range(1, 10), 17)]
+    outputs = {}
+    for isa in RUNNABLE:
+        force_isa(isa)
+        outputs[isa] = [layer(x) for layer in layers for x in xs]
+    first = outputs[RUNNABLE[0]]
+    for isa in RUNNABLE[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, outputs[isa])), isa
+
+
+def test_a_forced_path_the_cpu_lacks_is_a_one_line_error_naming_its_flags(force_isa, monkeypatch):
+    from specchat.decode import machine
+
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
+    force_isa("avx512")
+    assert quantized.missing_cpu_features() == ["avx512f", "avx512bw", "avx512vl", "avx512_vnni"]
+    lacks = "avx512f, avx512bw, avx512vl, avx512_vnni"
+    assert quantized.unavailable_reason() == f"SPECCHAT_CPU_ISA=avx512: this CPU lacks {lacks}"
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with pytest.raises(quantized.KernelUnavailable, match="lacks avx512f"):
+        quantized.quantize_linears(model, 5)
+    assert isinstance(model[0], torch.nn.Linear)  # untouched
+    force_isa("avx-vnni")
+    assert quantized.unavailable_reason() == "SPECCHAT_CPU_ISA=avx-vnni: this CPU lacks avx_vnni"
+    force_isa("avx3")
+    assert quantized.unavailable_reason() == "SPECCHAT_CPU_ISA=avx3 is not one of avx512, avx-vnni, avx-vnni-evex, avx2"
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    force_isa(None)
+    assert quantized.missing_cpu_features() == ["avx2", "fma", "f16c"]
+    assert quantized.unavailable_reason() == "this CPU lacks avx2, fma, f16c"
+
+
+@needs_kernel
+def test_without_the_variable_the_best_path_the_cpu_has_runs(force_isa, monkeypatch):
+    from specchat.decode import machine
+
+    force_isa(None)
+    assert quantized.kernel_isa() == RUNNABLE[0]
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c", "avx_vnni"}))
+    force_isa(None)
+    assert quantized.kernel_info() == quantized.KernelInfo("avx-vnni", (torch.bfloat16, torch.float32), torch.float32)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
+    force_isa(None)
+    assert quantized.kernel_isa() == "avx2" and quantized.missing_cpu_features() == []
+    layer = quantized.QuantizedLinear.from_linear(torch.nn.Linear(64, 32), 5)  # a float32 model
+    assert layer(torch.randn(2, 64)).dtype == torch.float32
+
+
+@needs_kernel
+def test_stacked_layers_and_the_fused_gated_mlp_give_exactly_the_separate_layers_outputs(qwen_dir, isa):
     torch.manual_seed(0)
     with_bias, without = torch.nn.Linear(64, 48).bfloat16(), torch.nn.Linear(64, 32, bias=False).bfloat16()
     parts = [quantized.QuantizedLinear.from_linear(layer, 5) for layer in (with_bias, without)]
@@ -52,11 +144,12 @@ def test_stacked_layers_and_the_fused_gated_mlp_give_exactly_the_separate_layers
 
 
 @needs_kernel
-def test_a_rows_output_does_not_depend_on_the_rows_multiplied_with_it():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_output_does_not_depend_on_the_rows_multiplied_with_it(isa, dtype):
     """Integer products: a token verified in a tree of 13 gets exactly what it gets alone."""
     torch.manual_seed(0)
-    layer = quantized.QuantizedLinear.from_linear(torch.nn.Linear(256, 64).bfloat16(), 5)
-    x = torch.randn(13, 256).bfloat16() * torch.logspace(-2, 2, 256).bfloat16()  # a wide range per group
+    layer = quantized.QuantizedLinear.from_linear(torch.nn.Linear(256, 64).to(dtype), 5)
+    x = (torch.randn(13, 256) * torch.logspace(-2, 2, 256)).to(dtype)  # a wide range per group
     together = layer(x)
     assert all(torch.equal(layer(x[i : i + 1])[0], together[i]) for i in range(13))
 

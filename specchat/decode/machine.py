@@ -39,8 +39,10 @@ def cpu_name() -> str:
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
-def cpu_flags() -> set[str]:
-    return set(_cpuinfo().get("flags", "").split())
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo spells them ("avx2", "avx512_vnni", "avx_vnni", ...)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def cpu_has_bf16() -> bool:

@@ -4,8 +4,19 @@ Weights are stored in 5 or 4 bits with an fp16 scale and offset per group of 32 
 the better of a symmetric and a min-max grid: `quantize`), and multiplied by `kernels/woq_linear.cpp`,
 which unpacks each block of weights once per forward and multiplies it with every token in 8-bit
 integer products: verifying 8 tokens costs ~1.4x one, at a third of bf16's memory traffic. The
-kernel is compiled once per machine (it needs a C++ compiler and a CPU with AVX512-BF16 and
-AVX512-VNNI) and cached.
+kernel is compiled once per machine (it needs a C++ compiler and an x86 CPU with AVX2, FMA and
+F16C) and cached.
+
+It has a path per instruction set, named as `SPECCHAT_CPU_ISA` takes them: `avx512`
+(AVX512-VNNI: vpdpbusd on 512-bit registers; Intel Xeons since Cascade Lake, Ice/Tiger/Rocket Lake
+cores, AMD Zen 4+), `avx-vnni` (AVX-VNNI: vpdpbusd on 256-bit registers; Intel Core 12th gen and later, which have no
+AVX-512) and `avx2` (vpmaddubsw + vpmaddwd; Intel Haswell and later, AMD Zen 1-3), plus
+`avx-vnni-evex` (avx-vnni's code, for testing it on AVX-512 CPUs, which lack AVX-VNNI). Without the
+variable the best one the CPU has runs (`kernel_isa`); with it, that one runs or the kernel is
+unavailable, naming the CPU flags it lacks (tests force each path this way). All paths compute
+the same integer sums and the same float operations, so their outputs are bit-identical. Every
+path takes bf16 or float32 activations and returns the same dtype (`kernel_info` says which dtype
+a model should use here).
 
 Plain decoding and verification both run through these layers, so speculative decoding stays
 exact relative to plain decoding of the same quantized model; what quantization changes is the
@@ -14,6 +25,7 @@ model itself (how far from bf16: README, docs/cpu-runtime.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -26,7 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils import cpp_extension
 
-from specchat.decode.machine import cpu_flags
+from specchat.decode import machine
 from specchat.decode.options import KERNEL_BITS  # noqa: F401  (the --quantize choices this kernel runs)
 
 LAYOUT = "woq2"  # the packed format below; a cached model in another layout is packed again
@@ -34,32 +46,90 @@ GROUP = 32  # weights per scale and offset, along the input dimension
 BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
 PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)
 SOURCE = Path(__file__).parent / "kernels" / "woq_linear.cpp"
-CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c")
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
-                 "-mfma"]
+EXTENSION = "specchat_woq_isa"  # torch's build folder; the single-ISA kernel was "specchat_woq"
+ISA_VARIABLE = "SPECCHAT_CPU_ISA"
+# The kernel's paths, best first, and the CPU flags (as /proc/cpuinfo spells them) each needs.
+ISAS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
+    "avx-vnni": ("avx_vnni", "avx2", "fma", "f16c"),
+    # avx-vnni's code with AVX512-VNNI's encoding of the same instruction: how a CPU with AVX-512
+    # (which has no AVX-VNNI) tests that path; never better than avx512 where it runs
+    "avx-vnni-evex": ("avx512f", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
+# AVX2 for the whole file (the least any path needs); the AVX-512 and AVX-VNNI paths are compiled
+# for their instructions by target pragmas in the source, so no AVX-512 instruction is reached on
+# a CPU without it. No FMA contraction: every path runs exactly the float operations written.
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 
 
 class KernelUnavailable(RuntimeError):
-    """The quantized kernel cannot run here (no AVX512-BF16/VNNI, or it could not be compiled)."""
+    """The quantized kernel cannot run here (no AVX2, a forced path the CPU lacks, or no compiler)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInfo:
+    """The path the kernel runs here and the activations it is fed.
+
+    isa: the path, one of `ISAS` ("avx512", "avx-vnni", "avx2"; `kernel_isa`).
+    dtypes: the activation dtypes every path takes and returns (x is quantized to int8 per group
+        of 32 either way; its dtype only changes the conversions at the edges).
+    activation_dtype: the dtype a model using the kernel should run in here: bfloat16 where the
+        CPU computes bf16 natively (AVX512-BF16 or AMX, `machine.cpu_has_bf16`: the rest of the
+        model, attention and norms, runs fast in it), float32 elsewhere (torch's bf16 arithmetic is
+        emulated there; the kernel's cost is the same for either).
+    """
+
+    isa: str
+    dtypes: tuple[torch.dtype, ...]
+    activation_dtype: torch.dtype
+
+
+def _missing(isa: str, flags: frozenset[str]) -> list[str]:
+    return [feature for feature in ISAS[isa] if feature not in flags]
+
+
+def _choose_isa(requested: str | None, flags: frozenset[str], compiled: tuple[str, ...]) -> str:
+    """The path to run: `requested` if the CPU (and the build) has it, else the best one it has."""
+    if requested:
+        if requested not in ISAS:
+            raise KernelUnavailable(f"{ISA_VARIABLE}={requested} is not one of {', '.join(ISAS)}")
+        missing = _missing(requested, flags)
+        if missing:
+            raise KernelUnavailable(f"{ISA_VARIABLE}={requested}: this CPU lacks {', '.join(missing)}")
+        if requested not in compiled:
+            raise KernelUnavailable(f"{ISA_VARIABLE}={requested}: the compiler has no {requested} intrinsics "
+                                    f"(GCC 11 or clang 12 has them)")
+        return requested
+    for isa in ISAS:
+        if isa in compiled and not _missing(isa, flags):
+            return isa
+    raise KernelUnavailable(f"this CPU lacks {', '.join(_missing('avx2', flags))}")
+
+
+def _requested_isa() -> str | None:
+    return os.environ.get(ISA_VARIABLE) or None
 
 
 def missing_cpu_features() -> list[str]:
-    flags = cpu_flags()
-    return [feature for feature in CPU_FEATURES if feature not in flags]
+    """The CPU flags the chosen path needs that this CPU lacks: the forced one's, or where none is
+    forced the least demanding path's (empty if any path runs)."""
+    flags, requested = machine.cpu_flags(), _requested_isa()
+    if requested in ISAS:
+        return _missing(requested, flags)
+    return [] if any(not _missing(isa, flags) for isa in ISAS) else _missing("avx2", flags)
 
 
 @functools.cache
 def kernel():
     """The compiled extension (built on first use into the cache, keyed by the source's hash)."""
-    missing = missing_cpu_features()
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
+    _choose_isa(_requested_isa(), machine.cpu_flags(), tuple(ISAS))  # the CPU's verdict before compiling
     # torch keeps the build in its extensions folder and rebuilds it when the source or flags change.
-    build = Path(cpp_extension._get_build_directory("specchat_woq", verbose=False))
+    build = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False))
     if not any(build.glob("*.so")):
         print("specchat: compiling the quantized-linear kernel once (about a minute)...", file=sys.stderr)
     try:
-        return cpp_extension.load(name="specchat_woq", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+        return cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
                                   verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
@@ -68,15 +138,50 @@ def kernel():
 
 
 @functools.cache
+def _compiled_isas() -> tuple[str, ...]:
+    return tuple(kernel().isas())
+
+
+@functools.cache
+def kernel_isa() -> str:
+    """The path the kernel runs: $SPECCHAT_CPU_ISA (avx512, avx-vnni or avx2) if set, else the best
+    one this CPU has. Raises KernelUnavailable, naming the missing CPU flags, where that path cannot
+    run. Decided at the first kernel call (every call asks); `kernel_isa.cache_clear()` makes the
+    next one read the variable and the CPU's flags again (tests switch paths so)."""
+    return _choose_isa(_requested_isa(), machine.cpu_flags(), _compiled_isas())
+
+
+def runnable_isas() -> list[str]:
+    """Every path this CPU and this build of the kernel run, best first (empty where none does;
+    compiles the kernel if need be). Tests run each; $SPECCHAT_CPU_ISA picks one."""
+    try:
+        compiled = _compiled_isas()
+    except KernelUnavailable:
+        return []
+    return [isa for isa in ISAS if isa in compiled and not _missing(isa, machine.cpu_flags())]
+
+
+def kernel_info() -> KernelInfo:
+    """The chosen path and the activation dtype a model should use with it here (see `KernelInfo`)."""
+    native_bf16 = machine.cpu_has_bf16()
+    return KernelInfo(kernel_isa(), (torch.bfloat16, torch.float32), torch.bfloat16 if native_bf16 else torch.float32)
+
+
 def kernel_version() -> str:
-    """A short hash of the kernel's source: what it costs per forward changes with it."""
+    """A short hash of the kernel's source and the path it runs: what it costs per forward changes
+    with either."""
+    return f"{_source_hash()}-{kernel_isa()}"
+
+
+@functools.cache
+def _source_hash() -> str:
     return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
 
 
 def unavailable_reason() -> str | None:
     """Why the quantized kernel cannot run here, or None if it can (compiling it if need be)."""
     try:
-        kernel()
+        kernel_isa()
     except KernelUnavailable as error:
         return str(error)
     return None
@@ -134,12 +239,13 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
 
 
 class QuantizedLinear(nn.Module):
-    """A drop-in for an `nn.Linear` (bf16 activations) with 4- or 5-bit weights."""
+    """A drop-in for an `nn.Linear` (bf16 or float32 activations) with 4- or 5-bit weights."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, packed: dict[str, torch.Tensor],
-                 bias: torch.Tensor | None):
+                 bias: torch.Tensor | None, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.weight_dtype = weight_dtype  # the replaced layer's, which `weight` returns
         for name, tensor in packed.items():
             self.register_buffer(name, tensor)
         # float32: the kernel adds it before rounding (as a bf16 nn.Linear's GEMM does)
@@ -150,22 +256,27 @@ class QuantizedLinear(nn.Module):
         N, K = linear.weight.shape
         if N % BLOCK or K % GROUP:
             raise ValueError(f"a {N}x{K} weight does not tile into {BLOCK} rows and groups of {GROUP}")
-        return cls(K, N, bits, pack(*quantize(linear.weight.detach(), bits), bits), linear.bias)
+        return cls(K, N, bits, pack(*quantize(linear.weight.detach(), bits), bits), linear.bias, linear.weight.dtype)
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weights [out, in] in bf16, computed on each access (for a draft head that
-        takes its rows once): the kernel applied to the identity."""
-        identity = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return self._multiply(identity).T.contiguous()
+        """The dequantized weights [out, in] in `weight_dtype`, computed on each access (for a draft
+        head that takes its rows once): the kernel applied to the identity."""
+        identity = torch.eye(self.in_features, dtype=self.weight_dtype)
+        return self._forward(identity, None).T.contiguous()
 
     def _multiply(self, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return kernel().woq_linear(rows, self.low, self.high, self.scale, self.bias, bias, self.out_features,
-                                   self.bits)
+                                   self.bits, kernel_isa())
+
+    def _forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # bf16 and float32 go through as they are (and come back so); float16 and others as float32
+        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        y = self._multiply(x.reshape(-1, self.in_features).to(dtype).contiguous(), bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._multiply(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous(), self.bias_term)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return self._forward(x, self.bias_term)
 
     @classmethod
     def stacked(cls, layers: list[QuantizedLinear]) -> QuantizedLinear:
@@ -178,7 +289,8 @@ class QuantizedLinear(nn.Module):
         biases = [layer.bias_term for layer in layers]
         bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(layer.out_features) if b is None else b for layer, b in zip(layers, biases)])
-        return cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, packed, bias)
+        return cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, packed, bias,
+                   first.weight_dtype)
 
 
 class GatedMLP(nn.Module):
@@ -256,7 +368,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
     `cache` (a safetensors file) and read from there on later starts. Gated MLPs then run gate
     and up as one layer (`fuse_gated_mlps`), attentions q, k and v (`share_projections`).
     """
-    kernel()  # fail before touching the model
+    kernel_isa()  # fail before touching the model
     stored = _read_cache(cache, bits)
     fresh = {}
     for module, name, child, key in _linears(model):
@@ -265,7 +377,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
             continue
         if stored is not None and f"{key}.low" in stored:
             packed = {part: stored[f"{key}.{part}"] for part in PACKED_PARTS}
-            layer = QuantizedLinear(K, N, bits, packed, child.bias)
+            layer = QuantizedLinear(K, N, bits, packed, child.bias, child.weight.dtype)
         else:
             layer = QuantizedLinear.from_linear(child, bits)
             fresh.update({f"{key}.{part}": getattr(layer, part) for part in PACKED_PARTS})
