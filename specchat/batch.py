@@ -109,4 +109,4 @@ def failed(chat: LiveChat, record: PromptRecord, turns: list[dict], reason: str)
 def _record(chat: LiveChat, record: PromptRecord, turns: list[dict]) -> dict:
     settings = chat.settings
     return {"id": record.id, "category": record.category, "method": settings.method, "model": settings.model,
-            "draft": effective_draft(settings), "turns": turns}
+            "runtime": chat.engine.target.runtime, "draft": effective_draft(settings), "turns": turns}

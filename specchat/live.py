@@ -294,8 +294,8 @@ class LiveChat:
         """/show: model, draft, method, drafting, settings and conversation, as (name, value) rows."""
         settings, target, proposer = self.settings, self.engine.target, self.engine.proposer
         rows = [
-            ("model", f"{settings.model}  ({str(target.dtype).removeprefix('torch.')} on {target.device}, "
-                      f"context {target.max_context})"),
+            ("model", f"{settings.model}  (context {target.max_context})"),
+            ("runtime", target.runtime),
             ("draft", effective_draft(settings) or "-"),
             ("method", f"{settings.method}  ({METHODS[settings.method].summary})"),
         ]

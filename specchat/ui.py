@@ -218,11 +218,11 @@ class ChatUI:
             table.add_row(Text(name, style="bold"), Text(value))
         self.info.print(table)
 
-    def session_stats(self, totals: dict) -> None:
-        """Per-method totals (`specchat.live.MethodTotals`) and acceptance by tree depth."""
+    def session_stats(self, totals: dict, runtime: str) -> None:
+        """Per-method totals (`specchat.live.MethodTotals`), acceptance by tree depth, and what ran the model."""
         used = {method: t for method, t in totals.items() if t.turns}
         if not used:
-            self.note("no answers yet")
+            self.note(f"no answers yet (runtime: {runtime})")
             return
         table = Table(box=None, padding=(0, 2), header_style="bold")
         for column in ("method", "answers", "tokens", "tok/s", "τ", "acceptance", "speedup"):
@@ -242,6 +242,7 @@ class ChatUI:
                 depths = " · ".join(f"{depth}: {hit / reached:.0%} ({hit}/{reached})"
                                     for depth, hit, reached in t.acceptance_by_depth)
                 self.info.print(Text(f"{method} acceptance by tree depth  {depths}", style="dim"))
+        self.info.print(Text(f"runtime: {runtime}", style="dim"))
 
     def tree(self, cycle, tokenizer) -> None:
         """The draft tree of one cycle, accepted path marked, with each node's draft probability."""

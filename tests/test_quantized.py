@@ -179,10 +179,43 @@ def test_packed_layers_are_cached_and_read_back(tmp_path, monkeypatch):
     assert calls == [] and torch.equal(first(x), second(x))
 
 
-def test_auto_keeps_float32_models_unquantized_and_int5_needs_bf16_on_a_cpu(qwen_dir):
-    assert load_tiny_target(qwen_dir).spec.quantize == "none"  # the tests' float32: exact work
-    with pytest.raises(ModelLoadError, match="--quantize int5 runs on a CPU with --dtype bfloat16"):
-        load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cpu", quantize="int5"))
+def test_auto_keeps_float32_models_unquantized_and_int5_needs_bf16_or_float32_on_a_cpu(qwen_dir):
+    assert load_tiny_target(qwen_dir).spec.quantize == "none"  # the tests' float32, asked for: exact work
+    with pytest.raises(ModelLoadError, match="--quantize int5 runs on a CPU with --dtype bfloat16 or float32"):
+        load_target(ModelSpec(model=str(qwen_dir), dtype="float16", device="cpu", quantize="int5"))
+
+
+@needs_kernel
+def test_a_cpu_without_native_bf16_runs_the_kernel_on_float32_and_says_what_runs(qwen_dir, monkeypatch, capsys):
+    """--dtype auto on an AVX2-class CPU: float32 activations through the int5 kernel, named in /stats and records."""
+    from specchat.decode import target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_has_bf16", lambda: False)
+    target = load_target(ModelSpec(model=str(qwen_dir), device="cpu"))
+    assert target.dtype == torch.float32 and target.spec.quantize == "int5"
+    assert target.runtime == f"int5 weights, {quantized.kernel_isa()} kernel, float32 activations"
+    assert capsys.readouterr().err == ""  # the fastest runtime here: nothing to say
+    explicit = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cpu", quantize="int5"))
+    assert explicit.spec.quantize == "int5" and explicit.runtime == target.runtime
+
+
+@needs_kernel
+def test_a_runtime_that_is_not_the_fastest_is_said_in_one_line(qwen_dir, monkeypatch, capsys):
+    load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu", quantize="none"))
+    assert capsys.readouterr().err.strip() == ("specchat: --quantize none as asked; --quantize auto (int5, "
+                                               "specchat's kernel) decodes faster on this CPU")
+    monkeypatch.setenv(quantized.ISA_VARIABLE, "avx2")
+    quantized.kernel_isa.cache_clear()
+    try:
+        target = load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu"))
+        err = capsys.readouterr().err.strip().splitlines()
+    finally:
+        monkeypatch.delenv(quantized.ISA_VARIABLE)
+        quantized.kernel_isa.cache_clear()
+    assert target.runtime == "int5 weights, avx2 (forced) kernel, bfloat16 activations"
+    best = quantized.runnable_isas()[0]
+    assert err == [] if best == "avx2" else err == [f"specchat: {target.runtime}: SPECCHAT_CPU_ISA forces the path "
+                                                     f"(this CPU's best: {best})"]
 
 
 @needs_kernel

@@ -107,14 +107,15 @@ def _choose_isa(requested: str | None, flags: frozenset[str], compiled: tuple[st
     raise KernelUnavailable(f"this CPU lacks {', '.join(_missing('avx2', flags))}")
 
 
-def _requested_isa() -> str | None:
+def forced_isa() -> str | None:
+    """The path $SPECCHAT_CPU_ISA forces, or None where the best one the CPU has runs."""
     return os.environ.get(ISA_VARIABLE) or None
 
 
 def missing_cpu_features() -> list[str]:
     """The CPU flags the chosen path needs that this CPU lacks: the forced one's, or where none is
     forced the least demanding path's (empty if any path runs)."""
-    flags, requested = machine.cpu_flags(), _requested_isa()
+    flags, requested = machine.cpu_flags(), forced_isa()
     if requested in ISAS:
         return _missing(requested, flags)
     return [] if any(not _missing(isa, flags) for isa in ISAS) else _missing("avx2", flags)
@@ -123,7 +124,7 @@ def missing_cpu_features() -> list[str]:
 @functools.cache
 def kernel():
     """The compiled extension (built on first use into the cache, keyed by the source's hash)."""
-    _choose_isa(_requested_isa(), machine.cpu_flags(), tuple(ISAS))  # the CPU's verdict before compiling
+    _choose_isa(forced_isa(), machine.cpu_flags(), tuple(ISAS))  # the CPU's verdict before compiling
     # torch keeps the build in its extensions folder and rebuilds it when the source or flags change.
     build = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False))
     if not any(build.glob("*.so")):
@@ -148,7 +149,7 @@ def kernel_isa() -> str:
     one this CPU has. Raises KernelUnavailable, naming the missing CPU flags, where that path cannot
     run. Decided at the first kernel call (every call asks); `kernel_isa.cache_clear()` makes the
     next one read the variable and the CPU's flags again (tests switch paths so)."""
-    return _choose_isa(_requested_isa(), machine.cpu_flags(), _compiled_isas())
+    return _choose_isa(forced_isa(), machine.cpu_flags(), _compiled_isas())
 
 
 def runnable_isas() -> list[str]:

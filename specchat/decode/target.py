@@ -89,7 +89,7 @@ class Target:
     separately, so logits are computed only where they are needed.
     """
 
-    def __init__(self, model, tokenizer, name: str, spec: ModelSpec | None = None):
+    def __init__(self, model, tokenizer, name: str, spec: ModelSpec | None = None, runtime: str | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -99,6 +99,7 @@ class Target:
         self.lm_head = model.get_output_embeddings()  # an nn.Linear, or a quantized one
         embedding = model.get_input_embeddings().weight
         self.device, self.dtype = embedding.device, embedding.dtype
+        self.runtime = runtime or describe_runtime(self.spec.quantize, self.device, self.dtype)
         text_config = self.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         self.hidden_size = text_config.hidden_size
@@ -152,7 +153,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
     quantized as `spec` says."""
     if spec.quantize not in QUANTIZE:
         raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE)})")
-    quantize = resolve_quantize(spec.quantize, device, dtype)
+    quantize = resolve_quantize(spec.quantize, device, dtype, float32_asked=spec.dtype == "float32")
     quiet_transformers()
     kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
     if quantize in BITSANDBYTES:
@@ -178,28 +179,51 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
             quantized.quantize_linears(model, quantized.KERNEL_BITS[quantize], quantized_cache(source, quantize))
         except (quantized.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
-    return Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
+    runtime = describe_runtime(quantize, device, dtype)
+    if quantize in quantized.KERNEL_BITS and quantized.forced_isa():
+        print(f"specchat: {runtime}: {quantized.ISA_VARIABLE} forces the path (this CPU's best: "
+              f"{quantized.runnable_isas()[0]})", file=sys.stderr)
+    return Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize), runtime=runtime)
 
 
-def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`: specchat's 5-bit kernel for a bf16 model on a CPU that runs it, else the dtype's own weights.
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the activations specchat's kernel takes
 
-    Measured on a 2-core AVX-512 CPU (docs/cpu-runtime.md): the 0.5B decodes in ~16 ms per token
-    with it against ~51 in bf16, and verifying 8 tokens costs ~1.4x one. A CPU without AVX512-BF16
-    and VNNI (or without a compiler) keeps bf16, which AMX CPUs verify flat anyway.
+
+def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype, float32_asked: bool = False) -> str:
+    """`auto`: specchat's 5-bit kernel on a CPU that runs it, else the dtype's own weights; any
+    choice that is not the fastest here is said in one line. A float32 model the user asked for
+    (`--dtype float32`, not auto) keeps its float32 weights: that is how exactness is checked.
+
+    Measured on 2 cores (docs/cpu-runtime.md): with AVX512-BF16 the 0.5B decodes in ~16 ms per
+    token with it against ~51 in bf16; on the AVX2 path it takes float32 activations, where torch's
+    own float32 layers cost 135 ms per token. Verifying 8 tokens costs ~1.4x one either way.
     """
     if choice != AUTO:
-        if choice in quantized.KERNEL_BITS and (device.type != "cpu" or dtype != torch.bfloat16):
-            raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 (got {device.type}, "
-                                 f"{dtype_name(dtype)})")
+        if choice in quantized.KERNEL_BITS and (device.type != "cpu" or dtype not in KERNEL_DTYPES):
+            raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 or float32 (got "
+                                 f"{device.type}, {dtype_name(dtype)})")
+        if device.type == "cpu" and choice not in quantized.KERNEL_BITS and not quantized.missing_cpu_features():
+            print(f"specchat: --quantize {choice} as asked; --quantize auto (int5, specchat's kernel) decodes "
+                  f"faster on this CPU", file=sys.stderr)
         return choice
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES or float32_asked:
         return "none"
     reason = quantized.unavailable_reason()
-    if reason is not None:  # said, not silent: plain bf16 decodes about 2.5x slower here
-        print(f"specchat: bf16 weights, not the 5-bit kernel ({reason})", file=sys.stderr)
+    if reason is not None:  # said, not silent: plain weights decode several times slower
+        print(f"specchat: {dtype_name(dtype)} weights, not the 5-bit kernel ({reason}): decoding is several times "
+              f"slower", file=sys.stderr)
         return "none"
     return "int5"
+
+
+def describe_runtime(quantize: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What runs the target, for start-up lines, /stats, run records and bench results."""
+    if quantize in quantized.KERNEL_BITS:
+        forced = " (forced)" if quantized.forced_isa() else ""
+        return f"{quantize} weights, {quantized.kernel_isa()}{forced} kernel, {dtype_name(dtype)} activations"
+    if quantize in BITSANDBYTES:
+        return f"bitsandbytes {quantize} weights, {dtype_name(dtype)} compute, {device.type}"
+    return f"{dtype_name(dtype)} weights, {device.type}"
 
 
 def quantized_cache(source: str | Path, quantize: str, loaded_on: Target | None = None) -> Path:
