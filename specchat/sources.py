@@ -10,7 +10,9 @@ Running the model is `specchat.decode.target`'s business; `load_target` joins th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -27,8 +29,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 import drafters
 from specchat import embedded
 from specchat.decode.machine import cache_dir
-from specchat.decode.target import ModelSpec, Target, dtype_name, load_folder, quiet_transformers, resolve_device, \
-    resolve_dtype
+from specchat.decode import quantized
+from specchat.decode.options import AUTO
+from specchat.decode.target import KERNEL_DTYPES, ModelSpec, Target, dtype_name, load_folder, quiet_transformers, \
+    resolve_device, resolve_dtype
 from specchat.errors import ModelLoadError, SpecchatError
 from specchat import heads
 from specchat.hub import HUB_ID, HubError, hub_file, hub_folder
@@ -41,10 +45,20 @@ class DraftHeadError(SpecchatError, ValueError):
 
 
 def load_target(spec: ModelSpec) -> Target:
-    """Find, (convert,) and load the target model and its tokenizer."""
+    """Find, (convert,) and load the target model and its tokenizer.
+
+    Where specchat's kernel will likely run the weights, it is compiled on another thread while
+    the model is found and converted, and a GGUF is converted to bf16 whatever the activations'
+    dtype (the kernel quantizes the weights again; half the bytes to write and to read).
+    """
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    return load_folder(locate(spec, dtype), spec, device, dtype)
+    kernel_likely = device.type == "cpu" and not quantized.missing_cpu_features() and (
+        spec.quantize in quantized.KERNEL_BITS or (spec.quantize == AUTO and dtype in KERNEL_DTYPES
+                                                   and spec.dtype != "float32"))
+    if kernel_likely:
+        quantized.start_build()
+    return load_folder(locate(spec, torch.bfloat16 if kernel_likely else dtype), spec, device, dtype)
 
 
 def _file_sha256(path: Path) -> str:
@@ -160,11 +174,13 @@ def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
     """Dequantize a GGUF file into `dtype` and save it in `folder` as a Hugging Face model folder."""
     quiet_transformers()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
-            quantization_config=GgufConfig(dequantize=True),
-        )
+        # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
+                quantization_config=GgufConfig(dequantize=True),
+            )
     except (ValueError, OSError, KeyError, RuntimeError, IndexError, TypeError, EOFError, struct.error) as error:
         # what the GGUF parser raises on a damaged or truncated file
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)

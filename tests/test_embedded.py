@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from specchat import embedded, sources
 from specchat.decode.target import ModelSpec
@@ -69,6 +70,9 @@ def _converted_folder(cache, model, stamp_chunks):
     """A finished conversion in the cache, as an earlier install would have left it."""
     folder = cache / "models" / f"{model.name}-float32"
     folder.mkdir(parents=True)
+    for name in sources.NEEDED_FILES:
+        (folder / name).write_text("{}")
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
     (folder / sources.STAMP).write_text(json.dumps({"embedded": model.name, "sha256": model.sha256,
                                                     "dtype": "float32", "chunks": stamp_chunks}))
     return folder

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ def cached_curve(target) -> Curve:
         known = {}
     key = _key(target)
     if key not in known:
+        print("specchat: measuring what verifying n tokens costs on this machine once (seconds)...", file=sys.stderr)
         known[key] = measure(target).milliseconds
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -30,6 +30,7 @@ import functools
 import hashlib
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -121,9 +122,24 @@ def missing_cpu_features() -> list[str]:
     return [] if any(not _missing(isa, flags) for isa in ISAS) else _missing("avx2", flags)
 
 
+_BUILD = threading.Lock()  # one build at a time: `start_build`'s thread, or whoever asks first
+
+
 @functools.cache
 def kernel():
     """The compiled extension (built on first use into the cache, keyed by the source's hash)."""
+    with _BUILD:  # (cached outside the lock: every linear layer of every forward asks)
+        return _built_kernel()
+
+
+def start_build() -> None:
+    """Compile (or load) the kernel on another thread: the first time it takes about a minute,
+    which then overlaps the model's conversion instead of following it."""
+    threading.Thread(target=unavailable_reason, daemon=True, name="specchat-kernel-build").start()
+
+
+@functools.cache
+def _built_kernel():
     _choose_isa(forced_isa(), machine.cpu_flags(), tuple(ISAS))  # the CPU's verdict before compiling
     # torch keeps the build in its extensions folder and rebuilds it when the source or flags change.
     build = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False))
@@ -371,6 +387,9 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
     """
     kernel_isa()  # fail before touching the model
     stored = _read_cache(cache, bits)
+    if stored is None and cache is not None:
+        print(f"specchat: packing the linear layers into {bits} bits once (seconds per hundred million weights)...",
+              file=sys.stderr)
     fresh = {}
     for module, name, child, key in _linears(model):
         N, K = child.weight.shape
