@@ -20,15 +20,20 @@ from rich.table import Table
 from specchat import app, bench, peers
 from specchat.bench import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError
-from specchat.inputs import read_prompts
+from specchat.inputs import check_output_folder, read_prompts
 from specchat.machine import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, default_draft
 from specchat.livesettings import METHOD_SECTIONS, LiveChatError, parse_value
 from specchat.settings import FIELDS, Settings
 
 
+# What `bench.write_outputs` writes into the output folder (checked before the model loads).
+OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png", "memory.png")
+
+
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
               warmup: int, output_dir: str, interleave: bool = False) -> None:
+    check_output_folder("--output", output_dir, inputs, OUTPUT_FILES)
     variants = {label: parse_variant(label) for label in methods}
     if PLAIN not in variants:  # speedups are relative to plain decoding measured in the same run
         variants = {PLAIN: (PLAIN, {}), **variants}

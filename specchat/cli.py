@@ -139,13 +139,14 @@ def run(inputs, output, output_format, trace, atomic, **options):
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
     inputs = list(inputs) or ["-"]
-    check_outputs({"--output": output, "--trace": trace}, inputs)
+    atomic = atomic and output != "-"
+    check_outputs({"--output": output, "--trace": trace}, inputs, atomic=("--output",) if atomic else ())
     records = read_prompts(inputs)
     from specchat import batch  # torch and transformers load here, once the command line and the files are right
 
     chat = open_chat(settings, profile, note)
     with ExitStack() as files:
-        sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=atomic and output != "-"))
+        sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=atomic))
         trace_file = files.enter_context(open(trace, "w", encoding="utf-8")) if trace else None
         ui = ChatUI(Console(file=sink, soft_wrap=True), Console(stderr=True, soft_wrap=True)) \
             if output_format == "text" else None

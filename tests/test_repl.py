@@ -260,3 +260,18 @@ def test_ctrl_c_during_run_exits_130_and_keeps_finished_records(qwen_dir, tmp_pa
     code, _, err = invoke(["run", str(prompts), "-o", str(output), *tiny(qwen_dir)], capsys, monkeypatch)
     assert code == 130 and "kept the 2 finished records" in err
     assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [1, 2]
+
+
+def test_save_writes_through_a_link_and_never_replaces_a_pipe_or_a_folder(qwen_dir, tmp_path):
+    import os
+
+    chat = new_chat(qwen_dir)
+    real, link, pipe = tmp_path / "real.json", tmp_path / "link.json", tmp_path / "pipe.json"
+    real.write_text("{}")
+    link.symlink_to(real)
+    os.mkfifo(pipe)
+    out = drive(chat, f"hello\n/save {link}\n/save {pipe}\n/save {tmp_path}\n")
+    assert link.is_symlink() and json.loads(real.read_text())["format"] == "specchat-transcript"
+    assert f"error: {pipe}: cannot write (not a regular file)" in out and pipe.is_fifo()
+    assert f"error: {tmp_path}: cannot write (not a regular file)" in out
+    assert not list(tmp_path.glob(".*.tmp"))

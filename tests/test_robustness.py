@@ -137,6 +137,112 @@ def test_outputs_that_would_lose_data_are_refused_before_the_model_loads(tmp_pat
     assert (tmp_path / "p.jsonl").read_text() == '{"prompt": "keep me"}\n'
 
 
+@pytest.mark.parametrize("link", [os.link, os.symlink], ids=["hard link", "symbolic link"])
+@pytest.mark.parametrize("option", ["-o", "--trace"])
+def test_an_output_that_is_the_input_through_a_link_is_refused(tmp_path, capsys, monkeypatch, link, option):
+    """`ln in.txt out.jsonl; specchat run in.txt -o out.jsonl` overwrote the prompts: paths differ, the file is one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text("Say hi\n")
+    link("in.txt", "out.jsonl")
+    code, _, err = invoke(["run", "in.txt", option, "out.jsonl", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "out.jsonl is also the input in.txt" in err and one_line(err), err
+    assert (tmp_path / "in.txt").read_text() == "Say hi\n"
+
+
+def test_two_outputs_on_one_file_and_an_output_that_is_standard_input_are_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out.jsonl").write_text("keep\n")
+    os.link("out.jsonl", "trace.jsonl")
+    code, _, err = invoke(["run", "-", "-o", "out.jsonl", "--trace", "trace.jsonl", "--model", "/no/such/model"],
+                          capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and "--trace trace.jsonl is also --output" in err and one_line(err)
+    (tmp_path / "in.txt").write_text("Say hi\n")
+    with open(tmp_path / "in.txt") as stdin:  # `specchat run - -o in.txt < in.txt`
+        monkeypatch.setattr("sys.stdin", stdin)
+        code, _, err = invoke(["run", "-", "-o", "in.txt", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "--output in.txt is also standard input" in err and one_line(err)
+    assert (tmp_path / "in.txt").read_text() == "Say hi\n" and (tmp_path / "out.jsonl").read_text() == "keep\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["-o", "/dev/full"], ["--trace", "/dev/full"], ["-o", "full.jsonl"],
+                                  ["-o", "/dev/full", "--atomic"]])
+def test_an_output_that_refuses_writes_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, args):
+    """`-o /dev/full` used to fail only once every answer was done."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink("/dev/full", "full.jsonl")
+    (tmp_path / "p.txt").write_text("Say hi\n")
+    code, _, err = invoke(["run", "p.txt", *args, "--model", "/no/such/model"], capsys)  # a model would fail with 1
+    assert code == 2 and f"{args[1]}: not writable (No space left on device)" in err and one_line(err), err
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")  # still the device
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files")
+def test_a_read_only_output_or_folder_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("Say hi\n")
+    (tmp_path / "old.jsonl").write_text("old\n")
+    (tmp_path / "old.jsonl").chmod(0o444)
+    code, _, err = invoke(["run", "p.txt", "-o", "old.jsonl", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "old.jsonl: not writable (Permission denied)" in err and one_line(err)
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked").chmod(0o555)
+    try:
+        for args in (["-o", "locked/new.jsonl"], ["--trace", "locked/t.jsonl"]):
+            code, _, err = invoke(["run", "p.txt", *args, "--model", "/no/such/model"], capsys)
+            assert code == 2 and "not writable (Permission denied)" in err and one_line(err)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    assert (tmp_path / "old.jsonl").read_text() == "old\n"
+
+
+@pytest.mark.parametrize("atomic", [[], ["--atomic"]])
+def test_probing_an_output_changes_nothing(tmp_path, capsys, monkeypatch, atomic):
+    """The writability probe neither truncates an existing output nor leaves a file behind."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("Say hi\n")
+    (tmp_path / "old.jsonl").write_text("old records\n")
+    for output in ("old.jsonl", "new.jsonl"):
+        code, _, err = invoke(["run", "p.txt", "-o", output, "--trace", "t.jsonl", *atomic, "--model", "/no/such/model"],
+                              capsys)
+        assert code == 1 and "/no/such/model" in err  # past the output checks, failing on the model
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl", "p.txt"]
+    assert (tmp_path / "old.jsonl").read_text() == "old records\n"
+
+
+def test_bench_refuses_an_output_folder_holding_an_input_or_refusing_writes(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "results.json").write_text('{"prompt": "keep me"}\n')
+    os.link("results/results.json", "p.jsonl")  # the prompts, under another name, are where results.json goes
+    code, _, err = invoke(["bench", "p.jsonl", "-o", "results", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "results.json there is also the input p.jsonl" in err and one_line(err), err
+    assert (tmp_path / "p.jsonl").read_text() == '{"prompt": "keep me"}\n'
+    (tmp_path / "q.jsonl").write_text('{"prompt": "x"}\n')
+    if os.path.exists("/dev/full"):
+        os.symlink("/dev/full", "results/results.csv")
+        code, _, err = invoke(["bench", "q.jsonl", "-o", "results", "--model", "/no/such/model"], capsys)
+        assert code == 2 and "results.csv: not writable (No space left on device)" in err and one_line(err), err
+        code, _, err = invoke(["bench", "q.jsonl", "-o", "/dev/full", "--model", "/no/such/model"], capsys)
+        assert code == 2 and "/dev/full: not a folder" in err and one_line(err), err
+    code, _, err = invoke(["bench", "q.jsonl", "-o", "p.jsonl/sub", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "is not a folder" in err and one_line(err), err
+
+
+def test_bench_output_files_are_the_ones_checked(tmp_path):
+    from specchat import bench
+    from specchat.bench_run import OUTPUT_FILES
+
+    results = [bench.TurnResult(method=method, question=1, category="c", turn=0, repeat=0, response="r", new_tokens=4,
+                                seconds=1.0, target_forwards=2, draft_tokens=4, accepted_tokens=2,
+                                cycles=[{"depths": [1, 2], "parents": [-1, 0], "probs": [0.5, 0.4], "accepted": [0],
+                                         "stop_depth": 2}])
+               for method in ("vanilla", "eagle2")]
+    folder = tmp_path / "out"
+    bench.write_outputs(folder, results, bench.summarize(results, greedy=True), {"vanilla": 1.0, "eagle2": 2.0}, {})
+    assert {p.name for p in folder.iterdir()} <= set(OUTPUT_FILES)
+
+
 def test_atomic_output_appears_whole_and_trace_lines_are_written_per_record(qwen_dir, tmp_path, capsys):
     out, trace = tmp_path / "out.jsonl", tmp_path / "trace.jsonl"
     out.write_text("old\n")
