@@ -50,11 +50,12 @@ def preflight(chat: LiveChat, record: PromptRecord) -> str | None:
     fit in the context), as `FILE:LINE: reason`; None if it can start."""
     system = record.system if record.system is not None else chat.settings.system
     conversation = Conversation(system=system, messages=[*record.history, {"role": "user", "content": record.turns[0]}])
+    room = chat.engine.target.max_context
     try:
+        chat.session.chat_format.check_size(conversation.as_messages(), room)  # a huge record: refused before it is tokenized
         ids = chat.session.chat_format.prompt_ids(conversation)
     except SpecchatError as error:
         return f"{record.where}: {error}"
-    room = chat.engine.target.max_context
     if len(ids) >= room:
         return f"{record.where}: the prompt has {len(ids)} tokens but the model's context holds {room}"
     return None

@@ -122,6 +122,48 @@ def test_a_record_that_fails_is_recorded_and_the_batch_goes_on(qwen_dir, tmp_pat
     assert "Traceback" not in err
 
 
+def test_a_huge_prompt_is_refused_by_its_size_before_it_is_tokenized(qwen_dir, tmp_path, capsys, monkeypatch):
+    """A 50 MB line took 173 s and 12.5 GB to be found longer than the context: it was tokenized first."""
+    from specchat.chat import ChatFormat
+
+    tokenized = []
+    prompt_ids = ChatFormat.prompt_ids
+
+    def spy(self, conversation):
+        tokenized.append(sum(len(m["content"]) for m in conversation.as_messages()))
+        return prompt_ids(self, conversation)
+
+    monkeypatch.setattr(ChatFormat, "prompt_ids", spy)
+    huge = "word " * 1_000_000  # 5 MB; the tiny model's context is 512 tokens
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [{"prompt": "short"}, {"prompt": huge},
+                                                        {"turns": ["fine", huge]}]) + "\n")
+    code, out, err = invoke(["run", str(prompts), *tiny(qwen_dir)], capsys)
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and [r["id"] for r in records] == [1, 2, 3] and "error" not in records[0]
+    assert records[1]["error"].startswith(f"{prompts}:2: the prompt is 5,000,000 bytes, more than the model's "
+                                          "context of 512 tokens can hold") and records[1]["turns"] == []
+    assert f"{prompts}:3: turn 2: the prompt is 5,000,0" in records[2]["error"] and len(records[2]["turns"]) == 1
+    assert f"{prompts}:2: the prompt is" in err and "2 of 3 prompt records failed" in err
+    assert tokenized and max(tokenized) < 10_000  # the huge text never reached the tokenizer
+    code, out, err = invoke(["chat", *tiny(qwen_dir, "--method", "vanilla")], capsys, stdin=huge, monkeypatch=monkeypatch)
+    assert code == 1 and "the prompt is 5,000,000 bytes" in err and one_line(err) and out == ""
+    assert max(tokenized) < 10_000
+
+
+def test_the_size_bound_never_refuses_a_prompt_that_fits(tokenizer):
+    """B bytes make at least B / max_token_bytes tokens: the densest text a tokenizer has still passes."""
+    from specchat.chat import ChatFormat, Conversation
+    from specchat.errors import ContextLengthError
+
+    chat_format = ChatFormat(tokenizer)
+    special = "<|endoftext|>" * 60  # the most bytes per token this tokenizer has (13 bytes, one token each)
+    conversation = Conversation(messages=[{"role": "user", "content": special}])
+    chat_format.check_size(conversation.as_messages(), len(chat_format.prompt_ids(conversation)))
+    with pytest.raises(ContextLengthError, match="the prompt is 780 bytes"):
+        chat_format.check_size(conversation.as_messages(), 780 // chat_format.max_token_bytes - 1)
+
+
 @pytest.mark.parametrize("output,trace,message", [
     ("same.jsonl", "same.jsonl", "--trace same.jsonl is also --output"),
     ("p.jsonl", None, "--output p.jsonl is also an input"),
