@@ -2,7 +2,7 @@
 
 Kept apart from `specchat.bench` (measurement, statistics, plots) so those stay free of I/O on
 models and terminals. A long run shows progress and can be interrupted with Ctrl-C: whatever
-finished is summarised and written.
+finished is summarised and written; SIGTERM (`Terminated`) likewise.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rich.table import Table
 
 from specchat import app, bench, peers
 from specchat.bench import PeakMemory, SessionRunner
-from specchat.errors import SpecchatError
+from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import check_output_folder, read_prompts
 from specchat.machine import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, default_draft
@@ -67,7 +67,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "warmup": warmup, "interleave": interleave, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
-    interrupted = False
+    interrupted: BaseException | None = None  # the Ctrl-C or SIGTERM that stopped the runs
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console)
 
@@ -100,8 +100,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
             try:
                 answers = bench.run_interleaved(runners, records, settings.system, repeat, warmup, on_turn)
                 results.extend(answers)  # consumed one by one: an interruption keeps what finished
-            except KeyboardInterrupt:
-                interrupted = True
+            except (KeyboardInterrupt, Terminated) as stop:
+                interrupted = stop
             finally:
                 for runner in runners.values():
                     runner.close()
@@ -117,16 +117,16 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
                     with PeakMemory(target.device) as peak:
                         answers = bench.run_method(method, runner, records, settings.system, repeat, warmup, on_turn)
                         results.extend(answers)  # consumed one by one: an interruption keeps what finished
-                except KeyboardInterrupt:
-                    interrupted = True
+                except (KeyboardInterrupt, Terminated) as stop:
+                    interrupted = stop
                 finally:
                     memory[method] = peak.peak
                     runner.close()
                     del runner, owned  # the method's drafter or assistant goes before the next one is measured
                     gc.collect()
-                if interrupted:
+                if interrupted is not None:
                     break
-    meta["interrupted"] = interrupted
+    meta["interrupted"] = interrupted is not None
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     summary = bench.summarize(results, greedy=generation.sampling.greedy)
     written = bench.write_outputs(Path(output_dir), results, summary, memory, meta)
@@ -139,8 +139,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
             table.add_row(*row)
         Console().print(table)
     console.print(f"wrote {output_dir}/results.json, results.csv and {', '.join(p.name for p in written)}")
-    if interrupted:
-        raise KeyboardInterrupt
+    if interrupted is not None:
+        raise interrupted
 
 
 def parse_variant(label: str) -> tuple[str, dict]:

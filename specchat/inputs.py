@@ -25,6 +25,7 @@ import os
 import stat
 import sys
 import tempfile
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 from specchat.errors import UsageError
@@ -315,3 +316,34 @@ def check_output_folder(option: str, folder: str, inputs: list[str], names: tupl
         if status is not None:
             probe_writable(f"{option} {folder}: {name}", path, status)
 
+
+@contextmanager
+def atomic_output(path: str):
+    """A text file that replaces `path` only if the block ends without an error: the records go to a
+    temporary file in the same folder, renamed over `path` at the end. On an error, Ctrl-C or
+    SIGTERM the temporary file is removed and `path` stays as it was. (click's atomic files rename
+    even then.) A symbolic link is written through; a device or a pipe is written directly."""
+    resolved = os.path.realpath(path)
+    status = _stat(resolved)
+    if status is not None and not stat.S_ISREG(status.st_mode):  # /dev/null: never renamed over
+        with open(resolved, "w", encoding="utf-8") as handle:
+            yield handle
+        return
+    descriptor, temporary = tempfile.mkstemp(prefix=ATOMIC_PREFIX, dir=os.path.dirname(resolved))
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, stat.S_IMODE(status.st_mode) if status else 0o666 & ~_umask())
+        os.replace(temporary, resolved)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -461,3 +462,85 @@ def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert not errors and len(conversions) == 1 and folders[0] == folders[1]
+
+
+# --- SIGTERM: handled like Ctrl-C ---------------------------------------------------------------------------
+
+
+def start_specchat(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "specchat", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"ended before {what}: {process.stderr.read()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+def test_sigterm_during_run_keeps_finished_records_leaves_no_temporary_and_exits_143(qwen_dir, tmp_path, atomic):
+    prompts, folder = tmp_path / "p.txt", tmp_path / "out"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(5000)))
+    folder.mkdir()
+    output = folder / "records.jsonl"
+    if atomic:
+        output.write_text("old\n")
+    process = start_specchat(["run", str(prompts), "-o", str(output), *tiny(qwen_dir, "--method", "vanilla"),
+                              *(["--atomic"] if atomic else [])])
+
+    def first_record_written():
+        files = [p for p in folder.iterdir() if p.name.startswith(".__atomic-write")] if atomic else [output]
+        return any(f.exists() and f.stat().st_size > 0 for f in files)
+
+    wait_for(first_record_written, process, "record")
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and one_line(err), err
+    assert [p.name for p in folder.iterdir()] == ["records.jsonl"]  # no temporary file left
+    if atomic:
+        assert output.read_text() == "old\n"
+        assert "specchat: terminated; the" in err and "not written (--atomic leaves the output as it was)" in err
+        return
+    ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]  # whole JSON lines only
+    assert 1 <= len(ids) < 5000 and ids == list(range(1, len(ids) + 1))
+    assert f"specchat: terminated; kept the {len(ids)} finished records" in err
+
+
+def test_sigterm_during_bench_writes_what_finished_and_exits_143(qwen_dir, tmp_path):
+    prompts, folder = tmp_path / "q.txt", tmp_path / "results"
+    prompts.write_text("".join(f"question {i}\n" for i in range(2000)))
+    process = start_specchat(["bench", str(prompts), "--methods", "vanilla", "--warmup", "0", "-o", str(folder),
+                              *tiny(qwen_dir)])
+    line = ""
+    deadline = time.monotonic() + 180
+    while not line.startswith("vanilla 2/"):  # off a terminal, bench says a line per answered turn
+        line = process.stderr.readline()
+        assert line and time.monotonic() < deadline, "no progress line"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143 and err.strip().splitlines()[-1] == "specchat: terminated", err
+    results = json.loads((folder / "results.json").read_text())
+    assert results["meta"]["interrupted"] is True and 1 <= len(results["turns"]) < 2000  # (the 2nd may be cut short)
+
+
+def test_ctrl_c_during_an_atomic_run_leaves_the_old_output_as_it_was(qwen_dir, tmp_path, capsys, monkeypatch):
+    """click's atomic file renamed the partial output over the old one even on Ctrl-C."""
+    from specchat.engine import Engine
+
+    generate = Engine.generate
+
+    def stop_at_the_third_prompt(self, prompt, settings, rng=None):
+        if self.target.tokenizer.decode(prompt).count("third"):
+            raise KeyboardInterrupt
+        yield from generate(self, prompt, settings, rng)
+
+    monkeypatch.setattr(Engine, "generate", stop_at_the_third_prompt)
+    prompts, output = tmp_path / "p.txt", tmp_path / "out.jsonl"
+    prompts.write_text("first\nsecond\nthird\nfourth\n")
+    output.write_text("old\n")
+    code, _, err = invoke(["run", str(prompts), "-o", str(output), "--atomic", *tiny(qwen_dir)], capsys, monkeypatch)
+    assert code == 130 and "the 2 finished records are not written (--atomic leaves the output as it was)" in err
+    assert output.read_text() == "old\n" and not [p for p in tmp_path.iterdir() if p.name.startswith(".__atomic")]
