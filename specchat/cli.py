@@ -34,6 +34,7 @@ from specchat.settings import FIELDS, ProfileError, Settings
 from specchat.ui import ChatUI, TrainingProgress
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, Terminated.exit_code
+terminal_chat_ran = False  # set by `chat` when its terminal chat starts: main() then leaves at once
 
 
 class SettingOption(click.Option):
@@ -105,6 +106,8 @@ def chat(**options):
         return
     if note:  # now: once the prompt is up, a line from the loading thread would cut into it
         click.echo(f"specchat: {note}", err=True)
+    global terminal_chat_ran
+    terminal_chat_ran = True  # however the chat ends, main() then ends the process at once
     run_repl(lambda: open_chat(settings, profile), settings.model)
 
 
@@ -352,7 +355,28 @@ def sigterm_raises_terminated():
         signal.signal(signal.SIGTERM, previous)
 
 
+def leave_at_once(code) -> None:
+    """End the process now, without Python's shutdown: what a terminal chat does when it is left.
+
+    Python's shutdown is what made Ctrl-D slow or stuck. It first joins the worker threads that
+    transformers loads weights with, which finish every tensor still queued, when the model is
+    still loading in the background; then it clears every module with full garbage collections
+    over torch's and transformers' objects (seconds on an idle 2-core machine, tens of seconds on
+    a busy one, measured), with the loading thread, if any, stopped wherever it stands (which has
+    aborted). Nothing is left to save: answers are printed, the history file is written line by
+    line and /save writes at once; so the standard streams are flushed and the process ends.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed, or the reader went away
+            pass
+    os._exit(code if isinstance(code, int) else EXIT_OK if code is None else EXIT_RUNTIME)
+
+
 def main(argv: list[str] | None = None) -> None:
+    global terminal_chat_ran
+    terminal_chat_ran = False
     with sigterm_raises_terminated():
         try:
             run_command(argv)
@@ -362,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         except Terminated as stop:  # SIGTERM while an error was being reported
             click.echo(f"specchat: {stop.message}", err=True)
             exit_code = EXIT_TERMINATED
+    if terminal_chat_ran:
+        leave_at_once(exit_code)
     if exit_code is not None:
         sys.exit(exit_code)
 

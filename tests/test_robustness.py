@@ -544,3 +544,27 @@ def test_ctrl_c_during_an_atomic_run_leaves_the_old_output_as_it_was(qwen_dir, t
     code, _, err = invoke(["run", str(prompts), "-o", str(output), "--atomic", *tiny(qwen_dir)], capsys, monkeypatch)
     assert code == 130 and "the 2 finished records are not written (--atomic leaves the output as it was)" in err
     assert output.read_text() == "old\n" and not [p for p in tmp_path.iterdir() if p.name.startswith(".__atomic")]
+
+
+def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_load(tmp_path, monkeypatch):
+    """torch's build lock is a plain file: a chat quit (or killed) while its model loaded left it, and
+    every later start waited on it forever in "loading the model..."."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    from specchat import quantized
+
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").touch()  # what a process that died holding it leaves
+    monkeypatch.setattr(quantized, "missing_cpu_features", lambda: [])
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose=False: str(build))
+
+    def load(**options):  # torch's: take the lock or wait for it (here not forever)
+        baton = FileBaton(str(build / "lock"))
+        assert baton.try_acquire(), "waits on the stale lock"
+        baton.release()
+        return "the kernel"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert quantized.kernel.__wrapped__() == "the kernel"
