@@ -20,6 +20,7 @@ path or through a hard or symbolic link, and each must take writes, probed witho
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -193,11 +194,14 @@ DISCARDING_DEVICES = {(1, 3), (1, 5), (1, 7)}
 ATOMIC_PREFIX = ".__atomic-write"
 
 
-def _stat(path: str) -> os.stat_result | None:
+def _stat(path: str, what: str = "") -> os.stat_result | None:
+    """The file `path` names (through symbolic links), None if there is none; `what` names it in an error."""
     try:
-        return os.stat(path)  # follows symbolic links: the file that would be written
+        return os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as error:  # a folder on the way that cannot be searched
+        raise InputError(f"{what or path}: cannot check ({error.strerror or error})") from error
 
 
 def _input_identities(inputs: list[str]) -> list[tuple[str, str, tuple[int, int] | None]]:
@@ -253,7 +257,7 @@ def probe_writable(what: str, resolved: str, status: os.stat_result | None, atom
             finally:
                 os.close(descriptor)
         elif not os.access(resolved, os.W_OK):
-            raise PermissionError(13, os.strerror(13))
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as error:
         raise InputError(f"{what}: not writable ({error.strerror or error})") from error
 
@@ -277,7 +281,7 @@ def check_outputs(outputs: dict[str, str | None], inputs: list[str], atomic: tup
                 raise InputError(f"{option}: standard output is closed (give {option} FILE)")
             continue
         resolved = os.path.realpath(path)
-        status = _stat(resolved)
+        status = _stat(resolved, f"{option} {path}")
         other = _is_input(resolved, status, seen)
         if other:
             raise InputError(f"{option} {path} is also {other}: give each output its own file")
@@ -296,7 +300,7 @@ def check_output_folder(option: str, folder: str, inputs: list[str], names: tupl
     """Like `check_outputs`, for a folder the files `names` are written into (created if need be):
     it must be a folder that takes new files, and none of the files may be an input or refuse writes."""
     resolved = os.path.realpath(folder)
-    status = _stat(resolved)
+    status = _stat(resolved, f"{option} {folder}")
     if status is not None and not stat.S_ISDIR(status.st_mode):
         raise InputError(f"{option} {folder}: not a folder")
     existing = resolved
@@ -308,7 +312,7 @@ def check_output_folder(option: str, folder: str, inputs: list[str], names: tupl
     identities = _input_identities(inputs)
     for name in names:
         path = os.path.realpath(os.path.join(resolved, name))
-        status = _stat(path)
+        status = _stat(path, f"{option} {folder}: {name}")
         source = _is_input(path, status, identities)
         if source:
             raise InputError(f"{option} {folder}: {name} there is also the input {source}: writing it would "
