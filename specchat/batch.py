@@ -61,7 +61,7 @@ def preflight(chat: LiveChat, record: PromptRecord) -> str | None:
     conversation = Conversation(system=system, messages=[*record.history, {"role": "user", "content": record.turns[0]}])
     room = chat.engine.target.max_context
     try:
-        chat.session.chat_format.check_size(conversation.as_messages(), room)  # a huge record: refused before it is tokenized
+        chat.session.chat_format.check_size(conversation.as_messages(), room)  # a huge record: not even tokenized
         ids = chat.session.chat_format.prompt_ids(conversation)
     except SpecchatError as error:
         return f"{record.where}: {error}"

@@ -28,7 +28,8 @@ from specchat.settings import FIELDS, Settings
 
 
 # What `bench.write_outputs` writes into the output folder (checked before the model loads).
-OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png", "memory.png")
+OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png",
+                "memory.png")
 
 
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,

@@ -156,8 +156,8 @@ def run(inputs, output, output_format, trace, atomic, **options):
         trace_file = files.enter_context(open(trace, "w", encoding="utf-8")) if trace else None
         ui = ChatUI(Console(file=sink, soft_wrap=True), Console(stderr=True, soft_wrap=True)) \
             if output_format == "text" else None
-        failures = batch.answer_records(chat, records, sink, trace_file, ui, warn=lambda line: click.echo(line, err=True),
-                                        kept=not atomic)
+        failures = batch.answer_records(chat, records, sink, trace_file, ui,
+                                        warn=lambda line: click.echo(line, err=True), kept=not atomic)
     if failures:
         raise SpecchatError(f"{failures} of {len(records)} prompt records failed (see above)")
 

@@ -250,7 +250,8 @@ def probe_writable(what: str, resolved: str, status: os.stat_result | None, atom
             os.unlink(resolved)
         elif stat.S_ISREG(status.st_mode):
             os.close(os.open(resolved, os.O_WRONLY | os.O_APPEND))
-        elif stat.S_ISCHR(status.st_mode) and (os.major(status.st_rdev), os.minor(status.st_rdev)) in DISCARDING_DEVICES:
+        elif stat.S_ISCHR(status.st_mode) and (os.major(status.st_rdev), os.minor(status.st_rdev)) \
+                in DISCARDING_DEVICES:
             descriptor = os.open(resolved, os.O_WRONLY)
             try:
                 os.write(descriptor, b"\n")  # unbuffered: /dev/full fails here (ENOSPC)

@@ -147,7 +147,7 @@ def test_a_huge_prompt_is_refused_by_its_size_before_it_is_tokenized(qwen_dir, t
     assert f"{prompts}:3: turn 2: the prompt is 5,000,0" in records[2]["error"] and len(records[2]["turns"]) == 1
     assert f"{prompts}:2: the prompt is" in err and "2 of 3 prompt records failed" in err
     assert tokenized and max(tokenized) < 10_000  # the huge text never reached the tokenizer
-    code, out, err = invoke(["chat", *tiny(qwen_dir, "--method", "vanilla")], capsys, stdin=huge, monkeypatch=monkeypatch)
+    code, out, err = invoke(["chat", *tiny(qwen_dir, "--method", "vanilla")], capsys, monkeypatch, stdin=huge)
     assert code == 1 and "the prompt is 5,000,000 bytes" in err and one_line(err) and out == ""
     assert max(tokenized) < 10_000
 
@@ -246,8 +246,8 @@ def test_probing_an_output_changes_nothing(tmp_path, capsys, monkeypatch, atomic
     (tmp_path / "p.txt").write_text("Say hi\n")
     (tmp_path / "old.jsonl").write_text("old records\n")
     for output in ("old.jsonl", "new.jsonl"):
-        code, _, err = invoke(["run", "p.txt", "-o", output, "--trace", "t.jsonl", *atomic, "--model", "/no/such/model"],
-                              capsys)
+        code, _, err = invoke(["run", "p.txt", "-o", output, "--trace", "t.jsonl", *atomic, "--model",
+                               "/no/such/model"], capsys)
         assert code == 1 and "/no/such/model" in err  # past the output checks, failing on the model
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl", "p.txt"]
     assert (tmp_path / "old.jsonl").read_text() == "old records\n"
@@ -468,8 +468,9 @@ def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
 
 
 def start_specchat(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "specchat", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-m", "specchat", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=environment)
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 180) -> None:
