@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 
 from specchat.chat import Conversation
-from specchat.errors import SpecchatError
+from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import PromptRecord
 from specchat.live import LiveChat
 from specchat.methods import effective_draft
@@ -21,8 +21,12 @@ from specchat.ui import ChatUI, stats_line
 
 
 def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file=None, ui: ChatUI | None = None,
-                   warn: Callable[[str], None] = print) -> int:
-    """Answer every record; JSON records go to `sink` unless a `ui` shows the answers. Returns the failures."""
+                   warn: Callable[[str], None] = print, kept: bool = True) -> int:
+    """Answer every record; JSON records go to `sink` unless a `ui` shows the answers. Returns the failures.
+
+    On Ctrl-C (or SIGTERM, `Terminated`) the records finished so far are said to be kept, or, if
+    not `kept` (an --atomic output, which then stays as it was), discarded.
+    """
     failures = 0
     problems = {id(record): problem for record in records if (problem := preflight(chat, record))}
     for done, record in enumerate(records):
@@ -30,8 +34,13 @@ def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file
         try:
             result = (answer_record(chat, record, trace, ui) if id(record) not in problems
                       else failed(chat, record, [], problems[id(record)]))
-        except KeyboardInterrupt:
-            warn(f"\nspecchat: interrupted; kept the {done} finished records")
+        except (KeyboardInterrupt, Terminated) as stop:
+            outcome = f"kept the {done} finished records" if kept else \
+                f"the {done} finished records are not written (--atomic leaves the output as it was)"
+            if isinstance(stop, Terminated):
+                stop.message = f"terminated; {outcome}"  # the command line's one line
+            else:
+                warn(f"\nspecchat: interrupted; {outcome}")
             raise
         if "error" in result:
             failures += 1
@@ -50,11 +59,12 @@ def preflight(chat: LiveChat, record: PromptRecord) -> str | None:
     fit in the context), as `FILE:LINE: reason`; None if it can start."""
     system = record.system if record.system is not None else chat.settings.system
     conversation = Conversation(system=system, messages=[*record.history, {"role": "user", "content": record.turns[0]}])
+    room = chat.engine.target.max_context
     try:
+        chat.session.chat_format.check_size(conversation.as_messages(), room)  # a huge record: not even tokenized
         ids = chat.session.chat_format.prompt_ids(conversation)
     except SpecchatError as error:
         return f"{record.where}: {error}"
-    room = chat.engine.target.max_context
     if len(ids) >= room:
         return f"{record.where}: the prompt has {len(ids)} tokens but the model's context holds {room}"
     return None

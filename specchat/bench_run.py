@@ -2,7 +2,7 @@
 
 Kept apart from `specchat.bench` (measurement, statistics, plots) so those stay free of I/O on
 models and terminals. A long run shows progress and can be interrupted with Ctrl-C: whatever
-finished is summarised and written.
+finished is summarised and written; SIGTERM (`Terminated`) likewise.
 """
 
 from __future__ import annotations
@@ -22,15 +22,21 @@ from rich.text import Text
 
 from specchat import app, bench
 from specchat.bench import PeakMemory, SessionRunner
-from specchat.errors import SpecchatError
-from specchat.inputs import read_prompts
+from specchat.errors import SpecchatError, Terminated
+from specchat.inputs import check_output_folder, read_prompts
 from specchat.decode.machine import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, default_draft
 from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 
 
+# What `bench.write_outputs` writes into the output folder (checked before the model loads).
+OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png",
+                "memory.png")
+
+
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
               warmup: int, output_dir: str, interleave: bool = False) -> None:
+    check_output_folder("--output", output_dir, inputs, OUTPUT_FILES)
     variants = {label: parse_variant(label) for label in methods}
     if PLAIN not in variants:  # speedups are relative to plain decoding measured in the same run
         variants = {PLAIN: (PLAIN, {}), **variants}
@@ -65,7 +71,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "warmup": warmup, "interleave": interleave, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
-    interrupted = False
+    interrupted: BaseException | None = None  # the Ctrl-C or SIGTERM that stopped the runs
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console)
 
@@ -98,8 +104,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
             try:
                 answers = bench.run_interleaved(runners, records, settings.system, repeat, warmup, on_turn)
                 results.extend(answers)  # consumed one by one: an interruption keeps what finished
-            except KeyboardInterrupt:
-                interrupted = True
+            except (KeyboardInterrupt, Terminated) as stop:
+                interrupted = stop
             finally:
                 for runner in runners.values():
                     runner.close()
@@ -115,24 +121,24 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
                     with PeakMemory(target.device) as peak:
                         answers = bench.run_method(method, runner, records, settings.system, repeat, warmup, on_turn)
                         results.extend(answers)  # consumed one by one: an interruption keeps what finished
-                except KeyboardInterrupt:
-                    interrupted = True
+                except (KeyboardInterrupt, Terminated) as stop:
+                    interrupted = stop
                 finally:
                     memory[method] = peak.peak
                     runner.close()
                     del runner, owned  # the method's drafter or assistant goes before the next one is measured
                     gc.collect()
-                if interrupted:
+                if interrupted is not None:
                     break
-    meta["interrupted"] = interrupted
+    meta["interrupted"] = interrupted is not None
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     summary = bench.summarize(results, greedy=generation.sampling.greedy)
     written = bench.write_outputs(Path(output_dir), results, summary, memory, meta)
     about = f"{settings.model} · T={settings.temperature} · {generation.max_new_tokens} tokens"
     Console().print(result_tables(summary, about))
     console.print(f"wrote {output_dir}/results.json, results.csv and {', '.join(p.name for p in written)}")
-    if interrupted:
-        raise KeyboardInterrupt
+    if interrupted is not None:
+        raise interrupted
 
 
 # Short headers for bench.TABLE_COLUMNS, so that a table fits an 80-column terminal or pipe; the

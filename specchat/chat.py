@@ -15,7 +15,7 @@ import jinja2
 import torch
 
 from specchat.decode.engine import Engine, GenerationSettings, StepResult
-from specchat.errors import SpecchatError, UsageError
+from specchat.errors import ContextLengthError, SpecchatError, UsageError
 from specchat.stats import Stats
 
 # Special tokens that end an assistant turn in the common chat formats (ChatML, Llama 3, Phi,
@@ -38,6 +38,11 @@ BUILTIN_TEMPLATES = {
         "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
     ),
 }
+
+
+# Normalization (NFC, NFKC) may shrink text before it is split into tokens: at most 4 times, a 4-byte
+# character becoming a 1-byte one (NFC's worst, three Hangul jamo into one syllable, is 3 times).
+NORMALIZATION_SHRINK = 4
 
 
 class TemplateError(SpecchatError, ValueError):
@@ -106,6 +111,10 @@ class ChatFormat:
         self.stop_ids = frozenset(stop | set(extra_stop_ids))
         if not self.stop_ids:
             raise TemplateError("the tokenizer names no end-of-sequence token, so a reply could never end")
+        # The most bytes of text one token can stand for: a vocabulary entry's UTF-8 length is at least
+        # what it decodes to (byte-level entries spend 1-2 bytes per byte, SentencePiece's '▁' 3 for a space).
+        self.max_token_bytes = NORMALIZATION_SHRINK * max(
+            (len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=1)
 
     def prompt_ids(self, conversation: Conversation) -> list[int]:
         """Token ids of the conversation followed by the start of an assistant reply.
@@ -122,6 +131,15 @@ class ChatFormat:
             )
         except jinja2.TemplateError as error:
             raise TemplateError(f"the chat template cannot format this conversation: {error}") from error
+
+    def check_size(self, messages: list[dict], context_tokens: int) -> None:
+        """Refuse, before tokenizing them, messages whose size alone shows that they cannot fit in
+        `context_tokens`: B bytes of text make at least B / max_token_bytes tokens. Tokenizing a huge
+        text first costs minutes and gigabytes (a 50 MB line: 173 s and 12.5 GB) only to be refused."""
+        size = sum(len(message["content"].encode("utf-8", "surrogatepass")) for message in messages)
+        if size > context_tokens * self.max_token_bytes:
+            raise ContextLengthError(f"the prompt is {size:,} bytes, more than the model's context of {context_tokens} "
+                                     f"tokens can hold (a token stands for at most {self.max_token_bytes} bytes)")
 
     def decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self.tokenizer, self.stop_ids)

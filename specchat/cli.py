@@ -3,8 +3,9 @@
 Commands only parse their options and hand them to the assembly layer (`specchat.app`), the
 batch runner (`specchat.batch`) or the bench (`specchat.bench_run`). Exit status: 0 success;
 1 a runtime error (a model or head that cannot be loaded, a prompt longer than the context, ...);
-2 a usage error (bad option, profile or prompt file); 130 interrupted. Errors are one line on
-stderr, never a traceback (set SPECCHAT_DEBUG=1 for one).
+2 a usage error (bad option, profile or prompt file); 130 interrupted (Ctrl-C); 143 terminated
+(SIGTERM, handled like Ctrl-C: finished records kept, temporary files removed). Errors are one
+line on stderr, never a traceback (set SPECCHAT_DEBUG=1 for one).
 
 torch and transformers load only inside the commands that need them (marked where imported),
 so `--help`, `profiles` and the chat prompt come up at once.
@@ -14,22 +15,25 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-from contextlib import ExitStack
+import threading
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import click
 from rich.console import Console
 
 from specchat import settings as settings_mod
-from specchat.errors import SpecchatError, UsageError
-from specchat.inputs import check_outputs, read_prompts, read_stdin
+from specchat.errors import SpecchatError, Terminated, UsageError
+from specchat.inputs import atomic_output, check_outputs, read_prompts, read_stdin
 from specchat.methods import HEAD_FORMATS, METHODS, plain_unless_drafted
 from specchat.repl import run_repl
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI, TrainingProgress
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, Terminated.exit_code
+terminal_chat_ran = False  # set by `chat` when its terminal chat starts: main() then leaves at once
 
 
 class SettingOption(click.Option):
@@ -101,6 +105,8 @@ def chat(**options):
         return
     if note:  # now: once the prompt is up, a line from the loading thread would cut into it
         click.echo(f"specchat: {note}", err=True)
+    global terminal_chat_ran
+    terminal_chat_ran = True  # however the chat ends, main() then ends the process at once
     run_repl(lambda: open_chat(settings, profile), settings.model)
 
 
@@ -138,17 +144,19 @@ def run(inputs, output, output_format, trace, atomic, **options):
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
     inputs = list(inputs) or ["-"]
-    check_outputs({"--output": output, "--trace": trace}, inputs)
+    atomic = atomic and output != "-"
+    check_outputs({"--output": output, "--trace": trace}, inputs, atomic=("--output",) if atomic else ())
     records = read_prompts(inputs)
     from specchat import batch  # torch and transformers load here, once the command line and the files are right
 
     chat = open_chat(settings, profile, note)
     with ExitStack() as files:
-        sink = files.enter_context(click.open_file(output, "w", encoding="utf-8", atomic=atomic and output != "-"))
+        sink = files.enter_context(atomic_output(output) if atomic else click.open_file(output, "w", encoding="utf-8"))
         trace_file = files.enter_context(open(trace, "w", encoding="utf-8")) if trace else None
         ui = ChatUI(Console(file=sink, soft_wrap=True), Console(stderr=True, soft_wrap=True)) \
             if output_format == "text" else None
-        failures = batch.answer_records(chat, records, sink, trace_file, ui, warn=lambda line: click.echo(line, err=True))
+        failures = batch.answer_records(chat, records, sink, trace_file, ui,
+                                        warn=lambda line: click.echo(line, err=True), kept=not atomic)
     if failures:
         raise SpecchatError(f"{failures} of {len(records)} prompt records failed (see above)")
 
@@ -327,10 +335,69 @@ def debug_wanted() -> bool:
     raise UsageError(f"environment variable SPECCHAT_DEBUG: {value!r} is not one of 0, 1, true, false")
 
 
+@contextmanager
+def sigterm_raises_terminated():
+    """SIGTERM raises `Terminated` in the main thread while the command runs, so that it unwinds
+    like Ctrl-C (records kept, temporary files removed); a second SIGTERM ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def leave_at_once(code) -> None:
+    """End the process now, without Python's shutdown: what a terminal chat does when it is left.
+
+    Python's shutdown is what made Ctrl-D slow or stuck. It first joins the worker threads that
+    transformers loads weights with, which finish every tensor still queued, when the model is
+    still loading in the background; then it clears every module with full garbage collections
+    over torch's and transformers' objects (seconds on an idle 2-core machine, tens of seconds on
+    a busy one, measured), with the loading thread, if any, stopped wherever it stands (which has
+    aborted). Nothing is left to save: answers are printed, the history file is written line by
+    line and /save writes at once; so the standard streams are flushed and the process ends.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed, or the reader went away
+            pass
+    os._exit(code if isinstance(code, int) else EXIT_OK if code is None else EXIT_RUNTIME)
+
+
 def main(argv: list[str] | None = None) -> None:
+    global terminal_chat_ran
+    terminal_chat_ran = False
+    with sigterm_raises_terminated():
+        try:
+            run_command(argv)
+            exit_code = None
+        except SystemExit as done:
+            exit_code = done.code
+        except Terminated as stop:  # SIGTERM while an error was being reported
+            click.echo(f"specchat: {stop.message}", err=True)
+            exit_code = EXIT_TERMINATED
+    if terminal_chat_ran:
+        leave_at_once(exit_code)
+    if exit_code is not None:
+        sys.exit(exit_code)
+
+
+def run_command(argv: list[str] | None) -> None:
     try:
         debug = debug_wanted()
         cli.main(args=argv, standalone_mode=False, prog_name="specchat")
+    except Terminated as stop:
+        click.echo(f"specchat: {stop.message}", err=True)
+        sys.exit(EXIT_TERMINATED)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except SpecchatError as error:

@@ -27,3 +27,16 @@ class ContextLengthError(SpecchatError, ValueError):
 
 class ModelLoadError(SpecchatError, RuntimeError):
     """The target model could not be found or loaded; the message says why in one line."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread, so that what Ctrl-C cleans up is cleaned up here too
+    (finished records kept, temporary files removed); the command line exits with 143 (128 + 15)
+    and `message`. A BaseException like KeyboardInterrupt, but not one: nothing that catches Ctrl-C
+    to go on (the chat's "stop the answer") may keep the process alive."""
+
+    exit_code = 143
+
+    def __init__(self, message: str = "terminated"):
+        super().__init__(message)
+        self.message = message

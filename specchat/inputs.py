@@ -13,13 +13,20 @@ Files are UTF-8 (a leading byte-order mark is skipped) and lines end at "\\n" (o
 U+2028 and friends are text inside a prompt or a JSON string, not line breaks. Everything is
 parsed and checked before the first prompt is answered, so a broken line stops the run before it
 starts, with the file and line in the message.
+
+Outputs are checked as early (`check_outputs`): none may be an input or another output, whether by
+path or through a hard or symbolic link, and each must take writes, probed without truncating it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import sys
+import tempfile
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 from specchat.errors import UsageError
@@ -180,13 +187,93 @@ def read_prompts(paths: list[str]) -> list[PromptRecord]:
     return records
 
 
-def check_outputs(outputs: dict[str, str | None], inputs: list[str]) -> None:
-    """Refuse, before anything runs, output files that would lose data or cannot be written:
-    two outputs on one file, an output that is one of the inputs, a missing folder, a closed stdout.
+# Linux's memory character devices whose writes go nowhere (null 1:3, zero 1:5, full 1:7): the only
+# devices a byte is written to, to see whether writes fail (/dev/full says "no space left").
+DISCARDING_DEVICES = {(1, 3), (1, 5), (1, 7)}
+# click's --atomic temporary files start with this (kept for our own, so one pattern finds both).
+ATOMIC_PREFIX = ".__atomic-write"
 
-    `outputs` maps an option (for the message) to its path, "-" for standard output, or None.
+
+def _stat(path: str, what: str = "") -> os.stat_result | None:
+    """The file `path` names (through symbolic links), None if there is none; `what` names it in an error."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:  # a folder on the way that cannot be searched
+        raise InputError(f"{what or path}: cannot check ({error.strerror or error})") from error
+
+
+def _input_identities(inputs: list[str]) -> list[tuple[str, str, tuple[int, int] | None]]:
+    """Each input as (name, resolved path, (device, inode)), standard input included when it is a file."""
+    identities = []
+    for source in inputs:
+        if source != "-":
+            status = _stat(os.path.realpath(source)) if os.path.exists(source) else None
+            identities.append((source, os.path.realpath(source), (status.st_dev, status.st_ino) if status else None))
+            continue
+        try:
+            status = os.fstat(sys.stdin.fileno())
+        except (AttributeError, OSError, ValueError):  # closed, or a StringIO in tests
+            continue
+        if stat.S_ISREG(status.st_mode):  # `< prompts.jsonl`: the same file must not be written either
+            identities.append(("standard input", "", (status.st_dev, status.st_ino)))
+    return identities
+
+
+def _is_input(resolved: str, status: os.stat_result | None, identities) -> str | None:
+    """The input that `resolved` is (same path, or the same file through a hard or symbolic link), if any."""
+    for name, path, identity in identities:
+        if path == resolved or (status is not None and identity == (status.st_dev, status.st_ino)):
+            return name
+    return None
+
+
+def probe_writable(what: str, resolved: str, status: os.stat_result | None, atomic: bool = False) -> None:
+    """Fail now, with the reason, if `resolved` cannot be written, and change nothing.
+
+    A regular file is opened for appending (never truncated); a new file is created and removed;
+    an atomic write needs a temporary file in the folder; /dev/full and its kin get one byte
+    (they discard it, or fail as a real write would). Other devices, pipes and sockets are only
+    asked (opening a pipe would wait for a reader; a byte on a terminal would show).
     """
-    seen: dict[str, str] = {}
+    folder = os.path.dirname(resolved) or "."
+    try:
+        if status is not None and stat.S_ISDIR(status.st_mode):
+            raise InputError(f"{what}: is a folder")
+        if atomic and (status is None or stat.S_ISREG(status.st_mode)):
+            descriptor, temporary = tempfile.mkstemp(prefix=ATOMIC_PREFIX, dir=folder)
+            os.close(descriptor)
+            os.unlink(temporary)
+        elif status is None:
+            os.close(os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            os.unlink(resolved)
+        elif stat.S_ISREG(status.st_mode):
+            os.close(os.open(resolved, os.O_WRONLY | os.O_APPEND))
+        elif stat.S_ISCHR(status.st_mode) and (os.major(status.st_rdev), os.minor(status.st_rdev)) \
+                in DISCARDING_DEVICES:
+            descriptor = os.open(resolved, os.O_WRONLY)
+            try:
+                os.write(descriptor, b"\n")  # unbuffered: /dev/full fails here (ENOSPC)
+            finally:
+                os.close(descriptor)
+        elif not os.access(resolved, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as error:
+        raise InputError(f"{what}: not writable ({error.strerror or error})") from error
+
+
+def check_outputs(outputs: dict[str, str | None], inputs: list[str], atomic: tuple[str, ...] = ()) -> None:
+    """Refuse, before anything runs, output files that would lose data or cannot be written:
+    two outputs on one file, an output that is one of the inputs (by path, or the same file through
+    a hard or symbolic link), a missing folder, a closed stdout, a file or device that refuses writes.
+
+    `outputs` maps an option (for the message) to its path, "-" for standard output, or None;
+    `atomic` names the options written through a temporary file in the same folder.
+    Nothing is changed: an existing output is probed without being truncated.
+    """
+    identities = _input_identities(inputs)
+    seen: list[tuple[str, str, tuple[int, int] | None]] = []
     for option, path in outputs.items():
         if path is None:
             continue
@@ -195,14 +282,73 @@ def check_outputs(outputs: dict[str, str | None], inputs: list[str]) -> None:
                 raise InputError(f"{option}: standard output is closed (give {option} FILE)")
             continue
         resolved = os.path.realpath(path)
-        if resolved in seen:
-            raise InputError(f"{option} {path} is also {seen[resolved]}: give each output its own file")
-        seen[resolved] = option
-        for source in inputs:
-            if source != "-" and os.path.realpath(source) == resolved:
-                raise InputError(f"{option} {path} is also an input: writing it would destroy the prompts")
+        status = _stat(resolved, f"{option} {path}")
+        other = _is_input(resolved, status, seen)
+        if other:
+            raise InputError(f"{option} {path} is also {other}: give each output its own file")
+        seen.append((option, resolved, (status.st_dev, status.st_ino) if status else None))
+        source = _is_input(resolved, status, identities)
+        if source:
+            also = {path: "an input", "standard input": "standard input"}.get(source, f"the input {source}")
+            raise InputError(f"{option} {path} is also {also}: writing it would destroy the prompts")
         folder = os.path.dirname(resolved)
         if not os.path.isdir(folder):
             raise InputError(f"{option} {path}: the folder {folder} does not exist")
-        if not os.access(folder, os.W_OK) or (os.path.exists(resolved) and not os.access(resolved, os.W_OK)):
-            raise InputError(f"{option} {path}: not writable")
+        probe_writable(f"{option} {path}", resolved, status, atomic=option in atomic)
+
+
+def check_output_folder(option: str, folder: str, inputs: list[str], names: tuple[str, ...]) -> None:
+    """Like `check_outputs`, for a folder the files `names` are written into (created if need be):
+    it must be a folder that takes new files, and none of the files may be an input or refuse writes."""
+    resolved = os.path.realpath(folder)
+    status = _stat(resolved, f"{option} {folder}")
+    if status is not None and not stat.S_ISDIR(status.st_mode):
+        raise InputError(f"{option} {folder}: not a folder")
+    existing = resolved
+    while not os.path.isdir(existing):  # the folder is created with its parents: the nearest one that exists
+        if os.path.lexists(existing):
+            raise InputError(f"{option} {folder}: {existing} is not a folder")
+        existing = os.path.dirname(existing)
+    probe_writable(f"{option} {folder}", os.path.join(existing, "results"), None, atomic=True)
+    identities = _input_identities(inputs)
+    for name in names:
+        path = os.path.realpath(os.path.join(resolved, name))
+        status = _stat(path, f"{option} {folder}: {name}")
+        source = _is_input(path, status, identities)
+        if source:
+            raise InputError(f"{option} {folder}: {name} there is also the input {source}: writing it would "
+                             "destroy the prompts")
+        if status is not None:
+            probe_writable(f"{option} {folder}: {name}", path, status)
+
+
+@contextmanager
+def atomic_output(path: str):
+    """A text file that replaces `path` only if the block ends without an error: the records go to a
+    temporary file in the same folder, renamed over `path` at the end. On an error, Ctrl-C or
+    SIGTERM the temporary file is removed and `path` stays as it was. (click's atomic files rename
+    even then.) A symbolic link is written through; a device or a pipe is written directly."""
+    resolved = os.path.realpath(path)
+    status = _stat(resolved)
+    if status is not None and not stat.S_ISREG(status.st_mode):  # /dev/null: never renamed over
+        with open(resolved, "w", encoding="utf-8") as handle:
+            yield handle
+        return
+    descriptor, temporary = tempfile.mkstemp(prefix=ATOMIC_PREFIX, dir=os.path.dirname(resolved))
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, stat.S_IMODE(status.st_mode) if status else 0o666 & ~_umask())
+        os.replace(temporary, resolved)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -127,6 +127,8 @@ class LiveChat:
 
     def reply(self, text: str) -> Iterator[TurnEvent]:
         """Stream the reply to `text`; stopping early keeps the partial reply (see `ChatSession.reply`)."""
+        messages = [*self.session.conversation.as_messages(), {"role": "user", "content": text}]
+        self.session.chat_format.check_size(messages, self.engine.target.max_context)  # a huge one is not tokenized
         rng = self.session.rng
         turn = self.last_turn = Turn(self.settings.method, rng.get_state() if rng is not None else None)
         totals = self.totals.setdefault(self.settings.method, MethodTotals())

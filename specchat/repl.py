@@ -58,11 +58,18 @@ KEYS = (
 
 
 class BackgroundLoad:
-    """Runs `load()` in a thread; `result()` waits for it and re-raises its error."""
+    """Runs `load()` in a thread; `result()` waits for it and re-raises its error.
+
+    The thread is a daemon, so that quitting does not wait for the load (the command line then
+    ends the process at once: `specchat.cli.leave_at_once`). Waiting is on an event, not on
+    `Thread.join()`: in Python 3.11 a Ctrl-C that interrupts a join marks the thread as stopped
+    while it runs on, and the chat then took the load for done (and its result for None).
+    """
 
     def __init__(self, load):
         self._value = None
         self._error: BaseException | None = None
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(load,), daemon=True, name="specchat-load")
         self._thread.start()
 
@@ -71,13 +78,15 @@ class BackgroundLoad:
             self._value = load()
         except BaseException as error:  # handed to the main thread, which reports it
             self._error = error
+        finally:
+            self._done.set()
 
     @property
     def ready(self) -> bool:
-        return not self._thread.is_alive()
+        return self._done.is_set()
 
     def result(self):
-        self._thread.join()
+        self._done.wait()
         if self._error is not None:
             raise self._error
         return self._value

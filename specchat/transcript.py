@@ -2,13 +2,16 @@
 
 The shape follows what chat tools already write (`{"settings", "messages"}`), so a transcript is
 readable by people and by scripts. Files are written to a temporary sibling and renamed into
-place, so an interrupted save never leaves half a transcript behind.
+place, so an interrupted save (Ctrl-C, SIGTERM, a full disk) never leaves half a transcript or a
+temporary file behind. A symbolic link is saved through (the link stays); a device, a pipe or a
+folder is refused rather than replaced by a file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,12 +30,21 @@ class TranscriptError(SpecchatError, ValueError):
 def save_transcript(path: str | Path, messages: list[dict], settings: dict, profile: str | None = None) -> Path:
     """Write a transcript atomically; returns the path written."""
     path = Path(path).expanduser()
+    target = Path(os.path.realpath(path))  # through a symbolic link, so that the link stays a link
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as error:
+        raise TranscriptError(f"{path}: cannot write ({error.strerror or error})") from error
+    if mode is not None and not stat.S_ISREG(mode):  # renaming over /dev/null would replace the device
+        raise TranscriptError(f"{path}: cannot write (not a regular file)")
     document = {
         "format": FORMAT, "version": VERSION, "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "profile": profile, "settings": settings, "messages": messages,
     }
     try:
-        _write_atomically(path, json.dumps(document, ensure_ascii=False, indent=1) + "\n")
+        _write_atomically(target, json.dumps(document, ensure_ascii=False, indent=1) + "\n")
     except OSError as error:
         raise TranscriptError(f"{path}: cannot write ({error.strerror or error})") from error
     return path

@@ -6,6 +6,8 @@ chat printed from a rich console on a string buffer.
 
 import io
 import json
+import os
+import time
 from contextlib import closing
 
 import pytest
@@ -17,7 +19,7 @@ from conftest import invoke, load_tiny_target, oracle_head, random_head, tiny
 from specchat.cli import open_chat, resolve_settings
 from specchat.methods import plain_unless_drafted
 from specchat.settings import LiveChatError, parse_value
-from specchat.repl import block_is_open, history_path, run_repl, unwrap_block
+from specchat.repl import PROMPT, block_is_open, history_path, run_repl, unwrap_block
 from specchat.ui import ChatUI
 
 ESC_ENTER, CTRL_C, CTRL_D = "\x1b\r", "\x03", "\x04"
@@ -260,3 +262,185 @@ def test_ctrl_c_during_run_exits_130_and_keeps_finished_records(qwen_dir, tmp_pa
     code, _, err = invoke(["run", str(prompts), "-o", str(output), *tiny(qwen_dir)], capsys, monkeypatch)
     assert code == 130 and "kept the 2 finished records" in err
     assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [1, 2]
+
+
+def test_save_writes_through_a_link_and_never_replaces_a_pipe_or_a_folder(qwen_dir, tmp_path):
+    import os
+
+    chat = new_chat(qwen_dir)
+    real, link, pipe = tmp_path / "real.json", tmp_path / "link.json", tmp_path / "pipe.json"
+    real.write_text("{}")
+    link.symlink_to(real)
+    os.mkfifo(pipe)
+    out = drive(chat, f"hello\n/save {link}\n/save {pipe}\n/save {tmp_path}\n")
+    assert link.is_symlink() and json.loads(real.read_text())["format"] == "specchat-transcript"
+    assert f"error: {pipe}: cannot write (not a regular file)" in out and pipe.is_fifo()
+    assert f"error: {tmp_path}: cannot write (not a regular file)" in out
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_ctrl_c_while_waiting_for_the_model_leaves_the_load_running():
+    """A Ctrl-C that interrupts Thread.join() makes Python 3.11 take the thread for finished: the chat
+    then answered the next messages with nothing while the model went on loading."""
+    import signal
+    import threading
+
+    from specchat.repl import BackgroundLoad
+
+    release = threading.Event()
+    loading = BackgroundLoad(lambda: release.wait() and "the chat")
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        loading.result()
+    assert not loading.ready
+    release.set()
+    assert loading.result() == "the chat" and loading.ready
+
+
+# -- leaving the terminal chat at any moment (a real pseudo-terminal, a child process) ---------------------
+
+# The child runs `specchat chat`, with the terminal as its controlling one (so that Ctrl-C while an
+# answer streams is a SIGINT, as in a real terminal) and, on request, a load that works the way
+# transformers loads weights (a thread pool with queued work, which Python's shutdown waits for
+# before it exits), a slow shutdown (clearing torch's modules took seconds to tens of seconds on a
+# busy 2-core machine), or answers that take a while per step.
+CHILD = """
+import atexit, os, sys, time
+from contextlib import closing
+os.close(os.open(os.ttyname(0), os.O_RDWR))
+import specchat.cli as cli
+if os.environ.get("SLOW_EXIT"):
+    atexit.register(time.sleep, 60)
+if float(os.environ.get("SLOW_LOAD", "0")):
+    from concurrent.futures import ThreadPoolExecutor
+    open_chat = cli.open_chat
+    def load_like_transformers(*args, **kwargs):
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(time.sleep, float(os.environ["SLOW_LOAD"])).result()
+        return open_chat(*args, **kwargs)
+    cli.open_chat = load_like_transformers
+if os.environ.get("SLOW_STEPS"):
+    from specchat.decode.engine import Engine
+    generate = Engine.generate
+    def slow_generate(self, *args, **kwargs):
+        with closing(generate(self, *args, **kwargs)) as steps:
+            for step in steps:
+                time.sleep(0.5)
+                yield step
+    Engine.generate = slow_generate
+cli.main(sys.argv[1:])
+"""
+
+
+class Terminal:
+    """`specchat chat` on a pseudo-terminal: type keys, read the screen, time the exit."""
+
+    def __init__(self, model_dir, **env):
+        import pty
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        master, slave = pty.openpty()
+        root = str(Path(__file__).resolve().parent.parent)
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path]), "TERM": "xterm",
+                       "PROMPT_TOOLKIT_NO_CPR": "1", "SPECCHAT_NOHISTORY": "1", **env}
+        self.process = subprocess.Popen([sys.executable, "-c", CHILD, "chat", *tiny(model_dir, "--method", "vanilla")],
+                                        stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                                        env=environment)
+        os.close(slave)
+        self.master, self.screen, self.seen = master, b"", 0
+
+    def read(self, seconds: float) -> None:
+        import select
+
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self.master], [], [], min(left, 0.05))[0]:
+                try:
+                    self.screen += os.read(self.master, 65536)
+                except OSError:  # the child is gone
+                    return
+
+    def wait_for(self, text: bytes, timeout: float = 120) -> None:
+        """Wait until `text` shows after what the previous wait found."""
+        deadline = time.monotonic() + timeout
+        while (found := self.screen.find(text, self.seen)) < 0:
+            assert time.monotonic() < deadline and self.process.poll() is None, (text, self.screen[-2000:])
+            self.read(0.05)
+        self.seen = found + len(text)
+
+    def type(self, keys: bytes) -> None:
+        """Type `keys` a moment after the screen last changed, as a person would: a key typed while the
+        terminal is still in line mode (the prompt is drawn just before it leaves it) is the line
+        discipline's, and a Ctrl-D there is an end of file that never reaches the prompt."""
+        self.read(0.3)
+        os.write(self.master, keys)
+
+    def exit_after(self, timeout: float = 10) -> tuple[int, float]:
+        """(exit status, seconds it took), reading the screen meanwhile (a full pty would block the child)."""
+        start = time.monotonic()
+        while self.process.poll() is None and time.monotonic() - start < timeout:
+            self.read(0.05)
+        took = time.monotonic() - start
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+            os.close(self.master)
+            raise AssertionError(f"still running {timeout} s later: {self.screen[-2000:]!r}")
+        self.read(0.2)
+        os.close(self.master)
+        return self.process.returncode, took
+
+
+LOADING = {"SLOW_LOAD": "300"}  # the model is still loading whenever the test acts
+
+
+@pytest.mark.parametrize("env,steps", [
+    (LOADING, [CTRL_D]),  # at once: the load has work queued in a thread pool
+    ({}, [CTRL_D]),  # at once: the real load is importing torch
+    (LOADING, ["/exit\r"]),
+    (LOADING, [CTRL_C, b"Use Ctrl-D or /exit to quit.", CTRL_D]),  # Ctrl-C at the prompt reminds, at once
+    (LOADING, ["hello\r", b"loading the model", CTRL_C, b"Stopped waiting", CTRL_D]),
+], ids=["ctrl-d", "ctrl-d-importing", "exit", "ctrl-c-then-ctrl-d", "stop-waiting-then-ctrl-d"])
+def test_the_chat_ends_at_once_while_the_model_loads(qwen_dir, env, steps):
+    """Ctrl-D 2.5 s after the start did not end the chat in 3 of 18 trials (25 s, 45 s, > 120 s)."""
+    terminal = Terminal(qwen_dir, **env)
+    terminal.wait_for(PROMPT.encode())
+    for step in steps:  # keys to type, or what the screen must then show
+        if isinstance(step, bytes):
+            terminal.wait_for(step, timeout=10)
+        else:
+            terminal.type(step.encode())
+    assert terminal.exit_after(5)[0] == 0, terminal.screen[-2000:]
+
+
+def test_the_chat_ends_at_once_after_an_answer_and_after_a_stopped_one(qwen_dir):
+    terminal = Terminal(qwen_dir, SLOW_STEPS="1", SLOW_EXIT="1")
+    terminal.wait_for(PROMPT.encode())
+    terminal.type(b"hello\r")
+    terminal.wait_for(b"tok/s")  # the statistics line: answered
+    terminal.wait_for(PROMPT.encode(), timeout=10)
+    terminal.type(b"hello again\r")
+    terminal.wait_for(b"hello again")
+    terminal.read(1.5)  # a step or two into the answer
+    terminal.type(CTRL_C.encode())
+    terminal.wait_for(PROMPT.encode(), timeout=10)  # stopped, and the chat goes on
+    terminal.type(CTRL_D.encode())
+    assert terminal.exit_after(5)[0] == 0, terminal.screen[-2000:]
+
+
+@pytest.mark.parametrize("env", [LOADING, {"SLOW_EXIT": "1"}], ids=["loading", "loaded"])
+def test_sigterm_ends_the_chat_with_143(qwen_dir, env):
+    import signal
+
+    terminal = Terminal(qwen_dir, **env)
+    terminal.wait_for(PROMPT.encode())
+    if env is not LOADING:
+        terminal.type(b"hello\r")
+        terminal.wait_for(b"tok/s")
+        terminal.wait_for(PROMPT.encode(), timeout=10)
+    terminal.read(0.3)
+    terminal.process.send_signal(signal.SIGTERM)
+    status, _ = terminal.exit_after(5)
+    assert status == 143 and b"specchat: terminated" in terminal.screen, terminal.screen[-2000:]

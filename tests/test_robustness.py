@@ -5,6 +5,7 @@ import io
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -120,6 +121,48 @@ def test_a_record_that_fails_is_recorded_and_the_batch_goes_on(qwen_dir, tmp_pat
     assert "Traceback" not in err
 
 
+def test_a_huge_prompt_is_refused_by_its_size_before_it_is_tokenized(qwen_dir, tmp_path, capsys, monkeypatch):
+    """A 50 MB line took 173 s and 12.5 GB to be found longer than the context: it was tokenized first."""
+    from specchat.chat import ChatFormat
+
+    tokenized = []
+    prompt_ids = ChatFormat.prompt_ids
+
+    def spy(self, conversation):
+        tokenized.append(sum(len(m["content"]) for m in conversation.as_messages()))
+        return prompt_ids(self, conversation)
+
+    monkeypatch.setattr(ChatFormat, "prompt_ids", spy)
+    huge = "word " * 1_000_000  # 5 MB; the tiny model's context is 512 tokens
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [{"prompt": "short"}, {"prompt": huge},
+                                                        {"turns": ["fine", huge]}]) + "\n")
+    code, out, err = invoke(["run", str(prompts), *tiny(qwen_dir)], capsys)
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and [r["id"] for r in records] == [1, 2, 3] and "error" not in records[0]
+    assert records[1]["error"].startswith(f"{prompts}:2: the prompt is 5,000,000 bytes, more than the model's "
+                                          "context of 512 tokens can hold") and records[1]["turns"] == []
+    assert f"{prompts}:3: turn 2: the prompt is 5,000,0" in records[2]["error"] and len(records[2]["turns"]) == 1
+    assert f"{prompts}:2: the prompt is" in err and "2 of 3 prompt records failed" in err
+    assert tokenized and max(tokenized) < 10_000  # the huge text never reached the tokenizer
+    code, out, err = invoke(["chat", *tiny(qwen_dir, "--method", "vanilla")], capsys, monkeypatch, stdin=huge)
+    assert code == 1 and "the prompt is 5,000,000 bytes" in err and one_line(err) and out == ""
+    assert max(tokenized) < 10_000
+
+
+def test_the_size_bound_never_refuses_a_prompt_that_fits(tokenizer):
+    """B bytes make at least B / max_token_bytes tokens: the densest text a tokenizer has still passes."""
+    from specchat.chat import ChatFormat, Conversation
+    from specchat.errors import ContextLengthError
+
+    chat_format = ChatFormat(tokenizer)
+    special = "<|endoftext|>" * 60  # the most bytes per token this tokenizer has (13 bytes, one token each)
+    conversation = Conversation(messages=[{"role": "user", "content": special}])
+    chat_format.check_size(conversation.as_messages(), len(chat_format.prompt_ids(conversation)))
+    with pytest.raises(ContextLengthError, match="the prompt is 780 bytes"):
+        chat_format.check_size(conversation.as_messages(), 780 // chat_format.max_token_bytes - 1)
+
+
 @pytest.mark.parametrize("output,trace,message", [
     ("same.jsonl", "same.jsonl", "--trace same.jsonl is also --output"),
     ("p.jsonl", None, "--output p.jsonl is also an input"),
@@ -133,6 +176,112 @@ def test_outputs_that_would_lose_data_are_refused_before_the_model_loads(tmp_pat
     code, _, err = invoke(args, capsys)
     assert code == 2 and message in err and one_line(err)
     assert (tmp_path / "p.jsonl").read_text() == '{"prompt": "keep me"}\n'
+
+
+@pytest.mark.parametrize("link", [os.link, os.symlink], ids=["hard link", "symbolic link"])
+@pytest.mark.parametrize("option", ["-o", "--trace"])
+def test_an_output_that_is_the_input_through_a_link_is_refused(tmp_path, capsys, monkeypatch, link, option):
+    """`ln in.txt out.jsonl; specchat run in.txt -o out.jsonl` overwrote the prompts: paths differ, the file is one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text("Say hi\n")
+    link("in.txt", "out.jsonl")
+    code, _, err = invoke(["run", "in.txt", option, "out.jsonl", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "out.jsonl is also the input in.txt" in err and one_line(err), err
+    assert (tmp_path / "in.txt").read_text() == "Say hi\n"
+
+
+def test_two_outputs_on_one_file_and_an_output_that_is_standard_input_are_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out.jsonl").write_text("keep\n")
+    os.link("out.jsonl", "trace.jsonl")
+    code, _, err = invoke(["run", "-", "-o", "out.jsonl", "--trace", "trace.jsonl", "--model", "/no/such/model"],
+                          capsys, stdin="q\n", monkeypatch=monkeypatch)
+    assert code == 2 and "--trace trace.jsonl is also --output" in err and one_line(err)
+    (tmp_path / "in.txt").write_text("Say hi\n")
+    with open(tmp_path / "in.txt") as stdin:  # `specchat run - -o in.txt < in.txt`
+        monkeypatch.setattr("sys.stdin", stdin)
+        code, _, err = invoke(["run", "-", "-o", "in.txt", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "--output in.txt is also standard input" in err and one_line(err)
+    assert (tmp_path / "in.txt").read_text() == "Say hi\n" and (tmp_path / "out.jsonl").read_text() == "keep\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["-o", "/dev/full"], ["--trace", "/dev/full"], ["-o", "full.jsonl"],
+                                  ["-o", "/dev/full", "--atomic"]])
+def test_an_output_that_refuses_writes_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, args):
+    """`-o /dev/full` used to fail only once every answer was done."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink("/dev/full", "full.jsonl")
+    (tmp_path / "p.txt").write_text("Say hi\n")
+    code, _, err = invoke(["run", "p.txt", *args, "--model", "/no/such/model"], capsys)  # a model would fail with 1
+    assert code == 2 and f"{args[1]}: not writable (No space left on device)" in err and one_line(err), err
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")  # still the device
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files")
+def test_a_read_only_output_or_folder_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("Say hi\n")
+    (tmp_path / "old.jsonl").write_text("old\n")
+    (tmp_path / "old.jsonl").chmod(0o444)
+    code, _, err = invoke(["run", "p.txt", "-o", "old.jsonl", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "old.jsonl: not writable (Permission denied)" in err and one_line(err)
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked").chmod(0o555)
+    try:
+        for args in (["-o", "locked/new.jsonl"], ["--trace", "locked/t.jsonl"]):
+            code, _, err = invoke(["run", "p.txt", *args, "--model", "/no/such/model"], capsys)
+            assert code == 2 and "not writable (Permission denied)" in err and one_line(err)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    assert (tmp_path / "old.jsonl").read_text() == "old\n"
+
+
+@pytest.mark.parametrize("atomic", [[], ["--atomic"]])
+def test_probing_an_output_changes_nothing(tmp_path, capsys, monkeypatch, atomic):
+    """The writability probe neither truncates an existing output nor leaves a file behind."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("Say hi\n")
+    (tmp_path / "old.jsonl").write_text("old records\n")
+    for output in ("old.jsonl", "new.jsonl"):
+        code, _, err = invoke(["run", "p.txt", "-o", output, "--trace", "t.jsonl", *atomic, "--model",
+                               "/no/such/model"], capsys)
+        assert code == 1 and "/no/such/model" in err  # past the output checks, failing on the model
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl", "p.txt"]
+    assert (tmp_path / "old.jsonl").read_text() == "old records\n"
+
+
+def test_bench_refuses_an_output_folder_holding_an_input_or_refusing_writes(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "results.json").write_text('{"prompt": "keep me"}\n')
+    os.link("results/results.json", "p.jsonl")  # the prompts, under another name, are where results.json goes
+    code, _, err = invoke(["bench", "p.jsonl", "-o", "results", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "results.json there is also the input p.jsonl" in err and one_line(err), err
+    assert (tmp_path / "p.jsonl").read_text() == '{"prompt": "keep me"}\n'
+    (tmp_path / "q.jsonl").write_text('{"prompt": "x"}\n')
+    if os.path.exists("/dev/full"):
+        os.symlink("/dev/full", "results/results.csv")
+        code, _, err = invoke(["bench", "q.jsonl", "-o", "results", "--model", "/no/such/model"], capsys)
+        assert code == 2 and "results.csv: not writable (No space left on device)" in err and one_line(err), err
+        code, _, err = invoke(["bench", "q.jsonl", "-o", "/dev/full", "--model", "/no/such/model"], capsys)
+        assert code == 2 and "/dev/full: not a folder" in err and one_line(err), err
+    code, _, err = invoke(["bench", "q.jsonl", "-o", "p.jsonl/sub", "--model", "/no/such/model"], capsys)
+    assert code == 2 and "is not a folder" in err and one_line(err), err
+
+
+def test_bench_output_files_are_the_ones_checked(tmp_path):
+    from specchat import bench
+    from specchat.bench_run import OUTPUT_FILES
+
+    results = [bench.TurnResult(method=method, question=1, category="c", turn=0, repeat=0, response="r", new_tokens=4,
+                                seconds=1.0, target_forwards=2, draft_tokens=4, accepted_tokens=2,
+                                cycles=[{"depths": [1, 2], "parents": [-1, 0], "probs": [0.5, 0.4], "accepted": [0],
+                                         "stop_depth": 2}])
+               for method in ("vanilla", "eagle2")]
+    folder = tmp_path / "out"
+    bench.write_outputs(folder, results, bench.summarize(results, greedy=True), {"vanilla": 1.0, "eagle2": 2.0}, {})
+    assert {p.name for p in folder.iterdir()} <= set(OUTPUT_FILES)
 
 
 def test_atomic_output_appears_whole_and_trace_lines_are_written_per_record(qwen_dir, tmp_path, capsys):
@@ -278,3 +427,110 @@ def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
     proposer = TreeProposer(head, bigram.num_layers, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
     drafted = [t for s in Engine(bigram, proposer).generate([258, 10, 20, 30], settings) for t in s.tokens]
     assert drafted == plain
+
+
+# --- SIGTERM: handled like Ctrl-C ---------------------------------------------------------------------------
+
+
+def start_specchat(args: list[str]) -> subprocess.Popen:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-m", "specchat", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=environment)
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"ended before {what}: {process.stderr.read()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+def test_sigterm_during_run_keeps_finished_records_leaves_no_temporary_and_exits_143(qwen_dir, tmp_path, atomic):
+    prompts, folder = tmp_path / "p.txt", tmp_path / "out"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(5000)))
+    folder.mkdir()
+    output = folder / "records.jsonl"
+    if atomic:
+        output.write_text("old\n")
+    process = start_specchat(["run", str(prompts), "-o", str(output), *tiny(qwen_dir, "--method", "vanilla"),
+                              *(["--atomic"] if atomic else [])])
+
+    def first_record_written():
+        files = [p for p in folder.iterdir() if p.name.startswith(".__atomic-write")] if atomic else [output]
+        return any(f.exists() and f.stat().st_size > 0 for f in files)
+
+    wait_for(first_record_written, process, "record")
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and one_line(err), err
+    assert [p.name for p in folder.iterdir()] == ["records.jsonl"]  # no temporary file left
+    if atomic:
+        assert output.read_text() == "old\n"
+        assert "specchat: terminated; the" in err and "not written (--atomic leaves the output as it was)" in err
+        return
+    ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]  # whole JSON lines only
+    assert 1 <= len(ids) < 5000 and ids == list(range(1, len(ids) + 1))
+    assert f"specchat: terminated; kept the {len(ids)} finished records" in err
+
+
+def test_sigterm_during_bench_writes_what_finished_and_exits_143(qwen_dir, tmp_path):
+    prompts, folder = tmp_path / "q.txt", tmp_path / "results"
+    prompts.write_text("".join(f"question {i}\n" for i in range(2000)))
+    process = start_specchat(["bench", str(prompts), "--methods", "vanilla", "--warmup", "0", "-o", str(folder),
+                              *tiny(qwen_dir)])
+    line = ""
+    deadline = time.monotonic() + 180
+    while not line.startswith("vanilla 2/"):  # off a terminal, bench says a line per answered turn
+        line = process.stderr.readline()
+        assert line and time.monotonic() < deadline, "no progress line"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143 and err.strip().splitlines()[-1] == "specchat: terminated", err
+    results = json.loads((folder / "results.json").read_text())
+    assert results["meta"]["interrupted"] is True and 1 <= len(results["turns"]) < 2000  # (the 2nd may be cut short)
+
+
+def test_ctrl_c_during_an_atomic_run_leaves_the_old_output_as_it_was(qwen_dir, tmp_path, capsys, monkeypatch):
+    """click's atomic file renamed the partial output over the old one even on Ctrl-C."""
+    from specchat.decode.engine import Engine
+
+    generate = Engine.generate
+
+    def stop_at_the_third_prompt(self, prompt, settings, rng=None):
+        if self.target.tokenizer.decode(prompt).count("third"):
+            raise KeyboardInterrupt
+        yield from generate(self, prompt, settings, rng)
+
+    monkeypatch.setattr(Engine, "generate", stop_at_the_third_prompt)
+    prompts, output = tmp_path / "p.txt", tmp_path / "out.jsonl"
+    prompts.write_text("first\nsecond\nthird\nfourth\n")
+    output.write_text("old\n")
+    code, _, err = invoke(["run", str(prompts), "-o", str(output), "--atomic", *tiny(qwen_dir)], capsys, monkeypatch)
+    assert code == 130 and "the 2 finished records are not written (--atomic leaves the output as it was)" in err
+    assert output.read_text() == "old\n" and not [p for p in tmp_path.iterdir() if p.name.startswith(".__atomic")]
+
+
+def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_load(tmp_path, monkeypatch):
+    """torch's build lock is a plain file: a chat quit (or killed) while its model loaded left it, and
+    every later start waited on it forever in "loading the model..."."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    from specchat import quantized
+
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").touch()  # what a process that died holding it leaves
+    monkeypatch.setattr(quantized, "missing_cpu_features", lambda: [])
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose=False: str(build))
+
+    def load(**options):  # torch's: take the lock or wait for it (here not forever)
+        baton = FileBaton(str(build / "lock"))
+        assert baton.try_acquire(), "waits on the stale lock"
+        baton.release()
+        return "the kernel"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert quantized.kernel.__wrapped__() == "the kernel"

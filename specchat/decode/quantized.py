@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -146,8 +147,14 @@ def _built_kernel():
     if not any(build.glob("*.so")):
         print("specchat: compiling the quantized-linear kernel once (about a minute)...", file=sys.stderr)
     try:
-        return cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
-                                  verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
+        # torch's build lock is a plain file ("lock"): a process that dies holding it (killed, or a chat
+        # quit while its model loads) leaves it, and every later load would wait on it forever. Builds
+        # take this lock first, which the system releases when its holder dies: under it, one is stale.
+        build.mkdir(parents=True, exist_ok=True)
+        with FileLock(build / "specchat-build.lock"):
+            (build / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+                                      verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
         raise KernelUnavailable(f"cannot compile {SOURCE.name} ({first_line}; SPECCHAT_DEBUG_BUILD=1 shows the "
