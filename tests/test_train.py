@@ -178,3 +178,27 @@ def test_regeneration_answers_prompts_and_resumes(target, tmp_path):
     again = regenerate(prompts, target, cache, batch_size=2, max_new_tokens=6, stop_ids=stop,
                        progress=lambda done, total: seen.append((done, total)))
     assert seen == [] and [c.messages for c in again] == [c.messages for c in first]  # nothing was redone
+
+
+def test_batched_extraction_equals_one_sequence_at_a_time(target, store, tmp_path):
+    """Right-padded rows in one target forward give each sequence's own hidden states and argmax."""
+    from specchat.cache import KVCache
+    from specchat.train.features import batch_features
+
+    ids = [store.sequence(i)["tokens"].tolist() for i in range(5)]
+    ids[1], ids[3] = ids[1][:9], ids[3][:23]  # unequal lengths, so rows are padded
+    layers = (2, 3, target.num_layers)
+    batched = batch_features(target, ids, layers)
+    for sequence, (features, argmax) in zip(ids, batched):
+        alone = target.forward(torch.tensor([sequence]), KVCache(), logits_for="all", feature_layers=layers)
+        torch.testing.assert_close(features, alone.features, rtol=1e-5, atol=1e-5)
+        assert torch.equal(argmax, alone.logits.argmax(-1))
+    # The store written in batches holds what one-at-a-time extraction wrote (within a bf16 rounding).
+    sequences = [(s, [1] * len(s)) for s in ids]
+    one_by_one = extract(tmp_path / "one", sequences, target, (2, 3), batch_tokens=1)
+    together = extract(tmp_path / "batched", sequences, target, (2, 3), batch_tokens=4096)
+    for i in range(len(ids)):
+        a, b = one_by_one.sequence(i), together.sequence(i)
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["argmax"], b["argmax"])
+        for key in ("final", "aux"):
+            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=1e-2, atol=1e-2)
