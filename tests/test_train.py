@@ -202,3 +202,25 @@ def test_batched_extraction_equals_one_sequence_at_a_time(target, store, tmp_pat
         assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["argmax"], b["argmax"])
         for key in ("final", "aux"):
             torch.testing.assert_close(a[key].float(), b[key].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_checkpoint_files_stay_under_the_shard_size_and_round_trip(tmp_path):
+    from specchat.train import checkpoint
+
+    torch.manual_seed(0)
+    tensors = {"big": torch.randn(300, 200), "small": torch.randn(7), "ids": torch.arange(5000),
+               "flags": torch.rand(4000) > 0.5}
+    meta = checkpoint.save(tmp_path, tensors, {"state": {"step": 3}}, shard_bytes=128 * 1024)
+    files = [tmp_path / name for name in meta["files"]]
+    assert len(files) > 2 and all(path.stat().st_size <= 128 * 1024 for path in files)
+    loaded = checkpoint.load(tmp_path)
+    assert all(torch.equal(loaded.tensors[k], v) for k, v in tensors.items())
+    checkpoint.save(tmp_path, tensors, {"state": {"step": 4}}, shard_bytes=128 * 1024)  # replaces the first
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint.json"] + checkpoint.load(tmp_path).meta["files"])
+    # The compact second moment: 8-bit log2 codes per block; values spanning 20 octaves come back
+    # within 2^(20/508) - 1 = 2.8%, zeros exactly.
+    values = torch.exp2(torch.rand(10000) * 20 - 30) * (torch.rand(10000) > 0.1)
+    codes, ranges = checkpoint.encode_log8(values)
+    decoded = checkpoint.decode_log8(codes, ranges, values.shape)
+    assert codes.dtype == torch.uint8 and torch.equal(decoded == 0, values == 0)
+    torch.testing.assert_close(decoded, values, rtol=0.03, atol=0)
