@@ -416,3 +416,44 @@ def test_the_simulated_tau_of_an_oracle_head_is_its_chain_length(bigram_dir, tmp
     chain_lengths = sum(host.valid[0] & host.valid[1] & host.valid[2]) * 3 + \
         sum(host.valid[0] & host.valid[1] & ~host.valid[2]) * 2 + sum(host.valid[0] & ~host.valid[1])
     assert result["tau"] == round(1 + chain_lengths / host.valid[0].sum(), 4)
+
+
+def test_training_has_no_per_format_branches():
+    """Recipes are the head classes' attributes; the kind string is only an option value and a record field."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "specchat"
+    sources = [p.read_text() for p in (root / "train").glob("*.py")]
+    cli = (root / "cli.py").read_text()
+    sources.append(cli[cli.index('@cli.command(name="train")'):cli.index("def debug_wanted")])
+    pattern = re.compile(r"kind\s*[!=]=|[!=]=\s*['\"](eagle3?|jakiro)['\"]|in \(['\"](eagle3?|jakiro)['\"]")
+    assert not [m.group(0) for text in sources for m in pattern.finditer(text)]
+
+
+def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, capsys):
+    """`specchat train` in pieces: --max-minutes stops with a checkpoint, the same command with
+    --resume finishes; the output is the head with the best simulated tau, recorded in training.json."""
+    from conftest import invoke
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                      {"role": "assistant", "content": "answer " + "xyz" * (3 + i % 5)}]})
+             for i in range(10)]
+    data = write(tmp_path, "chat.jsonl", "\n".join(lines))
+    out = tmp_path / "head"
+    args = ["train", "--kind", "eagle3", "--data", data, "--model", str(qwen_dir), "--dtype", "float32", "--device", "cpu",
+            "-o", str(out), "--work-dir", str(tmp_path / "work"), "--max-steps", "4", "--batch-tokens", "120",
+            "--batch-size", "2", "--ttt-steps", "2", "--draft-vocab", "40", "--held-out", "0.2", "--eval-every", "2",
+            "--warmup", "1", "--resume"]
+    code, _, err = invoke(args + ["--max-minutes", "0.0001"], capsys)
+    assert code == 0, err
+    assert "no checkpoint" in err and "stopped at step 1 by the time limit" in err
+    assert json.loads((out / "checkpoint" / "checkpoint.json").read_text())["state"]["step"] == 1
+    code, _, err = invoke(args, capsys)
+    assert code == 0, err
+    assert "resumed from" in err and "at step 1/4" in err and "simulated tau" in err
+    record = json.loads((out / "training.json").read_text())
+    assert record["finished"] and record["steps"] == 4 and record["hyperparameters"]["batch_size"] == 2
+    taus = [e["tau"] for e in record["held_out_top1"]]
+    assert len(taus) == 2 and record["selected"]["tau"] == max(taus)
+    assert load_head(str(out), load_tiny_target(qwen_dir)).kind == "eagle3"
