@@ -83,10 +83,32 @@ class DraftHead(nn.Module):
     #: EAGLE-1/2 and Jakiro draw logits from the target's own LM head, so a head may draft over a
     #: subset of its rows (`restrict_vocab`, shipped as draft_vocab.safetensors).
     uses_target_lm_head: ClassVar[bool] = False
+    #: Format-specific config dataclass (a LayerConfig subclass) that `fresh` builds.
+    config_class: ClassVar[type[LayerConfig]]
+
+    # The training recipe of the format's paper (read by `specchat.train`, which has no per-kind code).
+    #: Trains on the target's fused low/mid/high features (EAGLE-3), else on its final hidden state.
+    reads_fused_features: ClassVar[bool] = False
+    #: Unrolled draft steps per position in the paper's recipe (EAGLE-3's training-time test: 7).
+    paper_unrolled_steps: ClassVar[int] = 1
+    #: Half-width of the uniform noise added to the target features in training (EAGLE-1: 0.1).
+    feature_noise: ClassVar[float] = 0.0
+    #: Weight of SmoothL1 between the output and the target's next feature (EAGLE-1: 1; EAGLE-3 has none).
+    feature_loss_weight: ClassVar[float] = 0.0
+    #: Weight of the cross-entropy against the target's next-token distribution (EAGLE-1: 0.1).
+    probability_loss_weight: ClassVar[float] = 1.0
+    #: Unrolled step i's loss is weighted step_loss_decay ** i (EAGLE-3: 0.8).
+    step_loss_decay: ClassVar[float] = 1.0
 
     config: LayerConfig
     owns_embedding: bool  # the checkpoint brings its own embedding (else the target's is shared)
     draft_to_target: torch.Tensor | None  # draft id -> target id; None: the target's vocabulary
+
+    @classmethod
+    def fresh(cls, fields: dict, target, draft_vocab: torch.Tensor | None) -> DraftHead:
+        """A newly initialised head on the target's device: `fields` are the LayerConfig fields,
+        `draft_vocab` the ascending target ids it drafts over (None: the whole vocabulary)."""
+        raise NotImplementedError
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """The target hidden-state indices the head reads (see `Target.forward`)."""

@@ -52,6 +52,9 @@ class EagleHead(DraftHead):
     uses_target_lm_head = True
     config_class = EagleConfig
     layer_class = DecoderLayer
+    feature_noise = 0.1
+    feature_loss_weight = 1.0
+    probability_loss_weight = 0.1
 
     def __init__(self, config: EagleConfig, target_embed: nn.Embedding, target_lm_head: nn.Linear,
                  own_embedding: bool = False):
@@ -67,6 +70,12 @@ class EagleHead(DraftHead):
         self._lm_head = [target_lm_head]  # a list: the target's head is used, never registered or saved
         self.draft_to_target: torch.Tensor | None = None  # None: drafts over the whole target vocabulary
         self._draft_weight: torch.Tensor | None = None
+
+    @classmethod
+    def fresh(cls, fields: dict, target, draft_vocab: torch.Tensor | None) -> EagleHead:
+        head = cls(cls.config_class(**fields), target.embed_tokens, target.lm_head).to(target.device)
+        head.restrict_vocab(draft_vocab)
+        return head
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
         return (num_target_layers,)  # the final normed hidden state

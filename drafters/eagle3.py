@@ -86,6 +86,10 @@ class Eagle3Head(DraftHead):
     """EAGLE-3 head: its own LM head over a draft vocabulary, read back to target ids through d2t."""
 
     kind = KIND
+    config_class = Eagle3Config
+    reads_fused_features = True
+    paper_unrolled_steps = 7
+    step_loss_decay = 0.8
 
     def __init__(self, config: Eagle3Config, target_embed: nn.Embedding, own_embedding: bool = False):
         super().__init__()
@@ -110,6 +114,20 @@ class Eagle3Head(DraftHead):
             self.draft_to_target = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
         else:
             self.draft_to_target = None
+
+    @classmethod
+    def fresh(cls, fields: dict, target, draft_vocab: torch.Tensor | None) -> Eagle3Head:
+        size = target.vocab_size if draft_vocab is None else len(draft_vocab)
+        head = cls(cls.config_class(**fields, draft_vocab_size=size), target.embed_tokens).to(target.device)
+        if size != target.vocab_size:
+            ids = draft_vocab.to(target.device)
+            with torch.no_grad():
+                head.d2t.copy_(ids - torch.arange(size, device=ids.device))
+                head.t2d.zero_()[ids] = True
+                # The draft LM head starts from the target's rows of the same tokens.
+                head.lm_head.weight.copy_(target.lm_head.weight[ids].to(head.lm_head.weight.dtype))
+        head.refresh_vocab_map()  # draft_to_target is a plain attribute: it follows d2t's device only here
+        return head
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
         return self.config.feature_layer_ids or default_feature_layers(num_target_layers)

@@ -264,12 +264,15 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
 @click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
 @click.option("--regenerate/--no-regenerate", default=False,
               help="Let the target write the answers (needed for prompt-only data; better heads).")
-@click.option("--regenerate-batch", type=int, default=32, show_default=True, help="Prompts per generation batch.")
+@click.option("--regenerate-batch", type=click.IntRange(min=1), default=None,
+              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
 @click.option("--regenerate-max-tokens", type=int, default=512, show_default=True, help="Longest regenerated answer.")
 @click.option("--regenerate-temperature", type=float, default=0.0, show_default=True,
               help="Sampling temperature of regenerated answers (0: greedy).")
 @click.option("--max-tokens", type=int, default=2048, show_default=True, help="Longest training sequence (tokens).")
 @click.option("--limit", type=int, default=None, help="Use at most this many conversations.")
+@click.option("--extract-tokens", type=click.IntRange(min=1), default=None,
+              help="Padded tokens per target forward when extracting features (default: 4096 on a CPU, 32768 on a GPU).")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
 @click.option("--intermediate-size", type=int, default=None, help="MLP width of the head (default: the target's).")
@@ -280,10 +283,19 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
 @click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak learning rate (AdamW).")
 @click.option("--warmup", type=int, default=100, show_default=True, help="Linear warm-up steps.")
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Tokens per optimizer step.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Sequences per forward pass, padded to the longest (default: 1 on a CPU, 8 on a GPU).")
 @click.option("--held-out", type=float, default=0.02, show_default=True, help="Share of conversations held out.")
 @click.option("--eval-every", type=int, default=200, show_default=True, help="Held-out evaluation interval (steps).")
-@click.option("--checkpoint-every", type=int, default=200, show_default=True, help="Checkpoint interval (steps).")
-@click.option("--resume/--no-resume", default=False, help="Continue from OUTPUT/checkpoint.")
+@click.option("--checkpoint-every", type=int, default=200, show_default=True,
+              help="Checkpoint interval (steps); every epoch's end and the last step are checkpointed too.")
+@click.option("--checkpoint-precision", type=click.Choice(["auto", "exact", "compact"]), default="auto",
+              show_default=True, help="exact: float32 weights and AdamW state, bit-exact resume; compact: "
+              "bf16 weights and an 8-bit second moment, 3 bytes per parameter; auto: exact up to 64 MiB.")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop training after this many minutes, with a checkpoint that --resume continues.")
+@click.option("--resume/--no-resume", default=False,
+              help="Continue from OUTPUT/checkpoint (starts from scratch when there is none).")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Where regenerated answers and features are kept (default: under the cache, keyed by model and data).")
 @click.option("--prepare-only/--no-prepare-only", default=False, help="Stop after regeneration and feature extraction.")
@@ -291,40 +303,47 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
               help="Split the weights into indexed shards of at most this many MB (default: one file).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for shuffling, splitting and initialisation.")
 def train_command(kind, data_files, output, model, gguf_file, dtype, device, profile, regenerate, regenerate_batch,
-                  regenerate_max_tokens, regenerate_temperature, max_tokens, limit, draft_vocab, intermediate_size,
-                  ttt_steps, epochs, max_steps, lr, warmup, batch_tokens, held_out, eval_every, checkpoint_every,
-                  resume, work_dir, prepare_only, max_shard_mb, seed):
+                  regenerate_max_tokens, regenerate_temperature, max_tokens, limit, extract_tokens, draft_vocab,
+                  intermediate_size, ttt_steps, epochs, max_steps, lr, warmup, batch_tokens, batch_size, held_out,
+                  eval_every, checkpoint_every, checkpoint_precision, max_minutes, resume, work_dir, prepare_only,
+                  max_shard_mb, seed):
     """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
     from specchat import app  # torch and transformers load here
     from specchat.train import pipeline
-    from specchat.train.trainer import TrainConfig
+    from specchat.train.trainer import TrainConfig, head_class
 
     settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile, "dtype": dtype,
                                     "device": device, "quantize": "none"})
     target = app.model_loader(settings)(settings.model, settings.gguf_file)
     target.model.requires_grad_(False)
+    on_gpu = target.device.type == "cuda"
     options = pipeline.PrepareOptions(
-        data=list(data_files), regenerate=regenerate, regenerate_batch=regenerate_batch,
+        data=list(data_files), regenerate=regenerate, regenerate_batch=regenerate_batch or (256 if on_gpu else 32),
         regenerate_max_tokens=regenerate_max_tokens, regenerate_temperature=regenerate_temperature,
-        max_tokens=max_tokens, limit=limit, held_out=held_out, seed=seed)
+        max_tokens=max_tokens, limit=limit, held_out=held_out, seed=seed, extract_tokens=extract_tokens)
     work = Path(work_dir) if work_dir else pipeline.default_work_dir(settings.model, options)
     log = lambda message: click.echo(f"specchat train: {message}", err=True)  # noqa: E731
     log(f"work folder {work}")
     with TrainingProgress() as bars:
-        store, summary = pipeline.prepare(target, options, work, need_aux=kind == "eagle3", log=log, progress=bars.stage)
+        store, summary = pipeline.prepare(target, options, work, need_aux=head_class(kind).reads_fused_features,
+                                          log=log, progress=bars.stage)
         if prepare_only:
             log(f"prepared {len(store)} sequences in {work}")
             return
         summary["held_out_fraction"] = held_out
         config = TrainConfig(kind=kind, learning_rate=lr, warmup_steps=warmup, epochs=epochs, max_steps=max_steps,
-                             batch_tokens=batch_tokens, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
-                             intermediate_size=intermediate_size, eval_every=eval_every,
-                             checkpoint_every=checkpoint_every, seed=seed)
+                             batch_tokens=batch_tokens, batch_size=batch_size, ttt_steps=ttt_steps,
+                             draft_vocab=draft_vocab, intermediate_size=intermediate_size, eval_every=eval_every,
+                             checkpoint_every=checkpoint_every, checkpoint_precision=checkpoint_precision,
+                             max_minutes=max_minutes, seed=seed)
         shard = int(max_shard_mb * 2**20) if max_shard_mb else None
         record = pipeline.train_head(target, store, config, Path(output), summary, resume, log, bars.training, shard)
-    accuracy = record["held_out_top1"][-1]["top1_by_step"] if record["held_out_top1"] else []
-    log(f"wrote {output} ({record['steps']} steps, {record['tokens_seen']:,} tokens; "
-        f"held-out top-1 by step {accuracy})")
+    selected = record["selected"]
+    summary = f"{record['steps']} steps, {record['tokens_seen']:,} tokens"
+    if "tau" in selected:
+        summary += (f"; the head of step {selected['step']:,}: held-out top-1 by step {selected['top1_by_step']}, "
+                    f"simulated tau {selected['tau']:.3f}")
+    log(f"wrote {output} ({summary})" if record["finished"] else f"unfinished: {output} holds the best head so far ({summary})")
 
 
 def debug_wanted() -> bool:

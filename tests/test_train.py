@@ -4,6 +4,8 @@ import json
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import load_tiny_target, random_head
 from drafters import load_head
@@ -12,7 +14,8 @@ from drafters.cache import HeadCache
 from specchat.train.data import encode, read_conversations
 from specchat.train.features import extract
 from specchat.train.regenerate import regenerate
-from specchat.train.trainer import TrainConfig, build_head, draft_vocabulary, sequence_loss, train
+from specchat.train.trainer import (TrainConfig, batch_loss, build_head, draft_vocabulary, evaluation_sums, host_batch,
+                                    to_device, train)
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +149,15 @@ def test_a_few_steps_reduce_the_loss_and_the_head_loads_back(kind, target, store
     in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool)
     in_vocab[vocab] = True
 
+    def loss_of(i):
+        host = host_batch(store, [i], config.steps_unrolled(), head.reads_fused_features, in_vocab.numpy(),
+                          head.predicts_two_ahead)
+        loss = batch_loss(head, to_device(host, target.device), lm_rows, vocab).loss
+        return 0.0 if loss is None else float(loss)  # None: no position of the sequence is scored
+
     def mean_loss():
         with torch.no_grad():
-            return sum(float(sequence_loss(head, store.sequence(i), config, lm_rows, vocab, in_vocab)[0]) for i in range(10))
+            return sum(loss_of(i) for i in range(10))
 
     before = mean_loss()
     state = train(head, target, store, list(range(10)), [10, 11], config, tmp_path / "run")
@@ -178,3 +187,273 @@ def test_regeneration_answers_prompts_and_resumes(target, tmp_path):
     again = regenerate(prompts, target, cache, batch_size=2, max_new_tokens=6, stop_ids=stop,
                        progress=lambda done, total: seen.append((done, total)))
     assert seen == [] and [c.messages for c in again] == [c.messages for c in first]  # nothing was redone
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches, devices, checkpoints
+
+
+@pytest.fixture(scope="module")
+def varied(target, tmp_path_factory):
+    """Features of 12 conversations of 30 to 110 tokens, so batched rows get padded."""
+    sequences = []
+    for i in range(12):
+        reply = "".join(chr(97 + (i * 5 + j) % 26) for j in range(5 + (i * 37) % 80))
+        sequences.append(encode([{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": reply}],
+                                target.tokenizer, 200))
+    return extract(tmp_path_factory.mktemp("varied"), sequences, target, (2, 3, 3))
+
+
+def test_batched_extraction_equals_one_sequence_at_a_time(target, store, tmp_path):
+    """Right-padded rows in one target forward give each sequence's own hidden states and argmax."""
+    from specchat.decode.cache import KVCache
+    from specchat.train.features import batch_features
+
+    ids = [store.sequence(i)["tokens"].tolist() for i in range(5)]
+    ids[1], ids[3] = ids[1][:9], ids[3][:23]  # unequal lengths, so rows are padded
+    layers = (2, 3, target.num_layers)
+    batched = batch_features(target, ids, layers)
+    for sequence, (features, argmax) in zip(ids, batched):
+        alone = target.forward(torch.tensor([sequence]), KVCache(), logits_for="all", feature_layers=layers)
+        torch.testing.assert_close(features, alone.features, rtol=1e-5, atol=1e-5)
+        assert torch.equal(argmax, alone.logits.argmax(-1))
+    # The store written in batches holds what one-at-a-time extraction wrote (within a bf16 rounding).
+    sequences = [(s, [1] * len(s)) for s in ids]
+    one_by_one = extract(tmp_path / "one", sequences, target, (2, 3), batch_tokens=1)
+    together = extract(tmp_path / "batched", sequences, target, (2, 3), batch_tokens=4096)
+    for i in range(len(ids)):
+        a, b = one_by_one.sequence(i), together.sequence(i)
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["argmax"], b["argmax"])
+        for key in ("final", "aux"):
+            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_batched_training_time_test_equals_one_sequence_at_a_time(target, varied):
+    """Rows of different lengths, padded into one flattened batch, see only their own row."""
+    from specchat.train.trainer import unrolled_outputs
+
+    head = random_head("eagle3", target, seed=3)
+    ids = [0, 4, 7]
+    single = []
+    with torch.no_grad():
+        for i in ids:
+            host = host_batch(varied, [i], 3, True, None, False)
+            single.append([out for out, _ in unrolled_outputs(head, to_device(host, target.device), 3)])
+        host = host_batch(varied, ids, 3, True, None, False)
+        assert host.width > min(len(varied.sequence(i)["tokens"]) for i in ids)  # padding happened
+        together = [out for out, _ in unrolled_outputs(head, to_device(host, target.device), 3)]
+    for row, i in enumerate(ids):
+        n = len(varied.sequence(i)["tokens"])
+        for step in range(3):
+            # Positions whose unrolled inputs stay inside the sequence (later ones repeat its last token).
+            usable = n - 1 - step
+            mine = together[step][row * host.width : row * host.width + usable]
+            torch.testing.assert_close(mine, single[row][step][:usable], rtol=1e-4, atol=1e-4)
+
+
+class OneDevicePerOp(TorchDispatchMode):
+    """Fails every op whose tensors are on different devices, as CUDA does: a 0-dim CPU tensor may
+    join any op, and CPU index tensors may index a tensor on the device, nothing else. Moves between
+    devices (`.to`) are the explicit placements."""
+
+    MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten._copy_from.default,
+             torch.ops.aten._copy_from_and_resize.default}
+    INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
+                torch.ops.aten._index_put_impl_.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.MOVES:
+            checked = list(args)
+            if func in self.INDEXING and args and args[0].device.type != "cpu":
+                checked[1] = [i for i in args[1] if i is None or i.device.type != "cpu"]
+            tensors = [t for t in pytree.tree_leaves((checked, kwargs)) if isinstance(t, torch.Tensor)]
+            devices = {str(t.device) for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
+            if len(devices) > 1:
+                raise RuntimeError(f"{func} mixes devices {sorted(devices)}")
+        return func(*args, **kwargs)
+
+
+def on_device(target, device: str):
+    """The same target with every weight on `device` (the meta device holds no data: shapes only)."""
+    import copy
+
+    from specchat.decode.target import Target
+
+    return Target(copy.deepcopy(target.model).to(device), target.tokenizer, target.name)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "jakiro"])
+def test_training_keeps_every_tensor_on_the_targets_device(kind, target, varied):
+    """The whole loop (head built, batches read from the CPU store, losses, backward, AdamW) with the
+    target on another device than the store: the meta device, under a check that fails any op that
+    mixes devices. No GPU needed, and the loop may not wait on a value: meta tensors have none."""
+    meta = on_device(target, "meta")
+    with OneDevicePerOp(), pytest.raises(RuntimeError, match="mixes devices"):
+        torch.ones(3, device="meta") @ torch.ones(3)  # the check is live
+    vocab, _ = draft_vocabulary(varied, 40, target.vocab_size)
+    config = TrainConfig(kind=kind, warmup_steps=1, max_steps=2, batch_tokens=200, batch_size=3, ttt_steps=2,
+                         checkpoint_every=1000)
+    with OneDevicePerOp():
+        head = build_head(kind, meta, config, vocab)
+        assert {p.device.type for p in head.parameters()} == {"meta"}
+        assert head.draft_to_target.device.type == "meta"
+        state = train(head, meta, varied, list(range(10)), [], config, None, draft_vocab=vocab)
+        host = host_batch(varied, [10, 11], 2, head.reads_fused_features, None, False, evaluation=True)
+        hits, accepted = evaluation_sums(head, to_device(host, meta.device), head.draft_to_target)
+    assert state.step == 2 and hits.device.type == accepted.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "jakiro"])
+def test_training_on_cuda(kind, target, store, tmp_path):
+    """The real thing: the target on the GPU, the store on the CPU; train, evaluate, checkpoint, resume."""
+    gpu = on_device(target, "cuda")
+    vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
+    config = TrainConfig(kind=kind, learning_rate=3e-3, warmup_steps=2, max_steps=6, batch_tokens=300,
+                         batch_size=4, ttt_steps=2, eval_every=3, eval_sequences=2, checkpoint_every=3)
+    head = build_head(kind, gpu, config, vocab)
+    assert {p.device.type for p in head.parameters()} == {"cuda"}
+    state = train(head, gpu, store, list(range(10)), [10, 11], config, tmp_path / "run")
+    assert state.step == 6 and state.evaluations and state.evaluations[-1]["tau"] >= 1
+    resumed = build_head(kind, gpu, config, vocab)
+    again = train(resumed, gpu, store, list(range(10)), [10, 11], TrainConfig(**{**config.__dict__, "max_steps": 8}),
+                  tmp_path / "run", resume=True)
+    assert again.step == 8
+
+
+def weights(head):
+    return {k: v.detach().clone() for k, v in head.trainable_state_dict().items()}
+
+
+@pytest.mark.parametrize("kind,batch_size", [("eagle", 1), ("eagle3", 3)])
+def test_resuming_continues_bit_for_bit(kind, batch_size, target, varied, tmp_path):
+    """6 steps in one go == 3 steps, an interruption, then --resume for the other 3 (exact checkpoint:
+    weights, AdamW state, RNG states (EAGLE's feature noise draws on them) and the data position)."""
+    vocab, _ = draft_vocabulary(varied, 40, target.vocab_size)
+    config = TrainConfig(kind=kind, learning_rate=3e-3, warmup_steps=2, max_steps=6, epochs=1, batch_tokens=200,
+                         batch_size=batch_size, ttt_steps=2, eval_every=2, eval_sequences=2, checkpoint_every=3,
+                         checkpoint_precision="exact")
+    whole = build_head(kind, target, config, vocab)
+    straight = train(whole, target, varied, list(range(10)), [10, 11], config, tmp_path / "straight")
+
+    def interrupt_at_four(state, *_):
+        if state.step == 4:
+            raise KeyboardInterrupt
+
+    first = build_head(kind, target, config, vocab)
+    with pytest.raises(KeyboardInterrupt):
+        train(first, target, varied, list(range(10)), [10, 11], config, tmp_path / "pieces", progress=interrupt_at_four)
+    second = build_head(kind, target, config, vocab)
+    resumed = train(second, target, varied, list(range(10)), [10, 11], config, tmp_path / "pieces", resume=True)
+    assert resumed.step == straight.step == 6 and resumed.tokens_seen == straight.tokens_seen
+    assert resumed.evaluations == straight.evaluations
+    a, b = weights(whole), weights(second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_compact_checkpoint_resumes_close_by_and_small(target, store, tmp_path):
+    from specchat.train import checkpoint
+
+    vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
+    config = TrainConfig(kind="eagle3", learning_rate=3e-3, warmup_steps=2, max_steps=4, batch_tokens=200,
+                         ttt_steps=2, checkpoint_every=2, checkpoint_precision="compact")
+    head = build_head("eagle3", target, config, vocab)
+    train(head, target, store, list(range(10)), [], config, tmp_path / "run")
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "checkpoint.json").read_text())
+    assert meta["precision"] == "compact" and meta["state"]["step"] == 4
+    assert meta["bytes"] < 3.5 * checkpoint.parameter_count(head) + 64 * 1024
+    loaded = build_head("eagle3", target, config, vocab)
+    again = train(loaded, target, store, list(range(10)), [], TrainConfig(**{**config.__dict__, "max_steps": 4}),
+                  tmp_path / "run", resume=True)
+    assert again.step == 4  # nothing left to do: the weights are the checkpoint's
+    for key, value in weights(head).items():
+        if value.is_floating_point():
+            torch.testing.assert_close(weights(loaded)[key], value, rtol=1e-2, atol=1e-3)
+
+
+def test_checkpoint_files_stay_under_the_shard_size_and_round_trip(tmp_path):
+    from specchat.train import checkpoint
+
+    torch.manual_seed(0)
+    tensors = {"big": torch.randn(300, 200), "small": torch.randn(7), "ids": torch.arange(5000),
+               "flags": torch.rand(4000) > 0.5}
+    meta = checkpoint.save(tmp_path, tensors, {"state": {"step": 3}}, shard_bytes=128 * 1024)
+    files = [tmp_path / name for name in meta["files"]]
+    assert len(files) > 2 and all(path.stat().st_size <= 128 * 1024 for path in files)
+    loaded = checkpoint.load(tmp_path)
+    assert all(torch.equal(loaded.tensors[k], v) for k, v in tensors.items())
+    checkpoint.save(tmp_path, tensors, {"state": {"step": 4}}, shard_bytes=128 * 1024)  # replaces the first
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint.json"] + checkpoint.load(tmp_path).meta["files"])
+    # The compact second moment: 8-bit log2 codes per block; values spanning 20 octaves come back
+    # within 2^(20/508) - 1 = 2.8%, zeros exactly.
+    values = torch.exp2(torch.rand(10000) * 20 - 30) * (torch.rand(10000) > 0.1)
+    codes, ranges = checkpoint.encode_log8(values)
+    decoded = checkpoint.decode_log8(codes, ranges, values.shape)
+    assert codes.dtype == torch.uint8 and torch.equal(decoded == 0, values == 0)
+    torch.testing.assert_close(decoded, values, rtol=0.03, atol=0)
+
+
+def test_the_simulated_tau_of_an_oracle_head_is_its_chain_length(bigram_dir, tmp_path):
+    """A head that always drafts the target's greedy token, on the target's own greedy text: every
+    draft is accepted, so tau is 1 + the number of chain steps that stay inside the answer."""
+    from conftest import oracle_head
+
+    from specchat.train.trainer import evaluate
+
+    bigram = load_tiny_target(bigram_dir)
+    sequences = []
+    for start in (5, 17, 40):
+        prompt = [256 + 1, start, start + 1]  # any ids; the bigram target continues from the last one
+        ids = bigram.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0].tolist()
+        sequences.append((ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))))
+    store = extract(tmp_path / "features", sequences, bigram, None)
+    head = oracle_head(bigram)
+    config = TrainConfig(kind="eagle", eval_steps=3, batch_tokens=1000)
+    result = evaluate(head, store, [0, 1, 2], config, None, bigram.device, rows=2)
+    assert result["top1_by_step"] == [1.0, 1.0, 1.0]
+    host = host_batch(store, [0, 1, 2], 3, False, None, False, evaluation=True)
+    chain_lengths = sum(host.valid[0] & host.valid[1] & host.valid[2]) * 3 + \
+        sum(host.valid[0] & host.valid[1] & ~host.valid[2]) * 2 + sum(host.valid[0] & ~host.valid[1])
+    assert result["tau"] == round(1 + chain_lengths / host.valid[0].sum(), 4)
+
+
+def test_training_has_no_per_format_branches():
+    """Recipes are the head classes' attributes; the kind string is only an option value and a record field."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "specchat"
+    sources = [p.read_text() for p in (root / "train").glob("*.py")]
+    cli = (root / "cli.py").read_text()
+    sources.append(cli[cli.index('@cli.command(name="train")'):cli.index("def debug_wanted")])
+    pattern = re.compile(r"kind\s*[!=]=|[!=]=\s*['\"](eagle3?|jakiro)['\"]|in \(['\"](eagle3?|jakiro)['\"]")
+    assert not [m.group(0) for text in sources for m in pattern.finditer(text)]
+
+
+def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, capsys):
+    """`specchat train` in pieces: --max-minutes stops with a checkpoint, the same command with
+    --resume finishes; the output is the head with the best simulated tau, recorded in training.json."""
+    from conftest import invoke
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                      {"role": "assistant", "content": "answer " + "xyz" * (3 + i % 5)}]})
+             for i in range(10)]
+    data = write(tmp_path, "chat.jsonl", "\n".join(lines))
+    out = tmp_path / "head"
+    args = ["train", "--kind", "eagle3", "--data", data, "--model", str(qwen_dir), "--dtype", "float32", "--device", "cpu",
+            "-o", str(out), "--work-dir", str(tmp_path / "work"), "--max-steps", "4", "--batch-tokens", "120",
+            "--batch-size", "2", "--ttt-steps", "2", "--draft-vocab", "40", "--held-out", "0.2", "--eval-every", "2",
+            "--warmup", "1", "--resume"]
+    code, _, err = invoke(args + ["--max-minutes", "0.0001"], capsys)
+    assert code == 0, err
+    assert "no checkpoint" in err and "stopped at step 1 by the time limit" in err
+    assert json.loads((out / "checkpoint" / "checkpoint.json").read_text())["state"]["step"] == 1
+    code, _, err = invoke(args, capsys)
+    assert code == 0, err
+    assert "resumed from" in err and "at step 1/4" in err and "simulated tau" in err
+    record = json.loads((out / "training.json").read_text())
+    assert record["finished"] and record["steps"] == 4 and record["hyperparameters"]["batch_size"] == 2
+    taus = [e["tau"] for e in record["held_out_top1"]]
+    assert len(taus) == 2 and record["selected"]["tau"] == max(taus)
+    assert load_head(str(out), load_tiny_target(qwen_dir)).kind == "eagle3"

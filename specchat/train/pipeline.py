@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -17,7 +18,7 @@ import torch
 
 from specchat import __version__
 from specchat.chat import ChatFormat
-from drafters import save_head
+from drafters import FORMATS, save_head
 from drafters.eagle3 import default_feature_layers
 from specchat.errors import UsageError
 from specchat.decode.machine import cache_dir, hardware
@@ -25,7 +26,7 @@ from specchat.train import trainer
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, extract
 from specchat.train.regenerate import regenerate
-from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, train
+from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, head_class, train
 
 DEFAULT_MAX_TOKENS = 2048  # EAGLE's max_len
 DEFAULT_HELD_OUT = 0.02
@@ -42,6 +43,7 @@ class PrepareOptions:
     limit: int | None = None
     held_out: float = DEFAULT_HELD_OUT
     seed: int = 0
+    extract_tokens: int | None = None  # padded positions per target forward; None: by device
 
 
 class TrainError(UsageError, ValueError):
@@ -103,7 +105,8 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, pr
     if existing is not None and (not need_aux or existing.feature_layers) and len(existing) == len(sequences):
         store = existing
     else:
-        store = extract(folder, sequences, target, aux_layers, progress("extracting target features"))
+        store = extract(folder, sequences, target, aux_layers, progress("extracting target features"),
+                        batch_tokens=options.extract_tokens)
     summary["extract_seconds"] = round(time.perf_counter() - started, 1)
     return store, summary
 
@@ -125,7 +128,13 @@ def split(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]
 
 def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, data_summary: dict, resume: bool,
                log, progress, max_shard_bytes: int | None = None) -> dict:
-    """Train one head on the store and write it (published format + training.json) to `output`."""
+    """Train one head on the store and write it (published format + training.json) to `output`.
+
+    The head trains on the target's device. When held-out sequences are evaluated, `output` holds
+    the head with the best simulated tau so far (written when it appears); otherwise the last one.
+    A run stopped by its time limit leaves its checkpoint for --resume and the best head so far.
+    """
+    device = target.device  # the one place the training device is decided: where the target is
     train_ids, held_out = split(len(store), data_summary.get("held_out_fraction", DEFAULT_HELD_OUT), config.seed)
     size = config.draft_vocab or PAPER_DRAFT_VOCAB
     vocab, coverage = (None, 1.0) if size >= target.vocab_size else draft_vocabulary(store, size, target.vocab_size)
@@ -133,37 +142,94 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
         log(f"draft vocabulary: {len(vocab):,} tokens covering {coverage:.1%} of the assistant tokens")
     head = build_head(config.kind, target, config, vocab)
     started = time.perf_counter()
-    state = train(head, target, store, train_ids, held_out, config, output, resume=resume, progress=progress)
     output.mkdir(parents=True, exist_ok=True)
-    save_head(head, output, dtype=torch.bfloat16, max_shard_bytes=max_shard_bytes)
-    record = {
-        "specchat_version": __version__,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "kind": config.kind,
-        "target": {"name": target.name, "layers": target.num_layers, "hidden_size": target.hidden_size,
-                   "vocab_size": target.vocab_size, "dtype": str(target.dtype).removeprefix("torch.")},
-        "data": {**data_summary, "train_conversations": len(train_ids), "held_out_conversations": len(held_out)},
-        "draft_vocab": {"size": None if vocab is None else len(vocab), "assistant_token_coverage": round(coverage, 4)},
-        "recipe": recipe_description(config),
-        "hyperparameters": asdict(config),
-        "steps": state.step,
-        "tokens_seen": state.tokens_seen,
-        "held_out_top1": state.evaluations,
-        "train_seconds": round(time.perf_counter() - started, 1),
-        "hardware": hardware(),
-    }
-    (output / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def record_of(state, selected: dict) -> dict:
+        return {
+            "specchat_version": __version__,
+            "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "kind": config.kind,
+            "target": {"name": target.name, "layers": target.num_layers, "hidden_size": target.hidden_size,
+                       "vocab_size": target.vocab_size, "dtype": str(target.dtype).removeprefix("torch.")},
+            "data": {**data_summary, "train_conversations": len(train_ids), "held_out_conversations": len(held_out)},
+            "draft_vocab": {"size": None if vocab is None else len(vocab), "assistant_token_coverage": round(coverage, 4)},
+            "recipe": recipe_description(config),
+            "hyperparameters": asdict(config),
+            "steps": state.step,
+            "finished": state.stopped is None,
+            "tokens_seen": state.tokens_seen,
+            "held_out_top1": state.evaluations,
+            "selected": selected,
+            "best": state.best,
+            "train_seconds": round(state.seconds, 1),
+            "hardware": hardware(),
+        }
+
+    def write(state, selected: dict) -> dict:
+        save_head(head, output, dtype=torch.bfloat16, max_shard_bytes=max_shard_bytes)
+        record = record_of(state, selected)
+        _write_json(output / "training.json", record)
+        return record
+
+    def on_best(state) -> None:
+        best = state.best
+        write(state, {"step": best["step"], "tau": best["tau"], "top1_by_step": best["top1_by_step"],
+                      "by": "best simulated tau on the held-out conversations"})
+
+    saved = output / "checkpoint" / "checkpoint.json"
+    if resume and saved.is_file():
+        best = json.loads(saved.read_text()).get("state", {}).get("best")
+        if best and _written_step(output) != best["step"]:
+            log(f"the best head so far (step {best['step']:,}, simulated tau {best['tau']:.3f}) is not in {output}; "
+                "unless a later evaluation beats it, the last head will be written")
+    state = train(head, target, store, train_ids, held_out, config, output, resume=resume, progress=progress, log=log,
+                  on_best=on_best, device=device, draft_vocab=vocab)
+    if state.stopped:
+        log(f"stopped at step {state.step:,} by the {state.stopped}; the checkpoint is in {output / 'checkpoint'} "
+            "and the same command with --resume continues")
+    if state.best is not None and _written_step(output) == state.best["step"]:
+        best = state.best
+        record = record_of(state, {"step": best["step"], "tau": best["tau"], "top1_by_step": best["top1_by_step"],
+                                   "by": "best simulated tau on the held-out conversations"})
+        _write_json(output / "training.json", record)
+    else:
+        record = write(state, {"step": state.step, "by": "last step"})
+    record["elapsed_seconds"] = round(time.perf_counter() - started, 1)
     return record
 
 
+def _written_step(output: Path) -> int | None:
+    """The training step of the head in `output` (as its training.json says), if there is one."""
+    try:
+        if not (output / "config.json").is_file():
+            return None
+        return json.loads((output / "training.json").read_text())["selected"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def recipe_description(config: TrainConfig) -> dict:
+    """The loss and its constants, as the head class declares them."""
+    cls = head_class(config.kind)
     steps = config.steps_unrolled()
-    if config.kind == "eagle3":
-        return {"paper": "EAGLE-3 (arXiv 2503.01840)", "loss": f"sum_i {trainer.STEP_DECAY}^i * CE over the draft vocabulary",
-                "ttt_steps": steps, "paper_ttt_steps": trainer.PAPER_TTT_STEPS}
-    base = {"feature_weight": trainer.FEATURE_WEIGHT, "probability_weight": trainer.PROBABILITY_WEIGHT,
-            "feature_noise_uniform": trainer.FEATURE_NOISE, "unrolled_steps": steps}
-    if config.kind == "jakiro":
-        return {"paper": "Jakiro (arXiv 2502.06282)", "loss": "left + 0.5 * right (SmoothL1 + 0.1 CE each)",
-                "right_weight": trainer.RIGHT_WEIGHT, **base}
-    return {"paper": "EAGLE (arXiv 2401.15077)", "loss": "SmoothL1(feature) + 0.1 CE", **base}
+    terms = [f"{cls.probability_loss_weight:g} * CE over the draft vocabulary"]
+    if cls.feature_loss_weight:
+        terms.insert(0, f"{cls.feature_loss_weight:g} * SmoothL1(feature)")
+    loss = " + ".join(terms)
+    if cls.step_loss_decay != 1:
+        loss = f"sum_i {cls.step_loss_decay:g}^i * ({loss})"
+    recipe = {"format": FORMATS[config.kind].NAME, "loss": loss,
+              "features": "fused low/mid/high target states" if cls.reads_fused_features else "final target state",
+              "feature_weight": cls.feature_loss_weight, "probability_weight": cls.probability_loss_weight,
+              "feature_noise_uniform": cls.feature_noise, "step_loss_decay": cls.step_loss_decay,
+              "unrolled_steps": steps, "paper_unrolled_steps": cls.paper_unrolled_steps}
+    if cls.predicts_two_ahead:
+        recipe["right_weight"] = trainer.RIGHT_WEIGHT
+        recipe["loss"] += f" on the left output, + {trainer.RIGHT_WEIGHT:g} * the same on the right (two-ahead) output"
+    return recipe

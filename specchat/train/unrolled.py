@@ -20,27 +20,41 @@ class UnrolledKeys:
     position only, to the keys of steps 1..i: exactly what a depth-i tree node sees at inference
     (the committed context, its ancestors and itself). The same-position part is a dot product per
     position, so no [n, (i+1) n] mask is ever built.
+
+    A batch of `rows` sequences comes flattened, as the head's layers take it: position t of row b
+    is entry b * width + t of the m = rows * width positions. Rows are right-padded to one width, so
+    causal attention alone keeps every real position from seeing padding (which comes after it);
+    what is computed at padded positions is never trained on.
     """
 
-    def __init__(self):
+    def __init__(self, rows: int = 1):
+        self.rows = rows
         self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        """[1, h, rows * width, d] -> [rows, h, width, d]."""
+        _, heads, m, dim = t.shape
+        return t.view(heads, self.rows, m // self.rows, dim).transpose(0, 1)
 
     def attend(self, layer_idx: int, q, k, v, mask=None) -> torch.Tensor:
         """The draft layer's attention at this unrolled step (`mask` is implied, so unused)."""
+        heads, m = q.shape[1], q.shape[2]
+        q, k, v = self._split(q), self._split(k), self._split(v)
         earlier = self.steps.setdefault(layer_idx, [])
         earlier.append((k, v))
         groups = q.shape[1] // k.shape[1]
         k0, v0 = (repeat_kv(t, groups) for t in earlier[0])
         if len(earlier) == 1:
-            return F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
-        scale = q.shape[-1] ** -0.5
-        n = q.shape[2]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [1, h, n, n]
-        later = [(repeat_kv(kj, groups), repeat_kv(vj, groups)) for kj, vj in earlier[1:]]
-        diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in later], dim=-1)  # [1, h, n, steps]
-        weights = torch.softmax(torch.cat([scores0, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
-        out = weights[..., :n] @ v0
-        for j, (_, vj) in enumerate(later):
-            out = out + weights[..., n + j : n + j + 1] * vj
-        return out
+            out = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+        else:
+            scale = q.shape[-1] ** -0.5
+            n = q.shape[2]
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [rows, h, n, n]
+            later = [(repeat_kv(kj, groups), repeat_kv(vj, groups)) for kj, vj in earlier[1:]]
+            diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in later], dim=-1)  # [rows, h, n, steps]
+            weights = torch.softmax(torch.cat([scores0, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
+            out = weights[..., :n] @ v0
+            for j, (_, vj) in enumerate(later):
+                out = out + weights[..., n + j : n + j + 1] * vj
+        return out.transpose(0, 1).reshape(1, heads, m, out.shape[-1])
