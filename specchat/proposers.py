@@ -78,27 +78,31 @@ def draft_model(settings: Settings, target: Target, load_model: LoadModel | None
 
 @builds(methods.EAGLE)
 def static_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
-    return _tree_proposer(settings, target, StaticTree(_static_paths(settings, target)))
+    return _tree_proposer(settings, target, lambda: StaticTree(_static_paths(settings, target)))
 
 
 @builds(methods.EAGLE2)
 def dynamic_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
-    return _tree_proposer(settings, target, DynamicTree(dynamic_params(settings, target)))
+    return _tree_proposer(settings, target, lambda: DynamicTree(dynamic_params(settings, target)))
 
 
 @builds(methods.DEAGLE)
 def deagle_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
-    return _tree_proposer(settings, target, DeagleTree(dynamic_params(settings, target), deagle_params(settings)))
+    return _tree_proposer(settings, target,
+                          lambda: DeagleTree(dynamic_params(settings, target), deagle_params(settings)))
 
 
 @builds(methods.JAKIRO)
 def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
     if settings.static_tree:  # a Jakiro head drafts a given static tree like any head
         return static_tree(settings, target, load_model)
-    return _tree_proposer(settings, target, JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
+    return _tree_proposer(settings, target,
+                          lambda: JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
 
 
-def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
+def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], object]) -> TreeProposer:
+    """The head's proposer; the tree's shape is made once the head has loaded (a head that cannot
+    load fails before this machine's verify cost is measured for the shape's size)."""
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
     if target.spec.quantize in quantized.KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
         quantized.quantize_linears(head, quantized.KERNEL_BITS[target.spec.quantize],
@@ -108,7 +112,7 @@ def _tree_proposer(settings: Settings, target: Target, shape) -> TreeProposer:
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
         curve = cached_curve(target) if target.device.type == "cpu" else None
     try:
-        return TreeProposer(head, target.num_layers, shape, lookup=lookup, curve=curve)
+        return TreeProposer(head, target.num_layers, make_shape(), lookup=lookup, curve=curve)
     except ValueError as error:
         raise MethodError(str(error)) from error
 
