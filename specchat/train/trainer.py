@@ -542,6 +542,8 @@ def train(head, target, store, train_ids: list[int], held_out: list[int], config
             f"{loaded.meta['precision']} checkpoint)")
     elif resume and folder is not None:
         log(f"no checkpoint in {folder}: starting from scratch")
+    elif folder is not None and ckpt.exists(folder):
+        log(f"starting from scratch: this run's checkpoints replace the one in {folder} (--resume continues it)")
 
     def save_checkpoint() -> None:
         tensors, optimizer_meta = ckpt.collect(head, optimizer, names, precision, device)
