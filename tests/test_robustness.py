@@ -433,10 +433,24 @@ def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
 # --- SIGTERM: handled like Ctrl-C ---------------------------------------------------------------------------
 
 
-def start_specchat(args: list[str]) -> subprocess.Popen:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen([sys.executable, "-m", "specchat", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=environment)
+@pytest.fixture
+def start_specchat():
+    """`start(args)`: specchat in a child process, killed at the end of the test if it is still running
+    (a test that fails before its signal must not leave a run of 5,000 prompts behind)."""
+    started = []
+
+    def start(args: list[str]) -> subprocess.Popen:
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        process = subprocess.Popen([sys.executable, "-m", "specchat", *args], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, env=environment)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 180) -> None:
@@ -448,7 +462,8 @@ def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 1
 
 
 @pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
-def test_sigterm_during_run_keeps_finished_records_leaves_no_temporary_and_exits_143(qwen_dir, tmp_path, atomic):
+def test_sigterm_during_run_keeps_finished_records_leaves_no_temporary_and_exits_143(qwen_dir, tmp_path, atomic,
+                                                                                   start_specchat):
     prompts, folder = tmp_path / "p.txt", tmp_path / "out"
     prompts.write_text("".join(f"prompt {i}\n" for i in range(5000)))
     folder.mkdir()
@@ -476,7 +491,7 @@ def test_sigterm_during_run_keeps_finished_records_leaves_no_temporary_and_exits
     assert f"specchat: terminated; kept the {len(ids)} finished records" in err
 
 
-def test_sigterm_during_bench_writes_what_finished_and_exits_143(qwen_dir, tmp_path):
+def test_sigterm_during_bench_writes_what_finished_and_exits_143(qwen_dir, tmp_path, start_specchat):
     prompts, folder = tmp_path / "q.txt", tmp_path / "results"
     prompts.write_text("".join(f"question {i}\n" for i in range(2000)))
     process = start_specchat(["bench", str(prompts), "--methods", "vanilla", "--warmup", "0", "-o", str(folder),
