@@ -254,6 +254,20 @@ def tiny(model_dir, *extra):
     return ["--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6", *extra]
 
 
+def interrupt_the_prompt_with(monkeypatch, word: str) -> None:
+    """Ctrl-C arrives as the engine starts on a prompt that holds `word`."""
+    from specchat.decode.engine import Engine
+
+    generate = Engine.generate
+
+    def interrupted(self, prompt, settings, rng=None):
+        if self.target.tokenizer.decode(prompt).count(word):
+            raise KeyboardInterrupt
+        yield from generate(self, prompt, settings, rng)
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+
+
 def tokens_of(engine, prompt, settings, rng=None):
     return [t for step in engine.generate(prompt, settings, rng) for t in step.tokens]
 

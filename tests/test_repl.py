@@ -15,7 +15,7 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
-from conftest import invoke, load_tiny_target, oracle_head, random_head, tiny
+from conftest import interrupt_the_prompt_with, invoke, load_tiny_target, oracle_head, random_head, tiny
 from specchat.cli import open_chat, resolve_settings
 from specchat.methods import plain_unless_drafted
 from specchat.settings import LiveChatError, parse_value
@@ -247,16 +247,7 @@ def test_run_compare_adds_the_measured_speedup(qwen_dir, capsys, monkeypatch):
 
 
 def test_ctrl_c_during_run_exits_130_and_keeps_finished_records(qwen_dir, tmp_path, capsys, monkeypatch):
-    from specchat.decode.engine import Engine
-
-    generate = Engine.generate
-
-    def stop_at_the_third_prompt(self, prompt, settings, rng=None):
-        if self.target.tokenizer.decode(prompt).count("third"):
-            raise KeyboardInterrupt
-        yield from generate(self, prompt, settings, rng)
-
-    monkeypatch.setattr(Engine, "generate", stop_at_the_third_prompt)
+    interrupt_the_prompt_with(monkeypatch, "third")
     prompts, output = tmp_path / "p.txt", tmp_path / "out.jsonl"
     prompts.write_text("first\nsecond\nthird\nfourth\n")
     code, _, err = invoke(["run", str(prompts), "-o", str(output), *tiny(qwen_dir)], capsys, monkeypatch)

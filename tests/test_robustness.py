@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, invoke, load_tiny_target, random_head, tiny
+from conftest import TINY_VOCAB, interrupt_the_prompt_with, invoke, load_tiny_target, random_head, tiny
 from drafters import HeadLoadError, load_head, save_head
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.inputs import InputError, read_prompts
@@ -510,16 +510,7 @@ def test_sigterm_during_bench_writes_what_finished_and_exits_143(qwen_dir, tmp_p
 
 def test_ctrl_c_during_an_atomic_run_leaves_the_old_output_as_it_was(qwen_dir, tmp_path, capsys, monkeypatch):
     """click's atomic file renamed the partial output over the old one even on Ctrl-C."""
-    from specchat.decode.engine import Engine
-
-    generate = Engine.generate
-
-    def stop_at_the_third_prompt(self, prompt, settings, rng=None):
-        if self.target.tokenizer.decode(prompt).count("third"):
-            raise KeyboardInterrupt
-        yield from generate(self, prompt, settings, rng)
-
-    monkeypatch.setattr(Engine, "generate", stop_at_the_third_prompt)
+    interrupt_the_prompt_with(monkeypatch, "third")
     prompts, output = tmp_path / "p.txt", tmp_path / "out.jsonl"
     prompts.write_text("first\nsecond\nthird\nfourth\n")
     output.write_text("old\n")
