@@ -26,7 +26,7 @@ from rich.console import Console
 
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
-from specchat.inputs import atomic_output, check_outputs, read_prompts, read_stdin
+from specchat.inputs import atomic_output, check_output_folder, check_outputs, read_prompts, read_stdin
 from specchat.methods import HEAD_FORMATS, METHODS, plain_unless_drafted
 from specchat.repl import run_repl
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
@@ -251,6 +251,11 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
               profile, limit, repeat, warmup, output_dir, interleave)
 
 
+# What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
+HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "draft_vocab.safetensors",
+                     "training.json")
+
+
 @cli.command(name="train")
 @click.option("--kind", type=click.Choice(HEAD_FORMATS), required=True, help="Head format to train.")
 @click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
@@ -308,6 +313,7 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
                   eval_every, checkpoint_every, checkpoint_precision, max_minutes, resume, work_dir, prepare_only,
                   max_shard_mb, seed):
     """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
+    check_output_folder("--output", output, list(data_files), HEAD_OUTPUT_FILES)
     from specchat import app  # torch and transformers load here
     from specchat.train import pipeline
     from specchat.train.trainer import TrainConfig, head_class

@@ -541,3 +541,13 @@ def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_lo
 
     monkeypatch.setattr(cpp_extension, "load", load)
     assert quantized._built_kernel.__wrapped__() == "the kernel"
+
+
+def test_train_refuses_an_output_folder_that_would_overwrite_its_data(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "head"
+    folder.mkdir()
+    data = folder / "training.json"  # what train writes last into its folder
+    data.write_text('{"prompt": "hi"}\n')
+    code, _, err = invoke(["train", "--kind", "eagle3", "--data", str(data), "-o", str(folder)], capsys, monkeypatch)
+    assert code == 2 and "training.json there is also the input" in err and len(err.strip().splitlines()) == 1
+    assert data.read_text() == '{"prompt": "hi"}\n'
