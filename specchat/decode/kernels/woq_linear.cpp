@@ -21,16 +21,18 @@
 // Three instruction sets compute those sums, chosen at run time (specchat/quantized.py):
 //   avx512   (AVX512-VNNI): vpdpbusd on 512-bit registers, 16 output rows per register, 64
 //            multiply-adds per instruction; the fifth bits are added by a masked add.
-//   avx-vnni (AVX-VNNI, e.g. Intel 12th gen+, AMD Zen 4+): vpdpbusd on 256-bit registers, 8 rows
-//            per register; the fifth bits are spread by a byte shuffle and a compare.
+//   avx-vnni (AVX-VNNI: Intel Core 12th gen and later, which have no AVX-512): vpdpbusd on 256-bit
+//            registers, 8 rows per register; the fifth bits are spread by a byte shuffle and a
+//            compare. Also built as avx-vnni-evex (vpdpbusd's AVX512-VNNI encoding) so that
+//            AVX-512 CPUs, which lack AVX-VNNI (Zen 4 included), can test this code.
 //   avx2:    vpmaddubsw (unsigned codes x signed int8 into int16 pairs) + vpmaddwd with ones
 //            (pairs into int32), as llama.cpp multiplies Q5_0 by Q8_0 on AVX2.
-// All three make the same int32 sums and then run the same float operations per output (one
-// multiply, two fused multiply-adds per group, the bias added in float32, one rounding to bf16 when
-// x is bf16, emulating vcvtneps2bf16 in AVX2 for every path), so their outputs are bit-identical.
-// This file is compiled once; the part between "one instruction set" markers below is included
-// three times with different target pragmas, so the AVX-512 code is confined to functions that
-// only run where the CPU has it (the rest of the file is plain AVX2+FMA+F16C).
+// All make the same int32 sums and then run the same float operations per output (one multiply,
+// two fused multiply-adds per group, the bias added in float32, one rounding to bf16 when x is
+// bf16, emulating vcvtneps2bf16 in AVX2 for every path), so their outputs are bit-identical. This
+// file is compiled once; the part after the "one instruction set" marker below is included once
+// per path under its target pragma, so the AVX-512 and AVX-VNNI code is confined to functions
+// that only run where the CPU has it (the rest of the file is plain AVX2+FMA+F16C).
 //
 // Layout (made by specchat/quantized.py): codes are unsigned (0-31 or 0-15); output rows come in
 // blocks of 16. "Quad" j of a block holds the codes of k = 4j .. 4j+3 for its 16 rows in vpdpbusd
@@ -309,7 +311,7 @@ inline void store(float* y, Floats acc) { _mm512_storeu_ps(y, acc); }
 // touched once per group); per row and pair of quads, AVX2 on Zen 4 took 2.4 ns with 2 rows per
 // pass, 2.05 with 3, 1.96 with 4 and 1.9-2.0 with 5-6.
 constexpr int kMaxRows = 4;
-constexpr int kSplitRows = WOQ_VNNI ? 2 : 0;
+constexpr int kSplitRows = WOQ_VNNI ? 2 : 0;  // vpdpbusd chains as in the AVX-512 path; AVX2's adds are short
 
 struct Halves {
   __m256i lo, hi;
