@@ -88,8 +88,8 @@ class Settings:
     device: str = _setting(options.AUTO, "model", "device", "Device: auto, cpu, cuda or cuda:N.")
     quantize: str = _setting(options.AUTO, "model", "quantize",
                              "Target weights: int5/int4 (specchat's CPU kernel: verifying a draft tree costs about one "
-                             "token), 8bit/4bit (bitsandbytes), none (the dtype's own). auto: int5 on a CPU with "
-                             "AVX512-BF16/VNNI and a C++ compiler when the dtype is bf16, else none.",
+                             "token), 8bit/4bit (bitsandbytes), none (the dtype's own). auto: int5 on an x86 CPU with "
+                             "AVX2 and a C++ compiler (bf16 or automatic float32 activations), else none.",
                              options.QUANTIZE)
     chat_template: str | None = _setting(None, "model", "chat_template",
                                          "Chat template for a tokenizer that has none: a built-in name (vicuna) "
