@@ -30,8 +30,7 @@ import drafters
 from specchat import embedded
 from specchat.decode.machine import cache_dir
 from specchat.decode import quantized
-from specchat.decode.options import AUTO
-from specchat.decode.target import KERNEL_DTYPES, ModelSpec, Target, dtype_name, load_folder, quiet_transformers, \
+from specchat.decode.target import ModelSpec, Target, dtype_name, kernel_candidate, load_folder, quiet_transformers, \
     resolve_device, resolve_dtype
 from specchat.errors import ModelLoadError, SpecchatError
 from specchat import heads
@@ -53,9 +52,7 @@ def load_target(spec: ModelSpec) -> Target:
     """
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    kernel_likely = device.type == "cpu" and not quantized.missing_cpu_features() and (
-        spec.quantize in quantized.KERNEL_BITS or (spec.quantize == AUTO and dtype in KERNEL_DTYPES
-                                                   and spec.dtype != "float32"))
+    kernel_likely = kernel_candidate(spec, device, dtype) and not quantized.missing_cpu_features()
     if kernel_likely:
         quantized.start_build()
     return load_folder(locate(spec, torch.bfloat16 if kernel_likely else dtype), spec, device, dtype)
@@ -102,7 +99,8 @@ NEEDED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 
 def _manifest(folder: Path) -> dict[str, int]:
     """Every file of a converted folder with its size, recorded in the stamp when the conversion ends."""
-    return {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file() and path.name != STAMP}
+    return {path.name: path.stat().st_size for path in sorted(folder.iterdir())
+            if path.is_file() and path.name != STAMP}
 
 
 def _safetensors_damage(path: Path) -> str | None:

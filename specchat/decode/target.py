@@ -89,7 +89,7 @@ class Target:
     separately, so logits are computed only where they are needed.
     """
 
-    def __init__(self, model, tokenizer, name: str, spec: ModelSpec | None = None, runtime: str | None = None):
+    def __init__(self, model, tokenizer, name: str, spec: ModelSpec | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -99,7 +99,7 @@ class Target:
         self.lm_head = model.get_output_embeddings()  # an nn.Linear, or a quantized one
         embedding = model.get_input_embeddings().weight
         self.device, self.dtype = embedding.device, embedding.dtype
-        self.runtime = runtime or describe_runtime(self.spec.quantize, self.device, self.dtype)
+        self.runtime = describe_runtime(self.spec.quantize, self.device, self.dtype)  # what runs it, said to the user
         text_config = self.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         self.hidden_size = text_config.hidden_size
@@ -153,7 +153,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
     quantized as `spec` says."""
     if spec.quantize not in QUANTIZE:
         raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE)})")
-    quantize = resolve_quantize(spec.quantize, device, dtype, float32_asked=spec.dtype == "float32")
+    quantize = resolve_quantize(spec, device, dtype)
     quiet_transformers()
     kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
     if quantize in BITSANDBYTES:
@@ -179,25 +179,35 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
             quantized.quantize_linears(model, quantized.KERNEL_BITS[quantize], quantized_cache(source, quantize))
         except (quantized.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
-    runtime = describe_runtime(quantize, device, dtype)
+    target = Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
     if quantize in quantized.KERNEL_BITS and quantized.forced_isa():
-        print(f"specchat: {runtime}: {quantized.ISA_VARIABLE} forces the path (this CPU's best: "
+        print(f"specchat: {target.runtime}: {quantized.ISA_VARIABLE} forces the path (this CPU's best: "
               f"{quantized.runnable_isas()[0]})", file=sys.stderr)
-    return Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize), runtime=runtime)
+    return target
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the activations specchat's kernel takes
 
 
-def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype, float32_asked: bool = False) -> str:
-    """`auto`: specchat's 5-bit kernel on a CPU that runs it, else the dtype's own weights; any
-    choice that is not the fastest here is said in one line. A float32 model the user asked for
-    (`--dtype float32`, not auto) keeps its float32 weights: that is how exactness is checked.
+def kernel_candidate(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `spec` asks for specchat's kernel here, before knowing whether it compiles: named
+    (int5/int4), or `auto` on a CPU with kernel activations, unless float32 was asked for (an
+    explicit `--dtype float32` keeps its float32 weights: that is how exactness is checked)."""
+    if spec.quantize in quantized.KERNEL_BITS:
+        return True
+    return spec.quantize == AUTO and device.type == "cpu" and dtype in KERNEL_DTYPES and spec.dtype != "float32"
 
-    Measured on 2 cores (docs/cpu-runtime.md): with AVX512-BF16 the 0.5B decodes in ~16 ms per
-    token with it against ~51 in bf16; on the AVX2 path it takes float32 activations, where torch's
-    own float32 layers cost 135 ms per token. Verifying 8 tokens costs ~1.4x one either way.
+
+def resolve_quantize(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto`: specchat's 5-bit kernel where `kernel_candidate` and the kernel runs, else the dtype's
+    own weights; any choice that is not the fastest here is said in one line.
+
+    Measured on 2 cores of an AMD EPYC (Zen 4; docs/cpu-runtime.md): on the AVX-512 path the 0.5B
+    decodes in ~16 ms per token against ~51 in bf16, and verifying 8 tokens costs ~1.4x one; on
+    the AVX2 path (float32 activations) plain decoding matches llama.cpp built for AVX2, where
+    torch's own float32 layers cost 135 ms per token, but 8 rows of the kernel cost 3.2x one.
     """
+    choice = spec.quantize
     if choice != AUTO:
         if choice in quantized.KERNEL_BITS and (device.type != "cpu" or dtype not in KERNEL_DTYPES):
             raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 or float32 (got "
@@ -206,7 +216,7 @@ def resolve_quantize(choice: str, device: torch.device, dtype: torch.dtype, floa
             print(f"specchat: --quantize {choice} as asked; --quantize auto (int5, specchat's kernel) decodes "
                   f"faster on this CPU", file=sys.stderr)
         return choice
-    if device.type != "cpu" or dtype not in KERNEL_DTYPES or float32_asked:
+    if not kernel_candidate(spec, device, dtype):
         return "none"
     reason = quantized.unavailable_reason()
     if reason is not None:  # said, not silent: plain weights decode several times slower
