@@ -41,7 +41,8 @@ class GrowingKV:
         self.keys = self._key_buffer[:, :, : self.length]
         self.values = self._value_buffer[:, :, : self.length]
 
-    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
+    def reserve(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
+        """Room for `needed` positions of entries shaped like `keys`/`values` ([b, kv_heads, *, d])."""
         if self._key_buffer is None:
             self._key_buffer = keys.new_empty((*keys.shape[:2], 0, keys.shape[3]))
             self._value_buffer = values.new_empty((*values.shape[:2], 0, values.shape[3]))
@@ -57,12 +58,23 @@ class GrowingKV:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add positions at the end; returns every key and value held."""
         added = keys.shape[-2]
-        self._reserve(keys, values, self.length + added)
+        self.reserve(keys, values, self.length + added)
         self._key_buffer[:, :, self.length : self.length + added] = keys
         self._value_buffer[:, :, self.length : self.length + added] = values
         self.length += added
         self._refresh_views()
         return self.keys, self.values
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers, for a forward that writes new entries in place (`extend`)."""
+        return self._key_buffer, self._value_buffer
+
+    def extend(self, added: int) -> None:
+        """The next `added` positions were written into `buffers` in place (room `reserve`d first)."""
+        assert self.length + added <= self.capacity, "extend past the reserved room"
+        self.length += added
+        self._refresh_views()
 
     def trim(self, length: int) -> None:
         """Keep the first `length` positions."""

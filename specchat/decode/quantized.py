@@ -153,12 +153,26 @@ def _built_kernel():
         build.mkdir(parents=True, exist_ok=True)
         with FileLock(build / "specchat-build.lock"):
             (build / "lock").unlink(missing_ok=True)
-            return cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
-                                      verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
+            module = cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+                                        verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
         raise KernelUnavailable(f"cannot compile {SOURCE.name} ({first_line}; SPECCHAT_DEBUG_BUILD=1 shows the "
                                 f"compiler's output)") from error
+    # Loading the module defined torch.ops.specchat.woq_linear; torch.compile traces it by its shape.
+    torch.library.register_fake("specchat::woq_linear")(_woq_linear_shape)
+    return module
+
+
+def _woq_linear_shape(x, low, high, scale, offset, bias, N, bits, isa):
+    return x.new_empty((x.shape[0], N))
+
+
+@torch.compiler.assume_constant_result
+def _traced_isa() -> str:
+    """`kernel_isa()`, which a compiled graph takes as a constant (it reads the environment and
+    /proc/cpuinfo, which tracing must not)."""
+    return kernel_isa()
 
 
 @functools.cache
@@ -290,8 +304,9 @@ class QuantizedLinear(nn.Module):
         return self._forward(identity, None).T.contiguous()
 
     def _multiply(self, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return kernel().woq_linear(rows, self.low, self.high, self.scale, self.bias, bias, self.out_features,
-                                   self.bits, kernel_isa())
+        isa = _traced_isa() if torch.compiler.is_compiling() else kernel_isa()  # (loads the kernel: first)
+        return torch.ops.specchat.woq_linear(rows, self.low, self.high, self.scale, self.bias, bias,
+                                             self.out_features, self.bits, isa)
 
     def _forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # bf16 and float32 go through as they are (and come back so); float16 and others as float32

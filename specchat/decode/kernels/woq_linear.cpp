@@ -237,7 +237,23 @@ torch::Tensor woq_linear(const torch::Tensor& x, const torch::Tensor& low, const
   return linear<at::BFloat16>(x, low, high, scale, offset, bias, N, bits, multiply);
 }
 
+// The operator's signature spells the ISA as a string_view; the pybind entry point takes a string.
+torch::Tensor woq_linear_op(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
+                            const torch::Tensor& scale, const torch::Tensor& offset,
+                            const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits, c10::string_view isa) {
+  return woq_linear(x, low, high, scale, offset, bias, N, bits, std::string(isa));
+}
+
 }  // namespace
+
+// The kernel as a torch operator, torch.ops.specchat.woq_linear: torch.compile captures a call to
+// it inside a graph (specchat/decode/quantized.py gives it its shape function) where a call into
+// this module's pybind function would break the graph.
+TORCH_LIBRARY(specchat, m) {
+  m.def("woq_linear(Tensor x, Tensor low, Tensor high, Tensor scale, Tensor offset, Tensor? bias, int N, int bits, "
+        "str isa) -> Tensor");
+  m.impl("woq_linear", torch::kCPU, &woq_linear_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "weight-only 4/5-bit quantized linear, int8 products, on one instruction set");
