@@ -1,11 +1,11 @@
-"""One-query attention on a CPU: the same numbers as SDPA, and the target loads with it."""
+"""Grouped attention on a CPU: the same numbers as SDPA for one query and several, and the target loads with it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import load_tiny_target
-from drafters.attention import attention, one_query
+from drafters.attention import attention, grouped
 from specchat.decode.target import ATTENTION
 from specchat.decode.cache import KVCache
 
@@ -17,25 +17,29 @@ def reference(query, key, value, mask):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (14, 2)])
+@pytest.mark.parametrize("queries", [1, 3, 5])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-def test_one_query_matches_sdpa(heads, kv_heads, mask_kind):
+def test_grouped_matches_sdpa(heads, kv_heads, queries, mask_kind):
     torch.manual_seed(0)
     length = 37
-    query = torch.randn(1, heads, 1, 16)
+    query = torch.randn(1, heads, queries, 16)
     key, value = torch.randn(1, kv_heads, length, 16), torch.randn(1, kv_heads, length, 16)
-    visible = torch.rand(1, 1, 1, length) > 0.3
+    visible = torch.rand(1, 1, queries, length) > 0.3
     visible[..., -1] = True
     mask = {"none": None, "bool": visible,
-            "additive": torch.zeros(1, 1, 1, length).masked_fill(~visible, float("-inf"))}[mask_kind]
-    expected = reference(query, key, value, mask)
-    torch.testing.assert_close(one_query(query, key, value, mask, 16 ** -0.5), expected)
+            "additive": torch.zeros(1, 1, queries, length).masked_fill(~visible, float("-inf"))}[mask_kind]
+    # no mask: SDPA's is_causal aligns to the top left; for decoding (the queries are the last
+    # keys) the causal mask is the bottom-right one, which `grouped` applies
+    causal = torch.ones(queries, length, dtype=torch.bool).tril(diagonal=length - queries)[None, None]
+    expected = reference(query, key, value, causal if mask is None else mask)
+    torch.testing.assert_close(grouped(query, key, value, mask, 16 ** -0.5), expected)
     torch.testing.assert_close(attention(query, key, value, mask), expected)
 
 
-def test_several_queries_take_sdpa_with_the_mask():
+def test_a_mask_of_rows_only_broadcasts_over_the_heads():
     torch.manual_seed(1)
     query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
-    mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(diagonal=7)
+    mask = torch.ones(3, 10, dtype=torch.bool).tril(diagonal=7)
     torch.testing.assert_close(attention(query, key, value, mask), reference(query, key, value, mask))
 
 

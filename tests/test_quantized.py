@@ -154,6 +154,20 @@ def test_a_rows_output_does_not_depend_on_the_rows_multiplied_with_it(isa, dtype
     assert all(torch.equal(layer(x[i : i + 1])[0], together[i]) for i in range(13))
 
 
+@needs_kernel
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_codes_times_the_largest_int8_sum_exactly_on_every_tiling(isa, sign):
+    """Every code 31 and every int8 of x at +-127: the integer sums are at their largest (the AVX2
+    path keeps two pairs of quads in int16, 8 * 31 * 127 = 31496, before widening), and exact."""
+    N, K = 32, 256
+    codes = torch.full((N, K), 31, dtype=torch.uint8)
+    ones, zeros = torch.ones(N, K // quantized.GROUP).half(), torch.zeros(N, K // quantized.GROUP).half()
+    layer = quantized.QuantizedLinear(K, N, 5, quantized.pack(codes, ones, zeros, 5), None, torch.float32)
+    for rows in (1, 3, 4, 5, 8, 16):
+        got = layer(torch.full((rows, K), sign))
+        assert torch.equal(got, torch.full((rows, N), sign * 31 * K)), rows
+
+
 def test_weights_from_a_q5_0_file_are_reproduced_exactly():
     """llama.cpp's Q5_0 stores w = d * (q - 16) with the largest magnitude at q = 0: the symmetric grid hits it."""
     torch.manual_seed(0)

@@ -23,14 +23,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging as transformers_logging
 
-from drafters.attention import one_query
+from drafters.attention import grouped
 from specchat.decode import quantized
 from specchat.decode.machine import cache_dir, cpu_has_bf16
 from specchat.decode.options import AUTO, BITSANDBYTES, QUANTIZE
 from specchat.errors import ModelLoadError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ATTENTION = "specchat_sdpa"  # transformers' SDPA, but for one query token on a CPU (drafters.attention)
+ATTENTION = "specchat_sdpa"  # transformers' SDPA, but grouped matrix products on a CPU (drafters.attention)
 
 
 @dataclass(frozen=True)
@@ -255,13 +255,15 @@ def _bitsandbytes_config(quantize: str, dtype: torch.dtype):
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs):
-    """transformers' attention-function signature; SDPA's own function for what `one_query` does not cover."""
+    """transformers' attention-function signature; SDPA's own function for what `grouped` does not cover."""
     plain = dropout == 0.0 and all(kwargs.get(name) is None for name in ("softcap", "s_aux", "sinks", "position_bias"))
-    if query.shape[2] != 1 or query.device.type != "cpu" or not plain:
+    # no mask with several queries means causal (`grouped`'s rule) for a decoder's attention
+    plain = plain and (attention_mask is not None or query.shape[2] == 1 or getattr(module, "is_causal", False))
+    if query.device.type != "cpu" or not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return one_query(query, key, value, attention_mask, scale).transpose(1, 2), None
+    return grouped(query, key, value, attention_mask, scale).transpose(1, 2), None
 
 
 AttentionInterface.register(ATTENTION, attention_forward)
