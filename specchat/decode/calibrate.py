@@ -23,7 +23,7 @@ from specchat.decode import quantized
 from specchat.decode.cache import KVCache, causal_mask
 from specchat.decode.machine import cache_dir, device_name, synchronize
 
-SIZES = (1, 4, 6, 8, 12, 16, 20, 24, 32, 48)
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48)  # the small ones: where each token costs much (AVX2)
 CONTEXT = 256  # tokens already cached while timing (a typical chat turn)
 REPEATS = 5
 # Expected tokens per cycle with a verified tree of n tokens, tau(n) = 1 + TAU_PER_DOUBLING * log2(n),
@@ -69,7 +69,8 @@ def _key(target) -> str:
     runtime = target.spec.quantize
     if runtime in quantized.KERNEL_BITS:  # specchat's kernel: a changed kernel is timed again
         runtime += f"-{quantized.kernel_version()}"
-    return f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}"
+    sizes = "-".join(map(str, SIZES))  # a curve measured at other sizes is measured again
+    return f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}|{sizes}"
 
 
 @torch.inference_mode()
