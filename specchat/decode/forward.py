@@ -138,7 +138,9 @@ class DecoderForward:
             positions = torch.arange(start, start + n, device=input_ids.device)[None]
         if mask is None:  # always a mask: then one compiled graph serves plain and tree steps alike
             mask = causal_mask(start, n, input_ids.device)
-        final, hidden = self._run(*map(own, (input_ids, positions, mask)), keys, values, start)
+        if self.compiled:
+            input_ids, positions, mask = map(own, (input_ids, positions, mask))
+        final, hidden = self._run(input_ids, positions, mask, keys, values, start)
         cache.extend(n)
         return final, [hidden[i] for i in feature_layers]
 
