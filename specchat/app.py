@@ -28,7 +28,8 @@ def model_loader(settings: Settings) -> LoadModel:
     """`load(name, gguf_file=None)`: loads a model (the target, or a draft model) the way `settings` say."""
     def load_model(name: str, gguf_file: str | None = None) -> Target:
         return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
-                                     quantize=settings.quantize, trust_remote_code=settings.trust_remote_code))
+                                     quantize=settings.quantize, compile=settings.compile,
+                                     trust_remote_code=settings.trust_remote_code))
 
     return load_model
 

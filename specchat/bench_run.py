@@ -67,6 +67,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "inputs": inputs, "questions": len(records), "methods": methods, "drafts": drafts, "skipped": skipped,
         "model": settings.model, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
         "runtime": target.runtime,
+        "compile_seconds": round(target.compile_seconds, 2),  # at load, before any timed turn: not in tok/s
         "max_new_tokens": generation.max_new_tokens, "temperature": settings.temperature, "repeat": repeat,
         "warmup": warmup, "interleave": interleave, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),

@@ -319,7 +319,7 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
     from specchat.train.trainer import TrainConfig, head_class
 
     settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile, "dtype": dtype,
-                                    "device": device, "quantize": "none"})
+                                    "device": device, "quantize": "none", "compile": "off"})
     target = app.model_loader(settings)(settings.model, settings.gguf_file)
     target.model.requires_grad_(False)
     on_gpu = target.device.type == "cuda"

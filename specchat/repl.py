@@ -357,7 +357,7 @@ class Repl:
         self.ui.show(chat.describe() + [("history", history)])
 
     def do_stats(self, chat, argument: str) -> None:
-        self.ui.session_stats(chat.totals, chat.engine.target.runtime)
+        self.ui.session_stats(chat.totals, chat.engine.target.runtime, chat.engine.target.compile_seconds)
 
     def do_tree(self, chat, argument: str) -> None:
         if chat.last_cycle is None:

@@ -91,6 +91,10 @@ class Settings:
                              "token), 8bit/4bit (bitsandbytes), none (the dtype's own). auto: int5 on an x86 CPU with "
                              "AVX2 and a C++ compiler (bf16 or automatic float32 activations), else none.",
                              options.QUANTIZE)
+    compile: str = _setting(options.AUTO, "model", "compile",
+                            "torch.compile the target's forward (Llama, Qwen2, Qwen3, Mistral), compiling once per "
+                            "shape at start-up; auto: on CUDA, not on a CPU (where it measured slower).",
+                            options.COMPILE)
     chat_template: str | None = _setting(None, "model", "chat_template",
                                          "Chat template for a tokenizer that has none: a built-in name (vicuna) "
                                          "or a Jinja file.")

@@ -46,6 +46,7 @@ def test_a_mask_of_rows_only_broadcasts_over_the_heads():
 def test_a_cpu_target_decodes_with_it_and_gets_sdpa_s_logits(tiny_model_dir):
     target = load_tiny_target(tiny_model_dir)
     assert target.model.config._attn_implementation == ATTENTION
+    target.own_forward = None  # transformers' forward, which families specchat's forward does not compute take
     ids = torch.tensor([[5, 9, 3, 17, 2, 11, 8]])
 
     def last_logits():

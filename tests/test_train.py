@@ -206,7 +206,6 @@ def varied(target, tmp_path_factory):
 
 def test_batched_extraction_equals_one_sequence_at_a_time(target, store, tmp_path):
     """Right-padded rows in one target forward give each sequence's own hidden states and argmax."""
-    from specchat.decode.cache import KVCache
     from specchat.train.features import batch_features
 
     ids = [store.sequence(i)["tokens"].tolist() for i in range(5)]
@@ -214,7 +213,7 @@ def test_batched_extraction_equals_one_sequence_at_a_time(target, store, tmp_pat
     layers = (2, 3, target.num_layers)
     batched = batch_features(target, ids, layers)
     for sequence, (features, argmax) in zip(ids, batched):
-        alone = target.forward(torch.tensor([sequence]), KVCache(), logits_for="all", feature_layers=layers)
+        alone = target.forward(torch.tensor([sequence]), target.new_cache(), logits_for="all", feature_layers=layers)
         torch.testing.assert_close(features, alone.features, rtol=1e-5, atol=1e-5)
         assert torch.equal(argmax, alone.logits.argmax(-1))
     # The store written in batches holds what one-at-a-time extraction wrote (within a bf16 rounding).

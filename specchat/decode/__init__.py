@@ -8,6 +8,7 @@ profiles or settings. Its defaults are declared here (`options`) and the setting
     sampling.py        temperature / top-p / top-k, the draw, greedy choices and margins
     tree.py            the draft tree and a cycle's record; EAGLE-1's static trees
     cache.py           the target's KV cache (transformers' Cache over `drafters.cache`'s storage)
+    forward.py         specchat's own forward for Llama-family targets (eager or compiled) and its cache
     target.py          the target model at run time: loading from a folder, one forward
     quantized.py       specchat's weight-only int5/int4 CPU kernel (kernels/woq_linear.cpp)
     head_proposer.py   drafting trees with a draft head: EAGLE-1 static, EAGLE-2 dynamic, DEAGLE, Jakiro

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specchat.decode import quantized
-from specchat.decode.cache import KVCache, causal_mask
+from specchat.decode.cache import causal_mask
 from specchat.decode.machine import cache_dir, device_name, synchronize
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48)  # the small ones: where each token costs much (AVX2)
@@ -69,6 +69,7 @@ def _key(target) -> str:
     runtime = target.spec.quantize
     if runtime in quantized.KERNEL_BITS:  # specchat's kernel: a changed kernel is timed again
         runtime += f"-{quantized.kernel_version()}"
+    runtime += "-compiled" if target.compiled else ""
     sizes = "-".join(map(str, SIZES))  # a curve measured at other sizes is measured again
     return f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}|{sizes}"
 
@@ -80,7 +81,7 @@ def measure(target, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS)
     that drift into the curve's shape (6 tokens measured dearer than 8 in one run, cheaper in the next)."""
     generator = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, len(target.tokenizer))
-    cache = KVCache()
+    cache = target.new_cache()
     target.forward(torch.randint(0, vocab, (1, context), generator=generator).to(target.device), cache, logits_for="none")
     inputs = {n: (torch.randint(0, vocab, (1, n), generator=generator).to(target.device),
                   torch.arange(context, context + n, device=target.device)[None],

@@ -24,7 +24,6 @@ from typing import Protocol
 
 import torch
 
-from specchat.decode.cache import KVCache
 from specchat.errors import ContextLengthError
 from specchat.decode.machine import synchronize
 from specchat.decode.options import MAX_NEW_TOKENS
@@ -123,7 +122,7 @@ class Engine:
     def __init__(self, target: Target, proposer: Proposer | None = None):
         self.target = target
         self.proposer = proposer
-        self.cache = KVCache()
+        self.cache = target.new_cache()
         self.context_ids: list[int] = []  # exactly the tokens whose keys/values `cache` holds
 
     # -- cache bookkeeping -------------------------------------------------------------------

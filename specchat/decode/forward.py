@@ -20,6 +20,8 @@ from torch import nn
 
 from drafters.attention import attention
 from drafters.cache import GrowingKV
+from specchat.decode.cache import causal_mask
+from specchat.decode.quantized import SharedProjection
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # decoders whose layers compute what `_layer` does
 
@@ -78,7 +80,7 @@ class Projections(nn.Module):
     def __init__(self, attention_module: nn.Module):
         super().__init__()
         q = attention_module.q_proj
-        self.stacked = getattr(q, "stacked", None)  # a quantized.SharedProjection's stacked layer
+        self.stacked = q.stacked if isinstance(q, SharedProjection) else None
         if self.stacked is None:
             self.q, self.k, self.v = q, attention_module.k_proj, attention_module.v_proj
         else:
@@ -97,6 +99,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def own(t: torch.Tensor) -> torch.Tensor:
+    """`t` as an inference tensor of its own: a compiled graph's guards tell views (they check the
+    base's size) and tensors made outside inference mode from the rest, and would compile again."""
+    return t if t._base is None and t.is_inference() else t.clone()
+
+
 class DecoderForward:
     """The forward pass of a loaded Llama-family causal LM's decoder, eager or compiled."""
 
@@ -112,7 +120,8 @@ class DecoderForward:
         embedding = self.embed_tokens.weight
         self.dtype, self.device = embedding.dtype, embedding.device
         self.compiled = compile
-        # dynamic: the cached length and the number of new tokens vary every call; one graph takes all.
+        # dynamic: the cached length and the number of new tokens vary every call, so one graph serves
+        # them all (dynamo specializes 0 and 1 only: a first prefill, one token, several tokens).
         self._run = torch.compile(self._forward, fullgraph=True, dynamic=True) if compile else self._forward
 
     def new_cache(self) -> LayerKV:
@@ -127,26 +136,28 @@ class DecoderForward:
         keys, values = cache.reserve(start + n)
         if positions is None:
             positions = torch.arange(start, start + n, device=input_ids.device)[None]
-        final, features = self._run(input_ids, positions, mask, keys, values, start, feature_layers)
+        if mask is None:  # always a mask: then one compiled graph serves plain and tree steps alike
+            mask = causal_mask(start, n, input_ids.device)
+        if self.compiled:
+            input_ids, positions, mask = map(own, (input_ids, positions, mask))
+        final, hidden = self._run(input_ids, positions, mask, keys, values, start)
         cache.extend(n)
-        return final, features
+        return final, [hidden[i] for i in feature_layers]
 
-    def _forward(self, input_ids, positions, mask, keys, values, start: int, feature_layers: tuple[int, ...]):
-        n = input_ids.shape[1]
-        total = start + n
-        if mask is None and n > 1:  # causal over the new tokens, everything cached visible
-            mask = torch.ones(n, total, dtype=torch.bool, device=input_ids.device).tril(diagonal=start)[None, None]
+    def _forward(self, input_ids, positions, mask, keys, values, start: int):
+        """The final normed state and every feature a drafter may ask for (index i as in `__call__`):
+        all of them, rather than the ones asked for, so that no drafter's choice makes another graph."""
+        total = start + input_ids.shape[1]
         x = self.embed_tokens(input_ids)  # [1, n, hidden]
         cos, sin = self.rotary_emb(x, positions)  # [1, n, d]
         cos, sin = cos[:, None], sin[:, None]
-        hidden = {0: x}
+        hidden = []
         for index, layer in enumerate(self.layers):
+            hidden.append(x[0])  # the input of layer i is feature i
             x = x + self._attention(index, layer, layer.input_layernorm(x), cos, sin, mask, keys, values, start, total)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            hidden[index + 1] = x
         final = self.norm(x)[0]
-        features = [final if i == len(self.layers) else hidden[i][0] for i in feature_layers]
-        return final, features
+        return final, hidden + [final]
 
     def _attention(self, index, layer, x, cos, sin, mask, keys, values, start, total):
         module = layer.self_attn

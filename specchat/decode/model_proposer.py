@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from specchat.decode.cache import KVCache
 from specchat.decode.engine import GenerationSettings
 from specchat.decode.sampling import sample, target_probs
 from specchat.decode.tree import DraftTree
@@ -43,7 +42,7 @@ class DraftModelProposer:
         self.draft = draft
         self.vocab_size = target_vocab_size
         self.k = draft_tokens
-        self.cache = KVCache()
+        self.cache = draft.new_cache()
         self.context_ids: list[int] = []  # committed context, as the engine reported it
         self.cached_ids: list[int] = []  # the tokens whose entries the draft cache holds
 

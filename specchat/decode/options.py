@@ -6,9 +6,10 @@ choices before torch loads; the core's modules read them from here too.
 
 from __future__ import annotations
 
-AUTO = "auto"  # --dtype, --device, --quantize: chosen for the machine (specchat.decode.target)
+AUTO = "auto"  # --dtype, --device, --quantize, --compile: chosen for the machine (specchat.decode.target)
 DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_BITS = {"int5": 5, "int4": 4}  # specchat's weight-only CPU kernel (specchat.decode.quantized)
 BITSANDBYTES = ("8bit", "4bit")  # bitsandbytes' quantized weights
 QUANTIZE = (AUTO, "none", *KERNEL_BITS, *BITSANDBYTES)
+COMPILE = (AUTO, "on", "off")  # torch.compile the target's forward: auto = on CUDA only (see target.compiles)
 MAX_NEW_TOKENS = 512  # most tokens per reply

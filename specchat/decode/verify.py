@@ -61,12 +61,15 @@ def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng:
     if tree.q is not None:
         return accept_sampled_chain(tree, logits, sampling, rng)
     logits = logits.float()  # once for all rows: argmax over bf16 is 5x slower
+    # Greedy: every row's choice in one read, not one device-to-host wait per row on a GPU (on a
+    # CPU the rows the walk never reaches cost ~5 us each: 0.15 ms for 17 rows of a 152k vocabulary).
+    choices = argmax(logits) if sampling.greedy else None
     children = tree.children()
     path: list[int] = []
     row = 0
     while True:
         if sampling.greedy:
-            best = argmax(logits[row : row + 1])[0]
+            best = choices[row]
             chosen = next((c for c in children[row] if tree.tokens[c] == best), None)
             if chosen is None:
                 return Acceptance(path, best)

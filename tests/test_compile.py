@@ -1,0 +1,117 @@
+"""The target's forward under torch.compile(fullgraph=True) (`--compile on`): it compiles whole on a
+CPU, through specchat's quantized kernel too, and decoding stays lossless through it.
+
+The slow-ish tests of the suite (inductor compiles a few graphs: ~10-60 s each); a 2-layer model
+keeps them small.
+"""
+
+import pytest
+import torch
+
+from conftest import ScriptedProposer, build_model, build_tokenizer, random_head, tokens_of
+from specchat.decode import quantized
+from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.head_proposer import DynamicTree, DynamicTreeParams, TreeProposer
+from specchat.decode.lookup import PromptLookupProposer
+from specchat.decode.target import ModelSpec, Target, compiles
+
+pytestmark = pytest.mark.compile  # the slowest tests after the real model's: -m "not compile" leaves them out
+
+PROMPT = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]  # repeats itself, so prompt lookup finds drafts
+
+
+def tiny_target(compile: str, quantize_bits: int | None = None) -> Target:
+    model = build_model("qwen2", num_hidden_layers=2)
+    if quantize_bits:
+        quantized.quantize_linears(model, quantize_bits)
+    spec = ModelSpec(model="tiny", dtype="float32", device="cpu", compile=compile)
+    return Target(model, build_tokenizer(), "tiny", spec=spec)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing and sees its own graph breaks."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def assert_compiled_whole():
+    """fullgraph=True raises at a graph break; this also catches a silent fallback to eager (recompile limit)."""
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
+
+
+def steps(target):
+    """A prefill, a decoded token and a verified tree: their logits and features."""
+    cache = target.new_cache()
+    out = [target.forward(torch.tensor([PROMPT]), cache, logits_for="all", feature_layers=(1, 2))]
+    out.append(target.forward(torch.tensor([[7]]), cache, logits_for="last", feature_layers=(1, 2)))
+    cached = cache.length
+    rows = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(3, cached, dtype=torch.bool), rows], dim=1)[None, None]
+    out.append(target.forward(torch.tensor([[9, 40, 41]]), cache, positions=torch.tensor([[0, 1, 1]]) + cached,
+                              mask=mask, logits_for="all", feature_layers=(1, 2)))
+    return [(o.logits, o.features) for o in out]
+
+
+def test_auto_compiles_on_cuda_only():
+    assert compiles("auto", torch.device("cuda")) and not compiles("auto", torch.device("cpu"))
+    assert compiles("on", torch.device("cpu")) and not compiles("off", torch.device("cuda"))
+
+
+def test_the_forward_compiles_whole_and_computes_what_the_eager_one_does(capsys):
+    compiled = tiny_target("on")
+    assert compiled.compiled and "compiled" in compiled.runtime
+    compiled.warm_up()
+    assert "compiling the target's forward" in capsys.readouterr().err and compiled.compile_seconds > 0
+    eager = Target(compiled.model, compiled.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
+    assert not eager.compiled
+    for (logits, features), (eager_logits, eager_features) in zip(steps(compiled), steps(eager)):
+        torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(features, eager_features, rtol=1e-4, atol=1e-4)
+    assert_compiled_whole()
+
+
+@pytest.mark.skipif(quantized.unavailable_reason() is not None,
+                    reason=f"specchat's kernel does not run here: {quantized.unavailable_reason()}")
+def test_the_quantized_kernel_compiles_into_the_graph():
+    compiled = tiny_target("on", quantize_bits=5)
+    assert isinstance(compiled.lm_head, quantized.QuantizedLinear)  # the tiny sizes tile into the kernel's blocks
+    eager = Target(compiled.model, compiled.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
+    for (logits, _), (eager_logits, _) in zip(steps(compiled), steps(eager)):
+        # The kernel rounds each token's activations to 8 bits, so the last bits in which inductor's
+        # norms differ from eager ones can move a logit by a rounding step (~0.1 here): close, same choices.
+        assert torch.equal(logits.argmax(-1), eager_logits.argmax(-1))
+        assert (logits - eager_logits).abs().max() <= 0.03 * (eager_logits.max() - eager_logits.min())
+    assert_compiled_whole()
+
+
+def test_speculative_greedy_through_the_compiled_forward_equals_plain_greedy():
+    compiled = tiny_target("on")
+    eager = Target(compiled.model, compiled.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
+    settings = GenerationSettings(max_new_tokens=12)
+    plain = tokens_of(Engine(eager), PROMPT, settings)
+    assert tokens_of(Engine(compiled), PROMPT, settings) == plain
+    head = TreeProposer(random_head("eagle", compiled), compiled.num_layers,
+                        DynamicTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3)))
+    proposers = {"eagle2": head, "pld": PromptLookupProposer(),
+                 "scripted": ScriptedProposer(PROMPT, plain, depth=4)}  # deep acceptance through tree masks
+    for name, proposer in proposers.items():
+        assert tokens_of(Engine(compiled, proposer), PROMPT, settings) == plain, name
+    assert_compiled_whole()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_compiled_forward_is_the_default_and_lossless():
+    model = build_model("qwen2", num_hidden_layers=2).cuda()
+    target = Target(model, build_tokenizer(), "tiny", spec=ModelSpec(model="tiny", dtype="float32", device="cuda"))
+    assert target.compiled
+    target.warm_up()
+    eager = Target(model, target.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
+    settings = GenerationSettings(max_new_tokens=12)
+    plain = tokens_of(Engine(eager), PROMPT, settings)
+    assert tokens_of(Engine(target, PromptLookupProposer()), PROMPT, settings) == plain
+    assert_compiled_whole()
