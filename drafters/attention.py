@@ -41,7 +41,10 @@ def grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.dim() == 4 else mask
         scores = scores.view(batch, kv_heads, group, n, length)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * n, length)
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None:  # a row that may attend nothing (padding) gets zeros, as SDPA gives, not NaN
+        probs = probs.nan_to_num(0.0)
+    probs = probs.view(batch, kv_heads, group * n, length)
     return torch.matmul(probs, value.float()).to(query.dtype).reshape(batch, heads, n, dim)
 
 

@@ -57,3 +57,14 @@ def test_a_cpu_target_decodes_with_it_and_gets_sdpa_s_logits(tiny_model_dir):
     ours = last_logits()
     target.model.set_attn_implementation("sdpa")
     torch.testing.assert_close(ours, last_logits())
+
+
+def test_a_query_that_may_attend_nothing_gets_zeros_not_nan():
+    """Padding rows of a batch (training's feature extraction): SDPA gives zeros there, so must grouped."""
+    torch.manual_seed(2)
+    query, key, value = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+    mask[..., 0, :] = False
+    out = attention(query, key, value, mask)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    torch.testing.assert_close(out[:, :, 1], reference(query, key, value, mask)[:, :, 1])
