@@ -117,6 +117,8 @@ class DecoderForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.projections = [Projections(layer.self_attn) for layer in self.layers]
         self.scaling = self.layers[0].self_attn.scaling
+        # Qwen3 normalizes each head's query and key before the rotation
+        self.normalizes_heads = hasattr(self.layers[0].self_attn, "q_norm")
         embedding = self.embed_tokens.weight
         self.dtype, self.device = embedding.dtype, embedding.device
         self.compiled = compile
@@ -136,8 +138,8 @@ class DecoderForward:
         keys, values = cache.reserve(start + n)
         if positions is None:
             positions = torch.arange(start, start + n, device=input_ids.device)[None]
-        if mask is None:  # always a mask: then one compiled graph serves plain and tree steps alike
-            mask = causal_mask(start, n, input_ids.device)
+        if mask is None and (self.compiled or n > 1):  # compiled: always a mask, so one graph serves
+            mask = causal_mask(start, n, input_ids.device)  # plain and tree steps; eager one-token steps need none
         if self.compiled:
             input_ids, positions, mask = map(own, (input_ids, positions, mask))
         final, hidden = self._run(input_ids, positions, mask, keys, values, start)
@@ -165,7 +167,7 @@ class DecoderForward:
         q, k, v = self.projections[index](x)
         q = q.view(1, n, self.heads, self.head_dim)
         k = k.view(1, n, self.kv_heads, self.head_dim)
-        if hasattr(module, "q_norm"):  # Qwen3 normalizes each head's query and key before the rotation
+        if self.normalizes_heads:
             q, k = module.q_norm(q), module.k_norm(k)
         q = rotate(q.transpose(1, 2), cos, sin)
         k = rotate(k.transpose(1, 2), cos, sin)
