@@ -171,6 +171,15 @@ def test_a_few_steps_reduce_the_loss_and_the_head_loads_back(kind, target, store
     assert loaded.kind == kind and torch.equal(loaded.draft_to_target, head.draft_to_target)
 
 
+def test_a_jsonl_record_holding_a_unicode_line_separator_is_one_record(tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028, U+0085 and U+001C raw; str.splitlines() splits at
+    # them, which cut such records in two ("broken JSON") and made regeneration redo their prompts.
+    texts = ["a\u2028b", "c\x85d", "e\x1cf", "g\u2029h"]
+    lines = [json.dumps({"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t}]},
+                        ensure_ascii=False) for t in texts]
+    conversations, report = read_conversations([write(tmp_path, "odd.jsonl", "\r\n".join(lines))])
+    assert report.skipped == {} and [c.messages[0]["content"] for c in conversations] == texts
+
 def test_regeneration_answers_prompts_and_resumes(target, tmp_path):
     from specchat.chat import ChatFormat
     from specchat.train.data import TrainingConversation
@@ -188,6 +197,20 @@ def test_regeneration_answers_prompts_and_resumes(target, tmp_path):
                        progress=lambda done, total: seen.append((done, total)))
     assert seen == [] and [c.messages for c in again] == [c.messages for c in first]  # nothing was redone
 
+
+def test_regeneration_reuses_answers_holding_a_unicode_line_separator(target, tmp_path):
+    from specchat.train.data import TrainingConversation
+    from specchat.train.regenerate import prompt_key
+
+    messages = [{"role": "user", "content": "say\u2028this"}]
+    cache = tmp_path / "regenerated.jsonl"
+    entry = {"key": prompt_key(messages), "messages": messages + [{"role": "assistant", "content": "x\u2028y"}],
+             "finish": "stop"}
+    cache.write_text(json.dumps(entry, ensure_ascii=False) + "\n", encoding="utf-8")
+    seen = []
+    again = regenerate([TrainingConversation(messages, "x#0")], target, cache, batch_size=1, max_new_tokens=4,
+                       progress=lambda done, total: seen.append(done))
+    assert seen == [] and again[0].messages == entry["messages"]
 
 # ---------------------------------------------------------------------------------------------
 # Batches, devices, checkpoints
