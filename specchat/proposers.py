@@ -109,7 +109,8 @@ def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
     if target.spec.quantize in quantized.KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
         quantized.quantize_linears(head, quantized.KERNEL_BITS[target.spec.quantize],
-                                   quantized_cache(folder, target.spec.quantize, loaded_on=target))
+                                   quantized_cache(folder, target.spec.quantize, loaded_on=target),
+                                   what="the draft head's linear layers")
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)

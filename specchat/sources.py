@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -168,12 +169,33 @@ def _usable(folder: Path) -> dict | None:
     return None
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file's metadata once for the tokenizer, once for the config and
+    once for the weights (`load_gguf_checkpoint` builds a `gguf.GGUFReader` each time, importing the
+    name when called); with a 150k-token vocabulary one parse takes ~6 s on a laptop core. While
+    converting, one reader per file serves all three (transformers only reads from it)."""
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
     """Dequantize a GGUF file into `dtype` and save it in `folder` as a Hugging Face model folder."""
     quiet_transformers()
     try:
         # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             model = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,

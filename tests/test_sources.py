@@ -156,3 +156,28 @@ def test_a_pickled_model_folder_gets_specchats_message(qwen_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="weights_only=True") as caught:
         load_tiny_target(folder)
     assert "\n" not in str(caught.value) and "Unpickl" not in str(caught.value)
+
+
+def test_a_gguf_is_parsed_once_while_converting(tmp_path, monkeypatch):
+    """transformers builds a `gguf.GGUFReader` for the tokenizer, the config and the weights (a
+    ~6 s parse each for a 150k-token vocabulary); while converting, one reader serves all three."""
+    import inspect
+
+    import gguf as gguf_package
+    from transformers import modeling_gguf_pytorch_utils
+
+    # the sharing relies on transformers importing the name when it reads a file
+    assert "from gguf import GGUFReader" in inspect.getsource(modeling_gguf_pytorch_utils.load_gguf_checkpoint)
+    made = []
+
+    class CountingReader:
+        def __init__(self, path, mode="r"):
+            made.append(path)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", CountingReader)
+    with sources._gguf_parsed_once():
+        from gguf import GGUFReader
+        first, second = GGUFReader(tmp_path / "m.gguf"), GGUFReader(str(tmp_path / "m.gguf"))
+        other = GGUFReader(tmp_path / "other.gguf")
+    assert first is second and other is not first and len(made) == 2
+    assert gguf_package.GGUFReader is CountingReader  # put back afterwards

@@ -397,7 +397,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
             for name, child in module.named_children() if isinstance(child, nn.Linear)]
 
 
-def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> None:
+def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, what: str = "the linear layers") -> None:
     """Replace every linear layer of a model in place by a `bits`-bit one: a causal LM's LM head too
     (a quarter of a small model's weights; docs/cpu-runtime.md gives what that costs in fidelity),
     and draft heads on a quantized target (they run every cycle). A layer whose shape does not tile
@@ -410,7 +410,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None) -> 
     kernel_isa()  # fail before touching the model
     stored = _read_cache(cache, bits)
     if stored is None and cache is not None:
-        print(f"specchat: packing the linear layers into {bits} bits once (seconds per hundred million weights)...",
+        print(f"specchat: packing {what} into {bits} bits once (seconds per hundred million weights)...",
               file=sys.stderr)
     fresh = {}
     for module, name, child, key in _linears(model):
