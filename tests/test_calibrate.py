@@ -12,6 +12,13 @@ def test_the_size_with_the_best_expected_rate_is_picked():
     assert Curve({1: 100.0, 4: 300.0}).best_total_tokens() == 1  # verifying costs too much: no tree pays
 
 
+def test_less_trusted_drafts_get_a_smaller_budget():
+    avx2 = Curve({1: 22.6, 2: 23.5, 3: 26.4, 4: 31.0, 6: 42.8, 8: 46.0, 16: 73.7})  # docs/bench-cpu-avx2
+    sizes = [avx2.best_total_tokens(trust) for trust in (1.0, 0.8, 0.6, 0.4, 0.2)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    assert avx2.best_total_tokens() == avx2.best_total_tokens(1.0)
+
+
 def test_the_curve_is_measured_once_and_cached(qwen_dir, monkeypatch):
     target = load_tiny_target(qwen_dir)
     calls = []

@@ -5,10 +5,11 @@ import pytest
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.calibrate import Curve
-from specchat.decode.head_proposer import Candidates, DeagleTree, DynamicTreeParams, TreeProposer
+from specchat.decode.head_proposer import Candidates, DeagleTree, DynamicTreeParams, HeadTrust, TreeProposer
 from specchat.decode.deagle import DeagleParams
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.lookup import LookupSource, Match
+from specchat.decode.tree import DraftTree
 from specchat.stats import Stats
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]
@@ -105,6 +106,32 @@ def test_lookup_only_adds_to_the_heads_own_tree():
     assert tree.sources.count("lookup") >= 4 and all(p < i for i, p in enumerate(tree.parents))
     found, heads_tree = candidates(0.05)
     assert sorted(found.select_for_rate(steep, 3.0, 64, kept=heads_tree).tokens) == [5, 6, 7, 8]
+
+
+def test_the_head_is_trusted_as_far_as_its_drafts_are_accepted():
+    tree = DraftTree(tokens=[5, 6, 7, 9], parents=[-1, 0, 1, -1], depths=[1, 2, 3, 1], probs=[0.9, 0.9, 0.9, 0.05],
+                     sources=["head", "head", "head", "lookup"])  # the head's chain: expects 0.9 + 0.81 + 0.73
+    sure = HeadTrust()
+    for _ in range(50):
+        sure.learn(tree, [5, 6, 7])
+    assert sure.factor() == 1.0  # at most full trust (a head node never outranks its parent)
+    doubtful = HeadTrust()
+    for _ in range(50):
+        doubtful.learn(tree, [5, 8])  # one of ~2.4 expected: what sampling makes of a sure head
+    assert 0.35 < doubtful.factor() < 0.55
+    for _ in range(50):
+        doubtful.learn(tree, [9])  # only lookup's node taken: the head earns nothing
+    assert doubtful.factor() < 0.2
+
+
+def test_a_less_trusted_head_gets_fewer_of_its_nodes_verified():
+    found = Candidates(tokens=[5, 6, 7, 8], parents=[-1, 0, 1, 2], depths=[1, 2, 3, 4],
+                       probs=[0.9, 0.9, 0.9, 0.9], scores=[-0.105, -0.211, -0.316, -0.421])
+    found.add_chain([9], accept=0.3, evidence=1)
+    avx2 = Curve({1: 22.6, 2: 23.5, 3: 26.4, 4: 31.0, 6: 42.8, 8: 46.0, 16: 73.7})
+    trusted, doubted = found.select_for_rate(avx2, 5.0, 64), found.select_for_rate(avx2, 5.0, 64, head_trust=0.3)
+    assert len(doubted) < len(trusted) and all(p < i for i, p in enumerate(doubted.parents))
+    assert found.select_for_rate(avx2, 5.0, 64, head_trust=1.0).tokens == trusted.tokens
 
 
 def test_lookup_finds_text_that_left_the_conversation():

@@ -38,9 +38,10 @@ DRAFT_SHARE = 1 / 3
 class Curve:
     milliseconds: dict[int, float]
 
-    def expected_rate(self, n: int) -> float:
-        """Modelled tokens per millisecond when n tokens are verified per cycle."""
-        tau = 1 + TAU_PER_DOUBLING * math.log2(n)
+    def expected_rate(self, n: int, trust: float = 1.0) -> float:
+        """Modelled tokens per millisecond when n tokens are verified per cycle; `trust` scales the
+        drafts' acceptance (below 1 where fewer survive than the model assumes, as under sampling)."""
+        tau = 1 + trust * TAU_PER_DOUBLING * math.log2(n)
         return tau / (self.milliseconds[n] + DRAFT_SHARE * self.milliseconds[1])
 
     @property
@@ -61,8 +62,8 @@ class Curve:
         slope = (self.milliseconds[high] - self.milliseconds[low]) / (high - low)
         return self.milliseconds[high] + slope * (n - high)
 
-    def best_total_tokens(self) -> int:
-        return max(self.milliseconds, key=lambda n: (self.expected_rate(n), -n))
+    def best_total_tokens(self, trust: float = 1.0) -> int:
+        return max(self.milliseconds, key=lambda n: (self.expected_rate(n, trust), -n))
 
 
 def _key(target) -> str:

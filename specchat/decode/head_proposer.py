@@ -16,6 +16,8 @@ were accepted so far (`LookupRates`). Which nodes are verified is decided from t
 best `total_tokens - 1` of them, or, given the machine's verify-cost curve, the head's own tree
 (what the head alone would verify) plus as many more nodes as maximize expected tokens per second
 this cycle, so a long confident lookup chain gets verified whole and a weak one adds nothing.
+The head's probabilities count as far as its drafts are accepted in the chat (`HeadTrust`):
+under sampling fewer survive than the head is sure of, and its budget and depth shrink with them.
 
 The head keeps its own KV cache. Entry j of it is the head's step on (the target's feature at
 position j, the token at position j + 1), at RoPE position j, which is EAGLE's convention. After
@@ -79,6 +81,7 @@ class TreeProposer:
         self.shape = shape
         self.lookup, self.curve, self.lookup_tokens = lookup, curve, lookup_tokens
         self.rates = LookupRates()
+        self.trust = HeadTrust()
         self._last: tuple[int, DraftTree] | None = None  # the latest cycle's root and tree, to learn from
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = HeadCache()
@@ -118,20 +121,25 @@ class TreeProposer:
             self.lookup.observe(tokens)
             if self._last is not None and tokens and tokens[0] == self._last[0]:
                 self.rates.learn(self._last[1], tokens[1:])
+                self.trust.learn(self._last[1], tokens[1:])
             self._last = None
 
     @torch.inference_mode()
     def propose(self, root: int, settings: GenerationSettings, rng, max_depth: int, max_nodes: int) -> DraftTree:
         started = time.perf_counter()
+        keep, head_depth = self.shape.verified(max_nodes), max_depth
+        trust = self.trust.factor() if self.lookup is not None and self.curve is not None else 1.0
+        trusted = max(1, self.curve.best_total_tokens(trust) - 1) if trust < 1 else keep
+        if trusted < keep:  # fewer of the head's drafts survive than it is sure of (sampling): a smaller
+            keep, head_depth = trusted, min(max_depth, trusted + 1)  # tree, drafted one level past it at most
         root_hidden = self._context_pass(root)
         try:
-            candidates = self.shape.grow(self, root_hidden, max_depth, max_nodes)
+            candidates = self.shape.grow(self, root_hidden, head_depth, max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
-        keep = self.shape.verified(max_nodes)
         if self.lookup is None:
             return candidates.select(keep)
-        heads_tree = candidates.best(keep)  # what `--lookup off` verifies: it stays whole, lookup only adds
+        heads_tree = candidates.best(keep)  # what `--lookup off` verifies (at full trust): it stays whole, lookup only adds
         looked_up = time.perf_counter()
         for match in self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES):
             candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
@@ -140,8 +148,9 @@ class TreeProposer:
             tree = candidates.select(keep)
         else:
             drafting_ms = 1000 * (time.perf_counter() - started)
-            tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=heads_tree)
+            tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=heads_tree, head_trust=trust)
         tree.info["lookup_seconds"] = round(lookup_seconds, 6)
+        tree.info["head_trust"] = round(trust, 3)
         self._last = (root, tree)
         return tree
 
@@ -423,19 +432,26 @@ class Candidates:
         """The `keep` best nodes, as a tree."""
         return self._tree(self.best(keep))
 
-    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = ()) -> DraftTree:
+    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
+                        head_trust: float = 1.0) -> DraftTree:
         """The `kept` nodes and as many of the best others as maximize expected tokens (1 + the sum
-        of the nodes' path probabilities) per millisecond of the cycle (drafting so far + verifying
-        them all). `kept` must be a connected tree; the others join in rank order, so every node's
-        parent is chosen before it."""
+        of the nodes' path probabilities, the head's alone scaled by `head_trust` <= 1) per
+        millisecond of the cycle (drafting so far + verifying them all). `kept` must be a connected
+        tree; the others join in rank order, so every node's parent is chosen before it."""
+        value = [math.exp(score) * (head_trust if source == "head" else 1.0)
+                 for score, source in zip(self.scores, self.sources or ["head"] * len(self.scores))]
         kept = list(kept)[:max_nodes]
         taken = set(kept)
-        ranked = kept + [i for i in self._ranked() if i not in taken]
+        # Rank order keeps every parent before its children: a child's path probability never exceeds
+        # its parent's, a trust <= 1 scales a head node and its head parent alike, and a shared
+        # ("both") parent keeps its full value.
+        ranked = kept + sorted((i for i in range(len(self.tokens)) if i not in taken),
+                               key=lambda i: (-value[i], self.depths[i], i))
         ranked = ranked[: max(len(kept), min(max_nodes, curve.largest - 1))]
-        expected = 1.0 + sum(math.exp(self.scores[node]) for node in kept)
+        expected = 1.0 + sum(value[node] for node in kept)
         best, best_rate = len(kept), expected / (drafting_ms + curve.cost(len(kept) + 1))
         for count in range(len(kept) + 1, len(ranked) + 1):
-            expected += math.exp(self.scores[ranked[count - 1]])
+            expected += value[ranked[count - 1]]
             rate = expected / (drafting_ms + curve.cost(count + 1))
             if rate > best_rate:
                 best, best_rate = count, rate
@@ -496,6 +512,45 @@ class LookupRates:
             if taken is None:
                 return
             node = taken
+
+
+class HeadTrust:
+    """How far the head's path probabilities hold as acceptance rates in this chat: the head's
+    accepted draft tokens over the summed path probabilities of the head's verified nodes.
+
+    A trained head's confidence tracks its acceptance under greedy decoding (EAGLE-2, arXiv
+    2406.16858, Fig. 6); under sampling fewer of its drafts survive than it is sure of, and every
+    verified token costs the same, so the budget shrinks with the trust (`Curve.best_total_tokens`).
+    Starts at full trust and forgets slowly; at most 1, so a head node never outranks its parent.
+    """
+
+    PRIOR = (4.0, 4.0)  # accepted, expected
+    DECAY = 0.98
+    FLOOR = 0.05
+
+    def __init__(self):
+        self.accepted, self.expected = self.PRIOR
+
+    def factor(self) -> float:
+        return min(1.0, max(self.FLOOR, self.accepted / self.expected))
+
+    def learn(self, tree: DraftTree, accepted_tokens: list[int]) -> None:
+        """One cycle: the head-only nodes' path probabilities against how many of them were accepted."""
+        sources = tree.sources or ["head"] * len(tree)
+        path: list[float] = []
+        for parent, prob in zip(tree.parents, tree.probs):
+            path.append(prob * (path[parent] if parent >= 0 else 1.0))
+        expected = sum(p for p, source in zip(path, sources) if source == "head")
+        if expected <= 0:
+            return
+        children, node, accepted = tree.children(), -1, 0
+        for token in accepted_tokens:
+            node = next((c for c in children[node + 1] if tree.tokens[c] == token), None)
+            if node is None:
+                break
+            accepted += sources[node] == "head"
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.expected = self.expected * self.DECAY + expected
 
 
 class _NodeTable:
