@@ -7,12 +7,18 @@ tests load models through the same code path users take.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
 
 # Tests must never wait on the network or write into the user's real cache and config.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# A shell starts a background job with SIGINT ignored, and children inherit that: the tests that
+# press Ctrl-C (on this process or on a child) then waited forever. Python's own handler, as in a
+# terminal (a child gets the default action back, and Python's handler with it).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
