@@ -110,7 +110,7 @@ def _from_object(obj, where: str, line_no: int) -> PromptRecord:
     raise InputError(f"{where}: a JSON line needs 'turns', 'prompt' or 'messages'")
 
 
-def jsonl_lines(text: str) -> list[str]:
+def file_lines(text: str) -> list[str]:
     """The lines of a file: split at "\\n" only, a trailing "\\r" dropped. Not str.splitlines(),
     which also splits at U+2028, U+0085 and other separators that JSON writes unescaped inside strings."""
     return [line.removesuffix("\r") for line in text.split("\n")]
@@ -122,7 +122,7 @@ def _not_json_constant(name: str):
 
 def parse_jsonl(text: str, name: str) -> list[PromptRecord]:
     records = []
-    for line_no, line in enumerate(jsonl_lines(text), start=1):
+    for line_no, line in enumerate(file_lines(text), start=1):
         if not line.strip():
             continue
         where = f"{name}:{line_no}"
@@ -138,7 +138,7 @@ def parse_jsonl(text: str, name: str) -> list[PromptRecord]:
 
 def parse_text(text: str, name: str) -> list[PromptRecord]:
     records = []
-    for line_no, line in enumerate(jsonl_lines(text), start=1):
+    for line_no, line in enumerate(file_lines(text), start=1):
         if line.strip():  # blank lines separate nothing and are skipped
             where = f"{name}:{line_no}"
             records.append(PromptRecord(id=line_no, category=None, turns=[_text(line, where, "the line")], where=where))
@@ -169,7 +169,7 @@ def read_prompts(paths: list[str]) -> list[PromptRecord]:
     for path in paths:
         if path == "-":
             text, name = read_stdin(), "<stdin>"
-            first = next((line for line in jsonl_lines(text) if line.strip()), "")
+            first = next((line for line in file_lines(text) if line.strip()), "")
             kind = "jsonl" if first.lstrip().startswith("{") else "txt"
         else:
             name = path

@@ -420,9 +420,11 @@ class Candidates:
                 self.evidence[node] = max(self.evidence[node], evidence)
             parent, score = node, self.scores[node]
 
-    def _ranked(self) -> list[int]:
-        # Ties go to the shallower node, so every parent ranks before its children.
-        return sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depths[i], i))
+    def _ranked(self, values: list[float] | None = None) -> list[int]:
+        """Nodes by score (or by `values`, which must not rise from parent to child); ties go to the
+        shallower node, so every parent ranks before its children."""
+        values = self.scores if values is None else values
+        return sorted(range(len(self.tokens)), key=lambda i: (-values[i], self.depths[i], i))
 
     def best(self, keep: int) -> list[int]:
         """The `keep` best nodes (a connected tree: a parent ranks before its children)."""
@@ -445,8 +447,7 @@ class Candidates:
         # Rank order keeps every parent before its children: a child's path probability never exceeds
         # its parent's, a trust <= 1 scales a head node and its head parent alike, and a shared
         # ("both") parent keeps its full value.
-        ranked = kept + sorted((i for i in range(len(self.tokens)) if i not in taken),
-                               key=lambda i: (-value[i], self.depths[i], i))
+        ranked = kept + [i for i in self._ranked(value) if i not in taken]
         ranked = ranked[: max(len(kept), min(max_nodes, curve.largest - 1))]
         expected = 1.0 + sum(value[node] for node in kept)
         best, best_rate = len(kept), expected / (drafting_ms + curve.cost(len(kept) + 1))
@@ -501,17 +502,13 @@ class LookupRates:
         if not tree.sources:  # no lookup node this cycle
             return
         children, evidence = tree.children(), tree.info.get("lookup_evidence", [])
-        node = -1
-        for token in accepted_tokens + [None]:
-            taken = next((c for c in children[node + 1] if tree.tokens[c] == token), None)
+        path = tree.accepted_nodes(accepted_tokens)
+        for node, taken in zip([-1] + path, path + [None]):
             for c in children[node + 1]:
                 if tree.sources[c] != "head":
                     counts = self.counts[self._bucket(evidence[c])]
                     counts[0] = counts[0] * self.DECAY + (c == taken)
                     counts[1] = counts[1] * self.DECAY + 1
-            if taken is None:
-                return
-            node = taken
 
 
 class HeadTrust:
@@ -543,12 +540,7 @@ class HeadTrust:
         expected = sum(p for p, source in zip(path, sources) if source == "head")
         if expected <= 0:
             return
-        children, node, accepted = tree.children(), -1, 0
-        for token in accepted_tokens:
-            node = next((c for c in children[node + 1] if tree.tokens[c] == token), None)
-            if node is None:
-                break
-            accepted += sources[node] == "head"
+        accepted = sum(sources[node] == "head" for node in tree.accepted_nodes(accepted_tokens))
         self.accepted = self.accepted * self.DECAY + accepted
         self.expected = self.expected * self.DECAY + expected
 

@@ -99,6 +99,16 @@ class DraftTree:
             kids[parent + 1].append(node)
         return kids
 
+    def accepted_nodes(self, accepted_tokens: list[int]) -> list[int]:
+        """The nodes along the accepted path, root's child first, up to the first token not in the tree."""
+        children, path = self.children(), []
+        for token in accepted_tokens:
+            node = next((c for c in children[path[-1] + 1 if path else 0] if self.tokens[c] == token), None)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def ancestors(self) -> list[list[int]]:
         """Per node, the indices of its ancestors (root to parent) and itself."""
         lines: list[list[int]] = []

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specchat.errors import UsageError
-from specchat.inputs import jsonl_lines
+from specchat.inputs import file_lines
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                   "assistant": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
@@ -95,7 +95,7 @@ def _records(path: Path, report: ReadReport):
             count += 1
             yield f"{path.name}#{count}", record
     else:
-        for line_no, line in enumerate(jsonl_lines(text), start=1):
+        for line_no, line in enumerate(file_lines(text), start=1):
             if not line.strip():
                 continue
             try:

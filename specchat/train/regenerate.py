@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specchat.decode.cache import KVCache
-from specchat.inputs import jsonl_lines
+from specchat.inputs import file_lines
 from specchat.train.data import TrainingConversation
 
 DEFAULT_BATCH = 32  # sequences per generate call; a CPU does ~32 tokens per forward for the price of ~1.3
@@ -36,7 +36,7 @@ def prompt_key(messages: list[dict]) -> str:
 def load_cache(path: Path) -> dict[str, dict]:
     done = {}
     if path.is_file():
-        for line in jsonl_lines(path.read_text(encoding="utf-8")):
+        for line in file_lines(path.read_text(encoding="utf-8")):
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
