@@ -7,7 +7,9 @@ the length of a cache, so whoever owns it always knows what it holds.
 
 `GrowingKV` is one layer's keys and values; `HeadCache` is a draft head's cache, one `GrowingKV`
 per layer, which also attends. specchat's target cache wraps the same storage in transformers'
-`Cache` API (`specchat.decode.cache`).
+`Cache` API (`specchat.decode.cache`). `FixedHeadCache` is the head's cache for steps of fixed
+shape (a CUDA graph replays them): allocated once, written at slots the step names, never trimmed;
+its owner knows which entries count.
 """
 
 from __future__ import annotations
@@ -126,3 +128,40 @@ class HeadCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+class FixedHeadCache:
+    """A draft head's KV cache at a fixed capacity, for steps whose shapes never change (CUDA graphs).
+
+    A step writes its entries to slots it names (a device tensor) and attends over the first `span`
+    positions as its mask allows, so neither the context length nor what was accepted is read on
+    the host; the owner keeps track of which entries are valid.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def at(self, slots: torch.Tensor, span: int) -> _FixedWindow:
+        """The key store for one head step: writes at `slots`, attends over [0, span)."""
+        assert span <= self.capacity, f"a span of {span} past the capacity of {self.capacity}"
+        return _FixedWindow(self, slots, span)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+
+class _FixedWindow:
+    def __init__(self, cache: FixedHeadCache, slots: torch.Tensor, span: int):
+        self.cache, self.slots, self.span = cache, slots, span
+
+    def attend(self, layer_idx: int, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        while len(cache.keys) <= layer_idx:  # the first step, eager, allocates (never a captured one)
+            cache.keys.append(k.new_zeros((*k.shape[:2], cache.capacity, k.shape[3])))
+            cache.values.append(v.new_zeros((*v.shape[:2], cache.capacity, v.shape[3])))
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        keys[0].index_copy_(1, self.slots, k[0])
+        values[0].index_copy_(1, self.slots, v[0])
+        return attention(q, keys[:, :, : self.span], values[:, :, : self.span], mask)

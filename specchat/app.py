@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specchat.chat import ChatFormat, ChatSession, resolve_template
-from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.engine import GenerationSettings
+from specchat.decode.fixed_engine import new_engine
 from specchat.errors import UsageError
 from specchat.live import LiveChat
 from specchat.methods import MethodError, effective_draft, needs_draft
@@ -29,6 +30,7 @@ def model_loader(settings: Settings) -> LoadModel:
     def load_model(name: str, gguf_file: str | None = None) -> Target:
         return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
                                      quantize=settings.quantize, compile=settings.compile,
+                                     cuda_graphs=settings.cuda_graphs,
                                      trust_remote_code=settings.trust_remote_code))
 
     return load_model
@@ -70,7 +72,7 @@ def generation_settings(settings: Settings, checked: Checked, chat_format: ChatF
 def open_session(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                  load_model: LoadModel) -> ChatSession:
     """A chat session on a loaded target, decoding with the settings' method (its draft loads here)."""
-    engine = Engine(target, build_proposer(settings, target, load_model))
+    engine = new_engine(target, build_proposer(settings, target, load_model))
     return ChatSession(engine, chat_format, generation, make_generator(settings.seed, target.device),
                        system=settings.system)
 

@@ -133,6 +133,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
                     break
     meta["interrupted"] = interrupted is not None
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    meta["capture_seconds"] = round(target.capture_seconds, 2)  # CUDA graphs, at each shape's first steps: not in tok/s
     summary = bench.summarize(results, greedy=generation.sampling.greedy)
     written = bench.write_outputs(Path(output_dir), results, summary, memory, meta)
     about = f"{settings.model} · T={settings.temperature} · {generation.max_new_tokens} tokens"

@@ -14,6 +14,7 @@ so `--help`, `profiles` and the chat prompt come up at once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -319,7 +320,8 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
     from specchat.train.trainer import TrainConfig, head_class
 
     settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile, "dtype": dtype,
-                                    "device": device, "quantize": "none", "compile": "off"})
+                                    "device": device, "quantize": "none", "compile": "off",
+                                    "cuda_graphs": "off"})
     target = app.model_loader(settings)(settings.model, settings.gguf_file)
     target.model.requires_grad_(False)
     on_gpu = target.device.type == "cuda"
@@ -416,7 +418,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exit_code)
 
 
+class CoreLines(logging.Handler):
+    """The decoding core's messages (`logging.getLogger("specchat")`) as one `specchat: ` line each on
+    stderr, written to whatever stderr is at the time (a test's capture included)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"specchat: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def show_core_messages() -> None:
+    core = logging.getLogger("specchat")
+    if not any(isinstance(handler, CoreLines) for handler in core.handlers):
+        core.addHandler(CoreLines())
+        core.setLevel(logging.INFO)
+        core.propagate = False
+
+
 def run_command(argv: list[str] | None) -> None:
+    show_core_messages()
     try:
         debug = debug_wanted()
         cli.main(args=argv, standalone_mode=False, prog_name="specchat")

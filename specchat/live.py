@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.chat import ChatSession, Conversation, TurnEvent
-from specchat.decode.head_proposer import DynamicTreeParams
+from specchat.decode.tree_shapes import DynamicTreeParams
 from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.fixed_engine import new_engine
 from specchat.errors import SpecchatError
 from specchat.settings import (FIELDS, LIVE_KEYS, METHOD_SECTIONS, LiveChatError, Settings, method_key, parse_value,
                                show_value, with_method_of)
@@ -173,7 +174,7 @@ class LiveChat:
         if turn is None or not turn.finished or turn.stats is None:
             return None
         if self._plain_engine is None:
-            self._plain_engine = Engine(self.engine.target)
+            self._plain_engine = new_engine(self.engine.target)
         rng = None
         if turn.rng_state is not None:
             rng = torch.Generator(device=self.session.rng.device)

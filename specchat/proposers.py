@@ -16,8 +16,12 @@ from specchat.decode import quantized
 from specchat.decode.calibrate import cached_curve
 from specchat.decode.deagle import DeagleParams
 from specchat.decode.engine import Proposer
-from specchat.decode.head_proposer import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree,
-                                           DynamicTreeParams, JakiroTree, StaticTree, TreeProposer)
+from specchat.decode.fixed_drafters import FixedLookupProposer, FixedModelProposer
+from specchat.decode.fixed_engine import FixedProposer
+from specchat.decode.fixed_heads import FixedTreeProposer
+from specchat.decode.head_proposer import TreeProposer
+from specchat.decode.tree_shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree,
+                                         DynamicTreeParams, JakiroTree, StaticTree)
 from specchat.decode.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
 from specchat.decode.model_proposer import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.decode.target import Target, quantized_cache
@@ -38,8 +42,10 @@ CPU_TOTAL_TOKENS_RANGE = (2, 32)
 LoadModel = Callable[[str], Target]
 
 
-def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None) -> Proposer | None:
-    """The proposer for `settings.method` (None for plain decoding).
+def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None
+                   ) -> Proposer | FixedProposer | None:
+    """The proposer for `settings.method` (None for plain decoding): the fixed envelope's where the
+    target was loaded for it (`Target.envelope`), the host engine's otherwise.
 
     `load_model(name)` loads a draft model (sps) the way the target was loaded.
     """
@@ -63,6 +69,9 @@ def plain(settings: Settings, target: Target, load_model: LoadModel | None) -> N
 @builds(methods.PLD)
 def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> PromptLookupProposer:
     try:
+        if target.envelope is not None:
+            return FixedLookupProposer(target.envelope, target.device, settings.draft_tokens or DEFAULT_LOOKUP_TOKENS,
+                                       settings.pld_max_ngram, settings.pld_min_ngram)
         return PromptLookupProposer(settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
                                     settings.pld_min_ngram)
     except ValueError as error:
@@ -76,6 +85,10 @@ def draft_model(settings: Settings, target: Target, load_model: LoadModel | None
         check_tokenizers(target, draft)
     except TokenizerMismatch as error:
         raise MethodError(str(error)) from error
+    if target.envelope is not None:
+        if draft.own_forward is None:
+            raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
+        return FixedModelProposer(draft, target.vocab_size, target.envelope, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
     return DraftModelProposer(draft, target.vocab_size, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
 
 
@@ -103,7 +116,8 @@ def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None
                           lambda: JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
 
 
-def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], object]) -> TreeProposer:
+def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], object]
+                   ) -> TreeProposer | FixedTreeProposer:
     """The head's proposer; the tree's shape is made once the head has loaded (a head that cannot
     load fails before this machine's verify cost is measured for the shape's size)."""
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
@@ -114,8 +128,10 @@ def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
-        curve = cached_curve(target) if target.device.type == "cpu" else None
+        curve = cached_curve(target) if target.device.type == "cpu" and target.envelope is None else None
     try:
+        if target.envelope is not None:
+            return FixedTreeProposer(head, target.num_layers, make_shape(), target.envelope, lookup=lookup)
         return TreeProposer(head, target.num_layers, make_shape(), lookup=lookup, curve=curve)
     except ValueError as error:
         raise MethodError(str(error)) from error

@@ -357,7 +357,8 @@ class Repl:
         self.ui.show(chat.describe() + [("history", history)])
 
     def do_stats(self, chat, argument: str) -> None:
-        self.ui.session_stats(chat.totals, chat.engine.target.runtime, chat.engine.target.compile_seconds)
+        target = chat.engine.target
+        self.ui.session_stats(chat.totals, target.runtime, target.compile_seconds, target.capture_seconds)
 
     def do_tree(self, chat, argument: str) -> None:
         if chat.last_cycle is None:

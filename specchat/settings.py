@@ -93,8 +93,15 @@ class Settings:
                              options.QUANTIZE)
     compile: str = _setting(options.AUTO, "model", "compile",
                             "torch.compile the target's forward (Llama, Qwen2, Qwen3, Mistral), compiling once per "
-                            "shape at start-up; auto: on CUDA, not on a CPU (where it measured slower).",
+                            "shape at start-up; auto: on CUDA without CUDA graphs, not on a CPU (where it measured "
+                            "slower).",
                             options.COMPILE)
+    cuda_graphs: str = _setting(options.AUTO, "model", "cuda_graphs",
+                                "Decode with fixed-shape steps captured as CUDA graphs (Llama, Qwen2, Qwen3, Mistral): "
+                                "the KV cache allocated once, trees padded to a few sizes, drafting and acceptance on "
+                                "the GPU, one host read per step. auto: on CUDA; on a CPU, on runs the same steps "
+                                "eagerly (for testing).",
+                                options.CUDA_GRAPHS)
     chat_template: str | None = _setting(None, "model", "chat_template",
                                          "Chat template for a tokenizer that has none: a built-in name (vicuna) "
                                          "or a Jinja file.")

@@ -218,11 +218,15 @@ class ChatUI:
             table.add_row(Text(name, style="bold"), Text(value))
         self.info.print(table)
 
-    def session_stats(self, totals: dict, runtime: str, compile_seconds: float = 0.0) -> None:
+    def session_stats(self, totals: dict, runtime: str, compile_seconds: float = 0.0, capture_seconds: float = 0.0
+                      ) -> None:
         """Per-method totals (`specchat.live.MethodTotals`), acceptance by tree depth, and what ran the model
-        (with the seconds spent compiling its forward at start-up, which no tok/s includes)."""
+        (with the seconds spent compiling its forward at start-up and capturing CUDA graphs, which no
+        tok/s includes)."""
         if compile_seconds:
             runtime += f"; compile_seconds {compile_seconds:.1f} at start-up, not in tok/s"
+        if capture_seconds:
+            runtime += f"; capture_seconds {capture_seconds:.1f} (CUDA graphs), not in tok/s"
         used = {method: t for method, t in totals.items() if t.turns}
         if not used:
             self.note(f"no answers yet (runtime: {runtime})")

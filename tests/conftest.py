@@ -100,11 +100,12 @@ def isolated_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
-def load_tiny_target(path, dtype: str = "float32"):
+def load_tiny_target(path, dtype: str = "float32", **spec):
+    """A tiny model folder loaded on the CPU (`spec`: more `ModelSpec` fields, e.g. cuda_graphs="on")."""
     from specchat.decode.target import ModelSpec
     from specchat.sources import load_target
 
-    return load_target(ModelSpec(model=str(path), dtype=dtype, device="cpu"))
+    return load_target(ModelSpec(model=str(path), dtype=dtype, device="cpu", **spec))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import torch
 from conftest import ScriptedProposer, build_model, build_tokenizer, random_head, tokens_of
 from specchat.decode import quantized
 from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.head_proposer import DynamicTree, DynamicTreeParams, TreeProposer
+from specchat.decode.head_proposer import TreeProposer
+from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.lookup import PromptLookupProposer
 from specchat.decode.target import ModelSpec, Target, compiles
 

@@ -5,7 +5,9 @@ import pytest
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.calibrate import Curve
-from specchat.decode.head_proposer import Candidates, DeagleTree, DynamicTreeParams, HeadTrust, TreeProposer
+from specchat.decode.head_proposer import TreeProposer
+from specchat.decode.hybrid import Candidates, HeadTrust
+from specchat.decode.tree_shapes import DeagleTree, DynamicTreeParams
 from specchat.decode.deagle import DeagleParams
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.lookup import LookupSource, Match

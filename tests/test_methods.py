@@ -6,7 +6,8 @@ import torch
 from conftest import assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
 from specchat.decode.deagle import DeagleParams, DepthVote
 from specchat.decode.model_proposer import DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.decode.head_proposer import DeagleTree, DynamicTreeParams, JakiroTree, TreeProposer
+from specchat.decode.head_proposer import TreeProposer
+from specchat.decode.tree_shapes import DeagleTree, DynamicTreeParams, JakiroTree
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.lookup import PromptLookupProposer
 
@@ -81,10 +82,9 @@ def run_vote(beam_probs_per_depth, verified=15, params=DeagleParams()):
         scores = torch.tensor(probs).log()
         history.append(scores)
         everything = torch.cat(history)
-        fired = vote.decide(depth, scores, scores, everything, everything, verified)
-        if fired:
-            return depth, fired
-    return None, vote.history
+        if vote.decide(depth, scores, scores, everything, everything, verified):
+            return depth, vote.history()[-1]["votes"]
+    return None, vote.history()
 
 
 def test_a_dying_tree_stops_early():
@@ -117,7 +117,7 @@ def test_momentum_readings_differ_as_documented():
         scores = torch.tensor(probs).log()
         lenient.decide(depth, scores, scores, scores, scores, 100)
         strict.decide(depth, scores, scores, scores, scores, 100)
-    assert "momentum" in lenient.history[3]["votes"] and "momentum" not in strict.history[3]["votes"]
+    assert "momentum" in lenient.history()[3]["votes"] and "momentum" not in strict.history()[3]["votes"]
 
 
 def test_deagle_trace_records_the_stop_depth_and_votes(bigram):
@@ -156,18 +156,16 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram):
 
 def test_parent_correct_and_reference_attachment(bigram):
     """Beam nodes whose parents sit in other rows get their own parent's row only when parent-correct."""
+    from specchat.decode.tree_shapes import Growth
 
-    class Table:  # node 10..12 are the last beam; their parents are nodes 7, 5, 6
-        @staticmethod
-        def parents():
-            return torch.tensor([-1] * 10 + [7, 5, 6])
-
-    parents_fed = torch.tensor([5, 6, 7])  # the rows of the two-ahead predictions
+    # The two-ahead predictions were made at the fed beam's rows 0, 1, 2; the last beam's parents
+    # sit in rows 2, 0, 1 of it.
     logp = torch.tensor([[-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0]])
     ids = torch.tensor([[50, 51], [60, 61], [70, 71]])
-    beam = torch.tensor([10, 11, 12])
+    growth = Growth(table=None, beam=torch.tensor([10, 11, 12]), beam_hidden=None, beam_entries=torch.zeros(3, 0),
+                    beam_scores=[], parent_rows=torch.tensor([2, 0, 1]), two_ahead=(logp, ids))
     for reference, expected in ((False, [[70, 71], [50, 51], [60, 61]]), (True, [[50, 51], [60, 61], [70, 71]])):
-        _, got = JakiroTree(reference_attach=reference)._attach_two_ahead(beam, Table, (parents_fed, (logp, ids)))
+        _, got = JakiroTree(reference_attach=reference)._attach_two_ahead(growth)
         assert got.tolist() == expected
 
 

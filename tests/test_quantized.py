@@ -6,7 +6,8 @@ import torch
 
 from conftest import load_tiny_target, random_head
 from specchat.decode import quantized
-from specchat.decode.head_proposer import DynamicTree, DynamicTreeParams, TreeProposer
+from specchat.decode.head_proposer import TreeProposer
+from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.speedup import divergence
 from specchat.decode.target import ModelSpec

@@ -417,7 +417,8 @@ def test_a_pickle_that_is_not_plain_tensors_is_one_line(tiny_target, tmp_path):
 
 def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
     from specchat.decode.deagle import DeagleParams
-    from specchat.decode.head_proposer import DeagleTree, DynamicTreeParams, TreeProposer
+    from specchat.decode.head_proposer import TreeProposer
+    from specchat.decode.tree_shapes import DeagleTree, DynamicTreeParams
 
     bigram = load_tiny_target(bigram_dir)
     head = random_head("eagle3", bigram)

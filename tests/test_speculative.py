@@ -9,7 +9,8 @@ import torch
 from conftest import (assert_samples_follow_the_target, exact_two_token_distribution, load_tiny_target, oracle_head,
                       random_head)
 from specchat.chat import ChatFormat, Conversation
-from specchat.decode.head_proposer import DynamicTree, DynamicTreeParams, StaticTree, TreeProposer
+from specchat.decode.head_proposer import TreeProposer
+from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams, StaticTree
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.tree import MC_SIM_7B_63
 

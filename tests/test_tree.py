@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specchat.decode.head_proposer import Candidates
+from specchat.decode.hybrid import Candidates
 from specchat.decode.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
 from specchat.decode.verify import verify_inputs
 

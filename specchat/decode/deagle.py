@@ -28,7 +28,6 @@ defaults are the readings we judge most faithful:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,57 +60,67 @@ class DeagleParams:
 
 
 class DepthVote:
-    """The stopping decision for one draft cycle (create one per cycle)."""
+    """The stopping decision for one draft cycle (create one per cycle).
+
+    Tensors in, a 0-d boolean tensor out, and no host read: the host's drafter reads the vote and
+    stops (`bool(fired)`), the fixed envelope's keeps drafting to its full depth and drops the
+    levels after the vote (the same tree, at a fixed shape). Tensor methods only, so this module
+    still loads without torch."""
 
     def __init__(self, params: DeagleParams):
         self.params = params
-        self.previous_mass = 1.0  # S_0: the root survives for sure
-        self.strikes = 0
-        self.last_strike_depth = None
-        self.momentum = False  # once the decay has happened twice, the vote stays on
-        self.history: list[dict] = []
+        self.previous_mass = None  # S_0 = 1: the root survives for sure (made on the scores' device)
+        self.strikes = self.last_strike_depth = self.momentum = None  # once the decay has happened twice, momentum stays on
+        self._history: list[tuple] = []  # per depth: the depth, S_d, rho_d, E_d and the three votes
 
-    def decide(self, depth: int, beam_scores: torch.Tensor, level_scores: torch.Tensor,
-               all_scores: torch.Tensor, beam_history_scores: torch.Tensor, verified: int) -> list[str] | None:
-        """Votes after depth `depth` has been scored; returns the votes if drafting should stop.
+    def decide(self, depth: int, beam_scores: torch.Tensor, level_scores: torch.Tensor, all_scores: torch.Tensor,
+               beam_history_scores: torch.Tensor, verified: int) -> torch.Tensor:
+        """Votes after depth `depth` has been scored: whether drafting should stop (a 0-d bool tensor).
 
         Args:
             beam_scores: log survival of the beam nodes at this depth.
             level_scores: log survival of every candidate at this depth.
-            all_scores: log survival of every candidate generated so far.
+            all_scores: log survival of every candidate generated so far (-inf: none).
             beam_history_scores: log survival of the beam nodes of all depths so far.
             verified: how many nodes would be verified (total_tokens - 1).
         """
         p = self.params
-        mass = _finite(float((beam_scores if p.mass_nodes == "beam" else level_scores).exp().sum()))
-        ratio = mass / self.previous_mass if self.previous_mass > 0 else 0.0
+        if self.previous_mass is None:
+            self.previous_mass = beam_scores.new_ones(())
+            self.strikes = beam_scores.new_zeros(()).long()
+            self.last_strike_depth = self.strikes - 2
+            self.momentum = self.strikes > 0
+        mass = _finite((beam_scores if p.mass_nodes == "beam" else level_scores).exp().sum())
+        ratio = (mass / self.previous_mass).where(self.previous_mass > 0, 0.0)
         self.previous_mass = mass
-        if ratio < p.tau_rho:
-            if p.consecutive and self.last_strike_depth != depth - 1:
-                self.strikes = 0
-            self.strikes += 1
-            self.last_strike_depth = depth
-            self.momentum = self.momentum or self.strikes >= 2
+        strike = ratio < p.tau_rho
+        if p.consecutive:  # a strike after a depth without one starts the count again
+            self.strikes = self.strikes.where(~(strike & (self.last_strike_depth != depth - 1)), 0)
+        self.strikes = self.strikes + strike
+        self.last_strike_depth = self.last_strike_depth.where(~strike, depth)
+        self.momentum = self.momentum | (self.strikes >= 2)
         if p.expected_over == "verified":
-            expected = float(all_scores.topk(min(verified, len(all_scores))).values.exp().sum())
+            expected = all_scores.topk(min(verified, all_scores.numel())).values.exp().sum()
         else:
-            expected = float(beam_history_scores.exp().sum())
+            expected = beam_history_scores.exp().sum()
         expected = _finite(expected) + (1.0 if p.expected_plus_bonus else 0.0)
-        votes = []
-        if mass < p.tau_s:
-            votes.append("mass")
-        if self.momentum:
-            votes.append("momentum")
-        if depth >= math.ceil(expected):
-            votes.append("saturation")
-        self.history.append({"depth": depth, "mass": round(mass, 4), "rho": round(ratio, 4),
-                             "expected": round(expected, 4), "votes": votes})
-        if depth >= p.min_depth and len(votes) >= 2:
-            return votes
-        return None
+        low_mass, saturated = mass < p.tau_s, depth >= expected.ceil()
+        self._history.append((depth, mass, ratio, expected, low_mass, saturated, self.momentum))
+        votes = low_mass.long() + self.momentum.long() + saturated.long()
+        return (votes >= 2) & (depth >= p.min_depth)
+
+    def history(self) -> list[dict]:
+        """Each depth's numbers and votes, for the trace (reads the tensors: the host's drafter only)."""
+        records = []
+        for depth, mass, ratio, expected, low_mass, saturated, momentum in self._history:
+            votes = [name for name, on in (("mass", low_mass), ("momentum", momentum), ("saturation", saturated))
+                     if bool(on)]
+            records.append({"depth": depth, "mass": round(float(mass), 4), "rho": round(float(ratio), 4),
+                            "expected": round(float(expected), 4), "votes": votes})
+        return records
 
 
-def _finite(value: float) -> float:
+def _finite(value: torch.Tensor) -> torch.Tensor:
     """A head that outputs NaN (a broken or mismatched checkpoint) predicts nothing: its mass counts as 0,
     so the votes stop drafting early instead of failing; verification keeps the output exact regardless."""
-    return value if math.isfinite(value) else 0.0
+    return value.nan_to_num(0.0, 0.0, 0.0)

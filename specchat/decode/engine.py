@@ -122,8 +122,12 @@ class Engine:
     def __init__(self, target: Target, proposer: Proposer | None = None):
         self.target = target
         self.proposer = proposer
-        self.cache = target.new_cache()
+        self.cache = self._new_cache()
         self.context_ids: list[int] = []  # exactly the tokens whose keys/values `cache` holds
+        self.max_context = target.max_context  # the longest context a reply may reach
+
+    def _new_cache(self):
+        return self.target.new_cache()
 
     # -- cache bookkeeping -------------------------------------------------------------------
 
@@ -166,10 +170,10 @@ class Engine:
         """
         if not prompt_ids:
             raise ValueError("empty prompt")
-        room = self.target.max_context - len(prompt_ids)
+        room = self.max_context - len(prompt_ids)
         if room < 1:
             raise ContextLengthError(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context holds {self.target.max_context}"
+                f"the prompt has {len(prompt_ids)} tokens but the model's context holds {self.max_context}"
             )
         budget = min(settings.max_new_tokens, room)
         try:
@@ -184,7 +188,7 @@ class Engine:
                 if self.proposer is None:
                     step = self.decode_step(root, settings, rng)
                 else:
-                    room = min(budget - produced, self.target.max_context - len(self.context_ids) - 1)
+                    room = min(budget - produced, self.max_context - len(self.context_ids) - 1)
                     step = self.speculative_step(root, settings, rng, room)
         finally:
             # A consumer that stops early (Ctrl-C) or an error mid-step must not leave half-updated caches.
@@ -252,7 +256,7 @@ class Engine:
         cached = len(self.context_ids)
         if room >= 2:
             tree = self.proposer.propose(root, settings, rng, max_depth=room - 1,
-                                         max_nodes=self.target.max_context - cached - 1)
+                                         max_nodes=self.max_context - cached - 1)
         else:
             tree = DraftTree([], [], [], [])
         self._sync()
@@ -276,6 +280,23 @@ class Engine:
             draft_tokens=len(tree), cycle=Cycle(root, tree, acceptance.path, acceptance.bonus),
             margins=margins(out.logits[keep]),  # row 0 chose the first token, node i's row the token after it
         )
+
+    @torch.inference_mode()
+    def plain_step_seconds(self, steps: int) -> list[float]:
+        """The times of `steps` plain decoding steps at the current context length, on scratch: the
+        cache holds what it held before (the speedup estimate's clock)."""
+        committed = self.cache.length
+        token = torch.tensor([[self.context_ids[-1] if self.context_ids else 0]], device=self.target.device)
+        timings = []
+        try:
+            for _ in range(steps):
+                start = time.perf_counter()
+                self.target.forward(token, self.cache, logits_for="last")
+                self._sync()
+                timings.append(time.perf_counter() - start)
+        finally:
+            self.cache.trim(committed)
+        return timings
 
     @staticmethod
     def _draw(logits: torch.Tensor, sampling: SamplingParams, rng) -> int:

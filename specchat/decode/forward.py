@@ -11,6 +11,11 @@ applies. Every layer's keys and values live in one pair of buffers [layers, kv_h
 d] that grows by `drafters.cache`'s rule (`LayerKV`); the forward writes the new entries in place
 and attends over the first `length + n`. With the length an argument, one compiled graph serves
 every context length and every number of new tokens (dynamic shapes).
+
+The fixed envelope (`specchat.decode.envelope`) calls the same layers through `DecoderForward.at`:
+the cache is allocated once at its full capacity, the new entries go to slots given as a tensor,
+and attention reads a fixed span of the buffers with the valid positions named by the mask, so a
+step's shapes never depend on the context length and a CUDA graph can replay it.
 """
 
 from __future__ import annotations
@@ -46,15 +51,28 @@ class LayerKV:
     (its batch dimension is the layer). The owner changes its length only through `trim` and
     `compact`, as with `specchat.decode.cache.KVCache`; forwards extend it."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int | None = None):
+        """`capacity`: allocate that many positions now and never grow (the fixed envelope's cache)."""
         self.storage = GrowingKV()
         self._shape = torch.empty((num_layers, kv_heads, 0, head_dim), dtype=dtype, device=device)
+        self.fixed_capacity = capacity
+        if capacity is not None:
+            # Zeros, not whatever the allocator held: steps attend over a span of it with the unwritten
+            # positions masked, and a masked position's value still meets its zero weight (0 * NaN = NaN).
+            for buffer in self.reserve(capacity):
+                buffer.zero_()
 
     @property
     def length(self) -> int:
         return self.storage.length
 
+    @property
+    def capacity(self) -> int:
+        return self.storage.capacity
+
     def reserve(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.fixed_capacity is None or needed <= self.fixed_capacity, "a fixed cache does not grow"
         self.storage.reserve(self._shape, self._shape, needed)
         return self.storage.buffers
 
@@ -68,6 +86,12 @@ class LayerKV:
     def compact(self, start: int, keep: torch.Tensor) -> None:
         assert keep.numel() == 0 or int(keep.max()) < self.length - start, "compaction index out of range"
         self.storage.compact(start, keep.to(self._shape.device))
+
+    def gather_rows(self, start: torch.Tensor, keep: torch.Tensor) -> None:
+        """Copy positions `start + keep` to `start, start + 1, ...` on the device (`start` a 0-d tensor),
+        leaving the length to the owner: the fixed envelope's compaction, with no host read."""
+        for buffer in self.storage.buffers:
+            buffer.index_copy_(2, start + torch.arange(len(keep), device=keep.device), buffer.index_select(2, start + keep))
 
     def nbytes(self) -> int:
         return self.storage.nbytes
@@ -126,8 +150,8 @@ class DecoderForward:
         # them all (dynamo specializes 0 and 1 only: a first prefill, one token, several tokens).
         self._run = torch.compile(self._forward, fullgraph=True, dynamic=True) if compile else self._forward
 
-    def new_cache(self) -> LayerKV:
-        return LayerKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
+    def new_cache(self, capacity: int | None = None) -> LayerKV:
+        return LayerKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
 
     def __call__(self, input_ids: torch.Tensor, cache: LayerKV, positions: torch.Tensor | None,
                  mask: torch.Tensor | None, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -146,22 +170,34 @@ class DecoderForward:
         cache.extend(n)
         return final, [hidden[i] for i in feature_layers]
 
-    def _forward(self, input_ids, positions, mask, keys, values, start: int):
+    def at(self, input_ids: torch.Tensor, cache: LayerKV, positions: torch.Tensor, mask: torch.Tensor,
+           slots: torch.Tensor, span: int, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The fixed envelope's forward: `input_ids` [1, n] at `positions` [1, n], their entries written
+        to `slots` [n] (a device tensor), attending over the first `span` positions as `mask`
+        [1, 1, n, span] allows. The cache's length is the caller's to set. Eager: the envelope
+        captures whole steps, this forward among them."""
+        keys, values = cache.storage.buffers
+        final, hidden = self._forward(input_ids, positions, mask, keys, values, slots, span)
+        return final, [hidden[i] for i in feature_layers]
+
+    def _forward(self, input_ids, positions, mask, keys, values, start, span: int | None = None):
         """The final normed state and every feature a drafter may ask for (index i as in `__call__`):
-        all of them, rather than the ones asked for, so that no drafter's choice makes another graph."""
-        total = start + input_ids.shape[1]
+        all of them, rather than the ones asked for, so that no drafter's choice makes another graph.
+
+        `start` is where the new entries go: an int (the next `n` positions, attending over the first
+        `start + n`), or a tensor of slots with the attended `span` given (the fixed envelope)."""
         x = self.embed_tokens(input_ids)  # [1, n, hidden]
         cos, sin = self.rotary_emb(x, positions)  # [1, n, d]
         cos, sin = cos[:, None], sin[:, None]
         hidden = []
         for index, layer in enumerate(self.layers):
             hidden.append(x[0])  # the input of layer i is feature i
-            x = x + self._attention(index, layer, layer.input_layernorm(x), cos, sin, mask, keys, values, start, total)
+            x = x + self._attention(index, layer, layer.input_layernorm(x), cos, sin, mask, keys, values, start, span)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         final = self.norm(x)[0]
         return final, hidden + [final]
 
-    def _attention(self, index, layer, x, cos, sin, mask, keys, values, start, total):
+    def _attention(self, index, layer, x, cos, sin, mask, keys, values, start, span):
         module = layer.self_attn
         n = x.shape[1]
         q, k, v = self.projections[index](x)
@@ -172,8 +208,13 @@ class DecoderForward:
         q = rotate(q.transpose(1, 2), cos, sin)
         k = rotate(k.transpose(1, 2), cos, sin)
         v = v.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        keys[index, :, start:total] = k[0]
-        values[index, :, start:total] = v[0]
-        out = attention(q, keys[index : index + 1, :, :total], values[index : index + 1, :, :total], mask,
+        if span is None:  # the growing cache: the next n positions
+            span = start + n
+            keys[index, :, start:span] = k[0]
+            values[index, :, start:span] = v[0]
+        else:  # the fixed envelope: slots on the device
+            keys[index].index_copy_(1, start, k[0])
+            values[index].index_copy_(1, start, v[0])
+        out = attention(q, keys[index : index + 1, :, :span], values[index : index + 1, :, :span], mask,
                         self.scaling)  # [1, heads, n, d]
         return module.o_proj(out.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))

@@ -11,5 +11,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_BITS = {"int5": 5, "int4": 4}  # specchat's weight-only CPU kernel (specchat.decode.quantized)
 BITSANDBYTES = ("8bit", "4bit")  # bitsandbytes' quantized weights
 QUANTIZE = (AUTO, "none", *KERNEL_BITS, *BITSANDBYTES)
-COMPILE = (AUTO, "on", "off")  # torch.compile the target's forward: auto = on CUDA only (see target.compiles)
+COMPILE = (AUTO, "on", "off")  # torch.compile the target's forward: auto = on CUDA without graphs (target.compiles)
+CUDA_GRAPHS = (AUTO, "on", "off")  # the fixed envelope, captured as CUDA graphs: auto = on CUDA (target.fixed_steps)
 MAX_NEW_TOKENS = 512  # most tokens per reply

@@ -106,6 +106,28 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1))
 
 
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of [n, V] (unnormalized) probabilities, as `sample` draws one: a device
+    tensor, read by no one here (the fixed envelope reads its whole cycle at once)."""
+    cdf = probs.float().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
+def draw_rows(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The token plain decoding draws after each row of [n, V] logits, as a device tensor [n]: the
+    argmax when greedy (the first one at a tie, as `argmax`), else a draw from p."""
+    if sampling.greedy:
+        return logits.float().argmax(-1)
+    return sample_rows(target_probs(logits, sampling), generator)
+
+
+def row_margins(logits: torch.Tensor) -> torch.Tensor:
+    """`margins` as a device tensor [n]."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """One random stream for a whole run: successive prompts continue it instead of restarting it."""
     generator = torch.Generator(device=device)

@@ -21,13 +21,11 @@ different tokens — numerics. A difference where plain decoding had a clear mar
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.machine import synchronize
 
 # One untimed step warms up allocations; the median of the timed ones resists a noisy neighbour.
 WARMUP_STEPS, TIMED_STEPS = 1, 3
@@ -58,21 +56,8 @@ class PlainStepClock:
             self.seconds_by_bucket[bucket] = self._measure()
         return self.seconds_by_bucket[bucket]
 
-    @torch.inference_mode()
     def _measure(self) -> float:
-        engine, cache = self.engine, self.engine.cache
-        committed = cache.length
-        token = torch.tensor([[engine.context_ids[-1] if engine.context_ids else 0]], device=engine.target.device)
-        timings = []
-        try:
-            for _ in range(WARMUP_STEPS + TIMED_STEPS):
-                start = time.perf_counter()
-                engine.target.forward(token, cache, logits_for="last")
-                synchronize(engine.target.device)
-                timings.append(time.perf_counter() - start)
-        finally:
-            cache.trim(committed)  # the timed steps were scratch: the cache holds what it held before
-        return statistics.median(timings[WARMUP_STEPS:])
+        return statistics.median(self.engine.plain_step_seconds(WARMUP_STEPS + TIMED_STEPS)[WARMUP_STEPS:])
 
 
 def decoding_rate(new_tokens: int, seconds: float, prefill_seconds: float) -> float | None:

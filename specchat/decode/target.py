@@ -29,7 +29,8 @@ from specchat.decode import quantized
 from specchat.decode.cache import KVCache, causal_mask
 from specchat.decode.forward import DecoderForward, LayerKV, unsupported_reason
 from specchat.decode.machine import cache_dir, cpu_has_bf16, synchronize
-from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, QUANTIZE
+from specchat.decode.envelope import Envelope
+from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, QUANTIZE
 from specchat.errors import ModelLoadError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -46,6 +47,7 @@ class ModelSpec:
     device: str = AUTO  # auto | cpu | cuda | cuda:N
     quantize: str = AUTO  # auto | none | int5 | int4 (specchat's kernel) | 8bit | 4bit (bitsandbytes)
     compile: str = AUTO  # auto | on | off: torch.compile the target's forward (`compiles`)
+    cuda_graphs: str = AUTO  # auto | on | off: decode on the fixed envelope, captured (`fixed_steps`)
     trust_remote_code: bool = False
 
 
@@ -71,14 +73,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def compiles(choice: str, device: torch.device) -> bool:
-    """Whether `--compile choice` compiles the target's forward on `device`. auto: on CUDA, where
-    the launches it saves are most of a small model's step; not on a CPU, where the compiled
-    forward measured slower (2-core Zen 4, AVX2 kernel, float32, Qwen2.5-0.5B int5: 22.6 ms per
-    token against 19.5 eager and 20.2 for transformers' forward), after ~2 minutes of compiling."""
+def fixed_steps(choice: str, device: torch.device) -> bool:
+    """Whether `--cuda-graphs choice` decodes on the fixed envelope (`specchat.decode.envelope`),
+    whose steps are captured as CUDA graphs on `device`. auto: on CUDA, where a small model's eager
+    step is launch-bound (the 0.5B: ~40 ms per token on an H100, docs/bench-gpu); on a CPU, `on`
+    runs the same fixed-shape steps eagerly (for tests: a CPU has no graphs and pays for padding)."""
+    if choice not in CUDA_GRAPHS:
+        raise ModelLoadError(f"unknown --cuda-graphs {choice!r} (use {', '.join(CUDA_GRAPHS)})")
+    return choice == "on" or (choice == AUTO and device.type == "cuda")
+
+
+def compiles(choice: str, device: torch.device, fixed: bool = False) -> bool:
+    """Whether `--compile choice` compiles the target's forward on `device`. auto: on CUDA without
+    the fixed envelope (`fixed`: its captured graphs already save the launches), where they are
+    most of a small model's step; not on a CPU, where the compiled forward measured slower (2-core
+    Zen 4, AVX2 kernel, float32, Qwen2.5-0.5B int5: 22.6 ms per token against 19.5 eager and 20.2
+    for transformers' forward), after ~2 minutes of compiling. `on` with the fixed envelope is
+    refused: it compiles the variable-shape forward, which the envelope does not run."""
     if choice not in COMPILE:
         raise ModelLoadError(f"unknown --compile {choice!r} (use {', '.join(COMPILE)})")
-    return choice == "on" or (choice == AUTO and device.type == "cuda")
+    if choice == "on" and fixed:
+        raise ModelLoadError("--compile on compiles the variable-shape forward; with --cuda-graphs (auto on CUDA) "
+                             "the fixed-shape steps are captured instead: add --cuda-graphs off to compile")
+    return choice == "on" or (choice == AUTO and device.type == "cuda" and not fixed)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -122,15 +139,35 @@ class Target:
         self.hidden_size = text_config.hidden_size
         self.vocab_size = self.lm_head.out_features
         self.max_context = getattr(text_config, "max_position_embeddings", None) or 4096
+        fixed = fixed_steps(self.spec.cuda_graphs, self.device) and not unsupported_reason(model)
         self.own_forward = None if unsupported_reason(model) else DecoderForward(
-            model, compile=compiles(self.spec.compile, self.device))
+            model, compile=compiles(self.spec.compile, self.device, fixed))
         self.compiled = self.own_forward is not None and self.own_forward.compiled
         if self.compiled:
             self.runtime += ", compiled forward"
+        # The fixed envelope (specchat.decode.fixed_engine), captured as CUDA graphs where there is CUDA.
+        self.envelope = self._envelope() if fixed else None
+        self.captures = fixed and self.device.type == "cuda"
+        if self.envelope is not None:
+            self.runtime += ", CUDA graphs" if self.captures else ", fixed-shape steps (eager)"
         self.compile_seconds = 0.0  # spent compiling at load (`warm_up`), reported apart from decoding
+        self.capture_seconds = 0.0  # spent capturing steps as CUDA graphs (`specchat.decode.graphs`), likewise
 
-    def new_cache(self) -> LayerKV | KVCache:
-        """An empty KV cache for `forward`."""
+    def _envelope(self) -> Envelope:
+        """Room in the cache for the model's context, or for what a share of the GPU's free memory holds."""
+        forward = self.own_forward
+        per_position = 2 * len(forward.layers) * forward.kv_heads * forward.head_dim * self.dtype.itemsize
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        try:
+            return Envelope.for_target(self.max_context, per_position, free)
+        except ValueError as error:
+            raise ModelLoadError(f"--cuda-graphs: {error} (free GPU memory: {free})") from error
+
+    def new_cache(self, capacity: int | None = None) -> LayerKV | KVCache:
+        """An empty KV cache for `forward`; with `capacity`, allocated at that size once (`forward_at`)."""
+        if capacity is not None:
+            assert self.own_forward is not None, "a fixed-capacity cache needs specchat's own forward"
+            return self.own_forward.new_cache(capacity)
         return self.own_forward.new_cache() if self.own_forward is not None else KVCache()
 
     @torch.inference_mode()
@@ -179,14 +216,29 @@ class Target:
             final, parts = self.own_forward(input_ids, cache, positions, mask, tuple(feature_layers or ()))
         else:
             final, parts = self._transformers_forward(input_ids, cache, positions, mask, feature_layers)
+        return self._output(final, parts, logits_for)
+
+    @torch.inference_mode()
+    def forward_at(self, input_ids: torch.Tensor, cache: LayerKV, *, positions: torch.Tensor, mask: torch.Tensor,
+                   slots: torch.Tensor, span: int, logits_for: str | int = "all",
+                   feature_layers: tuple[int, ...] | None = None) -> TargetOutput:
+        """The fixed envelope's forward (`DecoderForward.at`): entries written to `slots`, attention over
+        the first `span` positions of `cache` as `mask` allows; the cache's length is not changed.
+        `logits_for` may also be a row index (the last real row of a padded prefill)."""
+        final, parts = self.own_forward.at(input_ids, cache, positions, mask, slots, span, tuple(feature_layers or ()))
+        return self._output(final, parts, logits_for)
+
+    def _output(self, final: torch.Tensor, parts: list[torch.Tensor], logits_for: str | int) -> TargetOutput:
         features = None
-        if feature_layers:
+        if parts:
             features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         logits = None
         if logits_for == "all":
             logits = self.lm_head(final)
         elif logits_for == "last":
             logits = self.lm_head(final[-1:])
+        elif isinstance(logits_for, int):
+            logits = self.lm_head(final[logits_for : logits_for + 1])
         return TargetOutput(logits=logits, features=features)
 
     def _transformers_forward(self, input_ids, cache: KVCache, positions, mask, feature_layers):
@@ -205,7 +257,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
     if spec.quantize not in QUANTIZE:
         raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE)})")
     quantize = resolve_quantize(spec, device, dtype)
-    compiles(spec.compile, device)  # an unknown choice is said before the model loads
+    compiles(spec.compile, device, fixed_steps(spec.cuda_graphs, device))  # a bad choice is said before the model loads
     quiet_transformers()
     kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
     if quantize in BITSANDBYTES:
@@ -238,6 +290,11 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
     if spec.compile == "on" and not target.compiled:
         print(f"specchat: --compile on, but {unsupported_reason(model)}: transformers' forward runs uncompiled",
               file=sys.stderr)
+    if fixed_steps(spec.cuda_graphs, device) and target.envelope is None:  # said, not silent: eager steps are slow
+        print(f"specchat: no CUDA graphs: {unsupported_reason(model)}; transformers' forward runs eagerly",
+              file=sys.stderr)
+    elif spec.cuda_graphs == "on" and not target.captures:
+        print("specchat: --cuda-graphs on without a CUDA device: the fixed-shape steps run eagerly", file=sys.stderr)
     if target.compiled:
         target.warm_up()
     return target

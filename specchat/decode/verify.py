@@ -15,6 +15,15 @@ to following the argmax.
 Sampled chains (a draft model at temperature > 0) use the standard rule instead (Leviathan et
 al. 2023, Algorithm 1; Chen et al. 2023): accept x with probability min(1, p(x) / q(x)), and on
 rejection draw from norm(max(0, p - q)).
+
+On the fixed envelope (`accept_fixed`) the same rules run on the device without a host read. For
+point-mass drafts the recursive rule has an equivalent form that needs no loop over siblings:
+draw the target's own token y ~ p at every row at once, then follow, from the root, the first
+child whose token is the row's y. With distinct sibling tokens, child x is accepted with
+probability p(x), exactly as with the recursive rule, and when none is, y is a draw from p with
+the children's mass removed, renormalized: the recursive rule's bonus. Each row's y is drawn
+independently and each row is visited at most once, so the committed tokens are distributed as
+plain sampling's; greedy, y is the argmax.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.decode.sampling import SamplingParams, argmax, sample, target_probs
+from specchat.decode.envelope import FixedTree, pick
+from specchat.decode.sampling import SamplingParams, argmax, draw_rows, sample, sample_rows, target_probs
 from specchat.decode.tree import DraftTree
 
 
@@ -108,3 +118,56 @@ def accept_sampled_chain(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
         residual = (p - q).clamp_min(0)
         return Acceptance(path, _draw_residual(residual, logits[node], rng))
     return Acceptance(path, sample(target_probs(logits[len(tree.tokens)], sampling), rng))
+
+
+@dataclass
+class FixedAcceptance:
+    """`Acceptance` as device tensors: how many nodes were accepted, which (depth by depth), the bonus."""
+
+    count: torch.Tensor  # 0-d: accepted draft tokens
+    path: torch.Tensor  # [tree.depth] node at each depth of the path (meaningless past `count`)
+    bonus: torch.Tensor  # 0-d: the target's token after the path
+
+    def kept_rows(self) -> torch.Tensor:
+        """[tree.depth + 1] the verify rows of the root and the path, as the cache compacts them."""
+        return torch.cat([self.path.new_zeros(1), self.path + 1])
+
+
+def accept_fixed(tree: FixedTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor
+                 ) -> FixedAcceptance:
+    """`accept` on the device for a fixed tree: no host read, no shape that depends on the draft.
+    Nodes deeper than `limit` (a 0-d tensor) are never accepted."""
+    if tree.q is not None:
+        return accept_fixed_chain(tree, logits, sampling, rng, limit)
+    drawn = draw_rows(logits, sampling, rng)  # the target's token at every row (module docstring)
+    matched = tree.valid & (tree.depths <= limit) & (tree.tokens == drawn[tree.parents + 1])
+    matched &= ~(tree.earlier_siblings() & matched[None, :]).any(-1)  # the first matching child only
+    ancestors = tree.ancestors()
+    on_path = matched & ~(ancestors & ~matched[None, :]).any(-1)  # it and all its ancestors matched
+    reached = torch.where(on_path, tree.depths, 0)
+    count, last = reached.max(), reached.argmax()
+    path_nodes = pick(ancestors, last) & (count > 0)
+    levels = torch.arange(1, tree.depth + 1, device=logits.device)
+    path = (path_nodes[None, :] & (tree.depths[None, :] == levels[:, None])).byte().argmax(-1)
+    bonus = pick(drawn, torch.where(count > 0, last + 1, 0))
+    return FixedAcceptance(count, path, bonus)
+
+
+def accept_fixed_chain(tree: FixedTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor
+                       ) -> FixedAcceptance:
+    """`accept_sampled_chain` on the device. A node the chain could not try (past `limit`, or
+    invalid) ends it without a rejection: the bonus is then drawn from p itself."""
+    k, device = len(tree), logits.device
+    nodes = torch.arange(k, device=device)
+    p = target_probs(logits, sampling)  # [k + 1, V]
+    q = tree.q.float()
+    tried = tree.valid & (tree.depths <= limit)
+    u = torch.rand(k, generator=rng, device=device)
+    accepted = tried & (u * q[nodes, tree.tokens] < p[nodes, tree.tokens])  # with probability min(1, p/q)
+    count = accepted.long().cumprod(0).sum()
+    row = count.clamp(max=k - 1)
+    rejected = (count < k) & pick(tried, row)
+    residual = torch.where(rejected, (pick(p, row) - pick(q, row)).clamp_min(0), pick(p, count))
+    drawn = sample_rows(residual[None], rng)[0]
+    bonus = torch.where(residual.sum() > 0, drawn, pick(logits, count).float().argmax())  # see _draw_residual
+    return FixedAcceptance(count, nodes[: tree.depth], bonus)  # a chain's path: its first nodes
