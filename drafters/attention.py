@@ -49,8 +49,12 @@ def grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
 
 
 def repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped-query attention: each key/value head serves `groups` query heads."""
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+    """Grouped-query attention: each key/value head serves `groups` query heads (as transformers'
+    repeat_kv: an expanded view copied once, which a CUDA graph can capture)."""
+    if groups == 1:
+        return t
+    batch, heads, length, dim = t.shape
+    return t[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

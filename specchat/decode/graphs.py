@@ -25,6 +25,24 @@ from specchat.decode.machine import synchronize
 log = logging.getLogger(__name__)
 
 
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def capture_failure(step: Callable[[], None]) -> str | None:
+    """Why `step` cannot be captured as a CUDA graph, or None: it runs once eagerly (the warm-up),
+    then a capture is tried and thrown away (capturing runs nothing)."""
+    step()
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            step()
+    except RuntimeError as error:
+        return first_line(error)
+    return None
+
+
 class StepGraphs:
     """The captured steps of one engine, sharing one memory pool."""
 
@@ -76,8 +94,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 step()
         except RuntimeError as error:  # an operation that cannot be captured (a host read, a host-side copy)
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            self.failure = f"a decoding step could not be captured as a CUDA graph ({reason}): steps run eagerly"
+            self.failure = f"a decoding step could not be captured as a CUDA graph ({first_line(error)}): steps run eagerly"
             log.warning(self.failure)
             return None
         self.pool = graph.pool()

@@ -28,6 +28,7 @@ from drafters.attention import grouped
 from specchat.decode import quantized
 from specchat.decode.cache import KVCache, causal_mask
 from specchat.decode.forward import DecoderForward, LayerKV, unsupported_reason
+from specchat.decode.graphs import capture_failure
 from specchat.decode.machine import cache_dir, cpu_has_bf16, synchronize
 from specchat.decode.envelope import Envelope
 from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, QUANTIZE
@@ -163,6 +164,15 @@ class Target:
         except ValueError as error:
             raise ModelLoadError(f"--cuda-graphs: {error} (free GPU memory: {free})") from error
 
+    @torch.inference_mode()
+    def capture_failure(self) -> str | None:
+        """Why the target's forward cannot be captured as a CUDA graph (its layers read the host:
+        bitsandbytes' 8-bit matmul checks its outliers there), or None: one token on a scratch cache."""
+        cache = self.new_cache(capacity=1)
+        at = torch.zeros(1, dtype=torch.long, device=self.device)
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        return capture_failure(lambda: self.forward_at(at[None], cache, positions=at[None], mask=mask, slots=at, span=1))
+
     def new_cache(self, capacity: int | None = None) -> LayerKV | KVCache:
         """An empty KV cache for `forward`; with `capacity`, allocated at that size once (`forward_at`)."""
         if capacity is not None:
@@ -295,6 +305,11 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
               file=sys.stderr)
     elif spec.cuda_graphs == "on" and not target.captures:
         print("specchat: --cuda-graphs on without a CUDA device: the fixed-shape steps run eagerly", file=sys.stderr)
+    if target.captures and (reason := target.capture_failure()) is not None:  # said at start-up, not silent
+        target.captures = False
+        target.runtime = target.runtime.replace("CUDA graphs", "fixed-shape steps (eager)")
+        print(f"specchat: no CUDA graphs for {describe_runtime(quantize, device, target.dtype)} ({reason}): the "
+              f"fixed-shape steps run eagerly", file=sys.stderr)
     if target.compiled:
         target.warm_up()
     return target

@@ -259,7 +259,7 @@ class DynamicTree:
             if growth.alive is not None:
                 child_scores = child_scores.masked_fill(~growth.alive, float("-inf"))
             first_child = k + (level - 1) * k * k
-            table.write(first_child, steps.to_target(child_ids).flatten(), growth.beam.repeat_interleave(k),
+            table.write(first_child, steps.to_target(child_ids).flatten(), growth.beam[:, None].expand(k, k).flatten(),
                         level + 1, child_logp.flatten(), child_scores.flatten())
             best = child_scores.flatten().topk(k).indices
             growth.parent_rows = best // k
