@@ -12,7 +12,8 @@ A package of its own, importing torch, safetensors and the standard library only
 can read, test and reuse the heads without the chat tool around them (specchat is one user).
 
 Each architecture module declares its NAME, the KEYS its checkpoints hold, its published
-KEY_MAP, `matches(keys)` and `load(...)`. A head folder holds `config.json` and
+KEY_MAP, its CONFIG class, the LAYOUTS it is written in (`export_head`: the reference one, SGLang's,
+vLLM's speculators one), `matches(keys)` and `load(...)`. A head folder holds `config.json` and
 `model.safetensors` (or shards with an index, or `pytorch_model.bin`, read with weights_only).
 The format is told from the checkpoint's keys, and loading is strict: a missing, unexpected or
 mis-shaped key, or a hidden size or vocabulary that is not the target's, is a `HeadLoadError`
@@ -22,6 +23,7 @@ whose one-line message names it. Finding a folder (bundled heads, hub ids) is th
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,7 +42,11 @@ HEAD_FILES = ["*.json", "*.safetensors", "*.bin"]  # what a head folder holds (t
 # equally lossless, only slower on a CPU.
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
-__all__ = ["DraftHead", "TargetParts", "HeadLoadError", "load_head", "save_head", "FORMATS"]
+LAYOUTS = ("eagle", "sglang", "speculators")  # what `export_head` writes (each format says which of them it has)
+# Files a head folder may hold beside its weights and config, carried over by `export_head`.
+CARRIED_FILES = (DRAFT_VOCAB_FILE, "training.json")
+
+__all__ = ["DraftHead", "TargetParts", "HeadLoadError", "load_head", "save_head", "export_head", "FORMATS", "LAYOUTS"]
 
 
 def known_formats() -> str:
@@ -106,3 +112,36 @@ def save_head(head: DraftHead, folder, dtype=None, max_shard_bytes: int | None =
     (folder / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
     if head.uses_target_lm_head and head.draft_to_target is not None:
         save_file({"token_ids": head.draft_to_target.cpu()}, folder / DRAFT_VOCAB_FILE)
+
+
+def export_head(source, output, layout: str, verifier: str | None = None, speculative_tokens: int = 5,
+                feature_layers: tuple[int, ...] | None = None, max_shard_bytes: int | None = None) -> list[Path]:
+    """Write the head in folder `source` in a published `layout` other engines load as it is (no
+    conversion by hand), into folder `output`; returns the files written.
+
+    "eagle" is the reference repositories' layout; "sglang" the same files, which SGLang reads as
+    they are; "speculators" vLLM's (EAGLE-3 heads). `verifier` is the target's name for the
+    speculators layout; `feature_layers`, the target layers to capture where the head does not
+    say (the defaults for its target, so that the file says them). The weights keep their dtype.
+    """
+    source, output = Path(source), Path(output)
+    raw, (state, where) = read_config(source), read_weights(source)
+    module = FORMATS[detect_kind(state, where)]
+    if layout not in module.LAYOUTS:
+        raise HeadLoadError(f"{where}: a {module.NAME} head is written in the {', '.join(module.LAYOUTS)} "
+                            f"layout{'s' if len(module.LAYOUTS) > 1 else ''}, not {layout}")
+    config = module.CONFIG.from_dict(raw, str(source / "config.json"))
+    try:
+        config_dict = config.layout_dict(layout, verifier, speculative_tokens, feature_layers)
+    except HeadLoadError as error:
+        raise HeadLoadError(f"{source}: {error}") from error
+    state = map_keys(map_keys(state, module.KEY_MAP), module.LAYOUTS[layout])
+    output.mkdir(parents=True, exist_ok=True)
+    written = write_weights({key: tensor.contiguous() for key, tensor in state.items()}, output, max_shard_bytes)
+    (output / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    written.append(output / "config.json")
+    for name in CARRIED_FILES:
+        if (source / name).is_file() and (source / name).resolve() != (output / name).resolve():
+            shutil.copyfile(source / name, output / name)
+            written.append(output / name)
+    return written

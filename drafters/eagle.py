@@ -31,6 +31,9 @@ KIND = "eagle"
 NAME = "EAGLE-1/2"
 KEYS = "fc [H, 2H] + layers.0.* without input_layernorm"
 KEY_MAP: dict[str, str] = {}  # the published names are the modules' own
+# The layouts a head of this kind is written in (`drafters.export_head`), each with its key renames:
+# the reference layout, which SGLang's LlamaForCausalLMEagle reads as it is.
+LAYOUTS: dict[str, dict[str, str]] = {"eagle": {}, "sglang": {}}
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ class EagleHead(DraftHead):
         else:
             logits = self._lm_head[0](out)  # the target's LM head itself, whatever its weights' format
         return torch.log_softmax(logits.float(), dim=-1)
+
+
+CONFIG = EagleConfig  # the config.json fields of this format
 
 
 def matches(keys: set[str]) -> bool:

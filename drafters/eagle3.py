@@ -17,6 +17,19 @@ Checkpoint format (as published, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B):
     embed_tokens.weight                        optional (else the target's embedding)
 Community checkpoints that name the layer `layers.0.*` are read through KEY_MAP.
 Config: Llama fields + draft_vocab_size, optional target_hidden_size; rope_theta defaults to 10000.
+
+Two published layouts hold these weights, and both are read and written here:
+- the EAGLE reference layout (`to_dict`; yuhuili/EAGLE3-*), which SGLang's LlamaForCausalLMEagle3
+  reads as it is: `midlayer.*` keys, Llama fields at the top of config.json, and the captured
+  target layers as `eagle_config.eagle_aux_hidden_state_layer_ids`, each naming a layer whose
+  *output* is taken (SGLang captures at id + 1: the hidden-state index here is id + 1);
+- vLLM's speculators layout (`to_speculators`; RedHatAI/*speculator.eagle3): `layers.0.*` keys,
+  config.json with `speculators_model_type: eagle3`, the layer's Llama fields nested in
+  `transformer_layer_config`, a `speculators_config` (proposal method, verifier), and the captured
+  layers as a top-level `eagle_aux_hidden_state_layer_ids`, each naming a layer whose *input* is
+  taken (vLLM captures before layer id runs: the hidden-state index here is the id itself), and
+  `norm_before_residual` (the hidden norm before the residual is taken: vLLM's default when the
+  field is absent; EAGLE's reference takes the residual first, as heads trained here do).
 """
 
 from __future__ import annotations
@@ -36,6 +49,8 @@ NAME = "EAGLE-3"
 KEYS = "fc [H, 3H] + midlayer.* + norm + lm_head (+ d2t/t2d)"
 # Community EAGLE-3 checkpoints (e.g. some Qwen3 heads) call the decoder layer `layers.0`.
 KEY_MAP = {"layers.0.": "midlayer."}
+# The layouts a head of this kind is written in (`drafters.export_head`), each with its key renames.
+LAYOUTS: dict[str, dict[str, str]] = {"eagle": {}, "sglang": {}, "speculators": {"midlayer.": "layers.0."}}
 
 
 def default_feature_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -49,9 +64,14 @@ class Eagle3Config(LayerConfig):
     draft_vocab_size: int = 0
     target_hidden_size: int | None = None  # width of each captured target state; default hidden_size
     feature_layer_ids: tuple[int, ...] | None = None  # hidden-state indices to fuse; default (2, L//2, L-3)
+    norm_before_residual: bool = False  # the residual is the normed feature (speculators' option)
+    max_position_embeddings: int | None = None  # the target's context (what serving engines size RoPE for)
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> Eagle3Config:
+        """Either layout (module docstring): the reference one, or speculators' (told by its model type)."""
+        if "speculators_model_type" in raw:
+            return cls._from_speculators(raw, where)
         layer_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return cls(
             **read_layer_config(raw, where),
@@ -59,26 +79,91 @@ class Eagle3Config(LayerConfig):
             target_hidden_size=raw.get("target_hidden_size"),
             # That field counts "output of layer i"; the hidden-state index of that output is i + 1 (as SGLang reads it).
             feature_layer_ids=tuple(i + 1 for i in layer_ids) if layer_ids else None,
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            max_position_embeddings=raw.get("max_position_embeddings"),
+        )
+
+    @classmethod
+    def _from_speculators(cls, raw: dict, where: str) -> Eagle3Config:
+        if raw["speculators_model_type"] != "eagle3":
+            raise HeadLoadError(f"{where}: a speculators {raw['speculators_model_type']!r} model, not an EAGLE-3 head")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise HeadLoadError(f"{where}: a speculators config without transformer_layer_config")
+        layer_ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            **read_layer_config({**layer, "qkv_bias": layer.get("attention_bias", False)}, where),
+            draft_vocab_size=raw.get("draft_vocab_size") or layer["vocab_size"],
+            target_hidden_size=raw.get("target_hidden_size"),
+            feature_layer_ids=tuple(layer_ids) if layer_ids else None,  # inputs of those layers: our indices
+            norm_before_residual=bool(raw.get("norm_before_residual", True)),  # vLLM's default when absent
+            max_position_embeddings=layer.get("max_position_embeddings"),
         )
 
     def to_dict(self) -> dict:
-        out = {**self.layer_dict("LlamaForCausalLMEagle3"), "draft_vocab_size": self.draft_vocab_size}
+        """The reference layout (SGLang's as well)."""
+        out = {**self.layer_dict("LlamaForCausalLMEagle3"), "draft_vocab_size": self.draft_vocab_size,
+               "tie_word_embeddings": False}  # (SGLang would make the LM head the embedding)
+        if self.target_hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        if self.feature_layer_ids:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layer_ids]}
+        if self.norm_before_residual:  # not the reference's layer: said, though only specchat reads it
+            out["norm_before_residual"] = True
+        if self.max_position_embeddings:
+            out["max_position_embeddings"] = self.max_position_embeddings
+        return out
+
+    def layout_dict(self, layout: str, verifier: str | None = None, speculative_tokens: int = 5,
+                    feature_layers: tuple[int, ...] | None = None) -> dict:
+        if layout == "speculators":
+            if not verifier:
+                raise HeadLoadError("the speculators layout names the head's verifier: give the target's hub id")
+            return self.to_speculators(verifier, speculative_tokens, feature_layers)
+        if self.norm_before_residual:  # the reference layer takes the residual before the norm: it would compute another head
+            raise HeadLoadError(f"this head normalizes the feature before its residual, which the {layout} layout "
+                                f"cannot say: only the speculators layout holds it")
+        return self.to_dict()
+
+    def to_speculators(self, verifier: str, speculative_tokens: int, feature_layers: tuple[int, ...] | None) -> dict:
+        """vLLM's speculators layout. `verifier`: the target's name (hub id); `feature_layers`: the
+        hidden-state indices to capture, when the head does not say (the defaults for its target)."""
+        layer = {key: value for key, value in self.layer_dict().items() if key not in ("architectures", "qkv_bias")}
+        layer.update(attention_bias=self.qkv_bias, mlp_bias=False, tie_word_embeddings=False,
+                     max_position_embeddings=self.max_position_embeddings)
+        layer = {key: value for key, value in layer.items() if value is not None}
+        out = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
+            "norm_before_residual": self.norm_before_residual,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+                "verifier": {"name_or_path": verifier, "architectures": []},
+            },
+        }
+        ids = self.feature_layer_ids or feature_layers
+        if ids:
+            out["eagle_aux_hidden_state_layer_ids"] = list(ids)
         if self.target_hidden_size:
             out["target_hidden_size"] = self.target_hidden_size
         return out
 
 
 class Eagle3Layer(DecoderLayer):
-    """The decoder layer: attention reads cat(input_layernorm(embedding), hidden_norm(feature))."""
+    """The decoder layer: attention reads cat(input_layernorm(embedding), hidden_norm(feature)); the
+    residual is the feature (the reference) or, with `norm_before_residual`, its normed form."""
 
-    def __init__(self, config: LayerConfig):
+    def __init__(self, config: Eagle3Config):
         super().__init__(config, attention_in=2 * config.hidden_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(self, embedded, hidden, cos, sin, mask, keys) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, mask, keys)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embedded), normed], dim=-1)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, mask, keys)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -142,6 +227,9 @@ class Eagle3Head(DraftHead):
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.lm_head(self.norm(out)).float(), dim=-1)
+
+
+CONFIG = Eagle3Config  # the config.json fields of this format
 
 
 def matches(keys: set[str]) -> bool:

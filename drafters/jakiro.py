@@ -36,6 +36,7 @@ KIND = "jakiro"
 NAME = "Jakiro"
 KEYS = "fc [H, 2H] + layers.0.* with mlp_moe.gate [4, H] and two experts"
 KEY_MAP: dict[str, str] = {}  # the published names are the modules' own
+LAYOUTS: dict[str, dict[str, str]] = {"eagle": {}}  # the reference layout (no serving engine reads Jakiro heads)
 NUM_EXPERTS = 2  # the published Jakiro heads; the router has two logits per branch (left, right)
 
 
@@ -110,6 +111,9 @@ class JakiroHead(EagleHead):
         x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))[None]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         return self.layers[0](x, cos, sin, mask, keys)[0][0]
+
+
+CONFIG = JakiroConfig  # the config.json fields of this format
 
 
 def matches(keys: set[str]) -> bool:

@@ -99,6 +99,11 @@ class LayerConfig:
     def rope(self) -> Rope:
         return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
 
+    def layout_dict(self, layout: str, verifier: str | None = None, speculative_tokens: int = 5,
+                    feature_layers: tuple[int, ...] | None = None) -> dict:
+        """config.json in a published layout (`drafters.export_head`); the reference layout here."""
+        return self.to_dict()
+
     def layer_dict(self, architecture: str = "LlamaForCausalLM") -> dict:
         """The Llama-style config.json fields every head format writes."""
         return {

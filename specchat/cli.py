@@ -28,7 +28,7 @@ from rich.console import Console
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import atomic_output, check_output_folder, check_outputs, read_prompts, read_stdin
-from specchat.methods import HEAD_FORMATS, METHODS, plain_unless_drafted
+from specchat.methods import HEAD_FORMATS, HEAD_LAYOUTS, METHODS, plain_unless_drafted
 from specchat.repl import run_repl
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI, TrainingProgress
@@ -257,6 +257,30 @@ HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.inde
                      "training.json")
 
 
+@cli.command(name="export-head")
+@click.argument("head")
+@click.option("--format", "layout", type=click.Choice(HEAD_LAYOUTS), required=True,
+              help="speculators: vLLM's layout (EAGLE-3 heads); sglang or eagle: the EAGLE reference layout, which "
+                   "SGLang loads as it is.")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder to write the head into.")
+@click.option("--verifier", default=None,
+              help="The target's hub id, which the speculators layout names (default: the head's training record's "
+                   "target, as published).")
+@click.option("--speculative-tokens", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Draft tokens the speculators layout proposes (vLLM's num_speculative_tokens when none is given).")
+@click.option("--max-shard-mb", type=float, default=None,
+              help="Split the weights into indexed shards of at most this many MB (default: one file).")
+def export_head_command(head, layout, output, verifier, speculative_tokens, max_shard_mb):
+    """Write a draft head (a bundled name, a folder or a hub id) in a layout vLLM or SGLang loads as it is."""
+    check_output_folder("--output", output, [], HEAD_OUTPUT_FILES)
+    from specchat import exports  # torch loads here
+
+    written = exports.export(head, layout, output, verifier, speculative_tokens,
+                             int(max_shard_mb * 2**20) if max_shard_mb else None)
+    click.echo(f"specchat export-head: wrote {output} ({layout} layout: {', '.join(p.name for p in written)})",
+               err=True)
+
+
 @cli.command(name="train")
 @click.option("--kind", type=click.Choice(HEAD_FORMATS), required=True, help="Head format to train.")
 @click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
@@ -308,11 +332,13 @@ HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.inde
 @click.option("--max-shard-mb", type=float, default=None,
               help="Split the weights into indexed shards of at most this many MB (default: one file).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for shuffling, splitting and initialisation.")
+@click.option("--export", "exports", multiple=True, type=click.Choice(HEAD_LAYOUTS),
+              help="Also write the finished head in this layout into OUTPUT/LAYOUT (repeat for several; see export-head).")
 def train_command(kind, data_files, output, model, gguf_file, dtype, device, profile, regenerate, regenerate_batch,
                   regenerate_max_tokens, regenerate_temperature, max_tokens, limit, extract_tokens, draft_vocab,
                   intermediate_size, ttt_steps, epochs, max_steps, lr, warmup, batch_tokens, batch_size, held_out,
                   eval_every, checkpoint_every, checkpoint_precision, max_minutes, resume, work_dir, prepare_only,
-                  max_shard_mb, seed):
+                  max_shard_mb, seed, exports):
     """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
     check_output_folder("--output", output, list(data_files), HEAD_OUTPUT_FILES)
     from specchat import app  # torch and transformers load here
@@ -352,6 +378,12 @@ def train_command(kind, data_files, output, model, gguf_file, dtype, device, pro
         summary += (f"; the head of step {selected['step']:,}: held-out top-1 by step {selected['top1_by_step']}, "
                     f"simulated tau {selected['tau']:.3f}")
     log(f"wrote {output} ({summary})" if record["finished"] else f"unfinished: {output} holds the best head so far ({summary})")
+    if exports and record["finished"]:
+        from specchat import exports as exporting  # loaded with torch above
+
+        for layout in exports:
+            exporting.export(output, layout, Path(output) / layout, max_shard_bytes=shard)
+            log(f"wrote {Path(output) / layout} ({layout} layout)")
 
 
 def debug_wanted() -> bool:

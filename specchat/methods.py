@@ -23,6 +23,7 @@ from specchat import heads
 
 PLAIN = "vanilla"  # plain decoding: the baseline every speedup is measured against
 HEAD_FORMATS = ("eagle", "eagle3", "jakiro")  # the draft head formats `drafters` reads
+HEAD_LAYOUTS = ("eagle", "sglang", "speculators")  # the layouts `drafters.export_head` writes (drafters.LAYOUTS)
 HEAD = "a draft head (folder or hub id; EAGLE-1/2, EAGLE-3 or Jakiro format)"
 MODEL = "a small draft model sharing the target's tokenizer (like --model)"
 QWEN_05B, QWEN_15B = DEFAULT_MODEL, "qwen2.5-coder-1.5b-instruct"

@@ -103,10 +103,12 @@ def test_the_decoding_core_imports_only_itself_drafters_and_the_errors():
 
 
 def test_each_method_name_is_written_once_outside_the_registry():
-    from drafters import FORMATS
-    from specchat.methods import HEAD_FORMATS, METHODS
+    from drafters import FORMATS, LAYOUTS
+    from specchat.methods import HEAD_FORMATS, HEAD_LAYOUTS, METHODS
 
     assert tuple(FORMATS) == HEAD_FORMATS  # head formats: the registry's list, each architecture file's KIND
+    assert LAYOUTS == HEAD_LAYOUTS  # export layouts: the torch-free copy the command line offers
+    assert {layout for module in FORMATS.values() for layout in module.LAYOUTS} == set(LAYOUTS)
     names = set(METHODS) - set(HEAD_FORMATS)  # "eagle" and "jakiro" also name the head formats
     for name, tree in project_modules().items():
         if name == "specchat.methods":
