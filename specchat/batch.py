@@ -92,7 +92,7 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
                 if event.step.cycle is not None:
                     line = {"id": record.id, "turn": turn_index, "cycle": cycle_index, **event.step.cycle.record()}
                     if cycle_index == 0:
-                        line["context_ids"] = session.last_prompt_ids
+                        line["context_ids"] = event.turn.prompt_ids
                     trace.append(json.dumps(line) + "\n")
                     cycle_index += 1
         except (SpecchatError, RuntimeError, ValueError) as error:  # this record only: the caches were rolled back
@@ -104,11 +104,12 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
             if writer is not None:
                 writer.close()
         comparison = chat.compare_last_turn() if settings.compare else None
-        turn = {"prompt": prompt, "response": "".join(pieces), **session.last_stats.record()}
+        stats = chat.last_turn.stats
+        turn = {"prompt": prompt, "response": "".join(pieces), **stats.record()}
         turns.append({**turn, **comparison.record()} if comparison else turn)
         if ui is not None:
             ui.end_answer()
-            ui.note(stats_line(session.last_stats, comparison=comparison))
+            ui.note(stats_line(stats, comparison=comparison))
     return _record(chat, record, turns)
 
 

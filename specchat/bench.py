@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.chat import ChatSession
+from specchat.chat import ChatSession, Turn
 from specchat.inputs import PromptRecord
 from specchat.methods import PLAIN
 from specchat.decode.speedup import Divergence, decoding_rate, divergence
@@ -39,17 +39,6 @@ from specchat.stats import Stats
 
 RSS_SAMPLE_SECONDS = 0.05
 CALIBRATION_BINS = 10
-
-
-@dataclass
-class Answer:
-    """What a runner gives back for one turn."""
-
-    text: str
-    stats: Stats
-    tokens: list[int]  # the answer's token ids
-    margins: list[float] = field(default_factory=list)  # per token, the target's top-2 logit margin (specchat only)
-    cycles: list[dict] = field(default_factory=list)  # trace records (tree, accepted), for the plots
 
 
 @dataclass(kw_only=True)
@@ -76,8 +65,9 @@ class TurnResult(Stats):
 class SessionRunner:
     """A specchat method: the engine with the method's proposer.
 
-    A runner answers the turns of one record after `start`; `turn` returns the answer, its
-    statistics and its draft cycles. The peers of `specchat.peers` are runners too.
+    A runner answers the turns of one record after `start`; `turn` returns the reply's record
+    (`specchat.chat.Turn`: text, tokens, statistics, draft cycles). The peers of `specchat.peers`
+    are runners too.
     """
 
     def __init__(self, session: ChatSession):
@@ -92,15 +82,10 @@ class SessionRunner:
         self.session.engine.forget()  # each question on its own, as Spec-Bench answers them: no lookup of earlier ones
         self.session.conversation.messages.extend(record.history)
 
-    def turn(self, prompt: str) -> Answer:
-        text, tokens, margins, cycles = [], [], [], []
-        for event in self.session.reply(prompt):
-            text.append(event.text)
-            tokens += event.step.tokens
-            margins += event.step.margins
-            if event.step.cycle is not None:
-                cycles.append(event.step.cycle.record())
-        return Answer("".join(text), self.session.last_stats, tokens, margins, cycles)
+    def turn(self, prompt: str) -> Turn:
+        for _ in self.session.reply(prompt):
+            pass
+        return self.session.last_turn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +171,7 @@ def answer_question(method: str, runner, record: PromptRecord, system: str | Non
         answer = runner.turn(prompt)
         result = TurnResult(method=method, question=record.id, category=record.category, turn=index,
                             repeat=repeat, response=answer.text, tokens=answer.tokens, margins=answer.margins,
-                            cycles=answer.cycles, **vars(answer.stats))
+                            cycles=[cycle.record() for cycle in answer.cycles], **vars(answer.stats))
         results.append(result)
         on_turn(result)
     return results

@@ -8,13 +8,14 @@ the engine, one reply at a time, counting what each reply took (`specchat.stats`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import jinja2
 import torch
 
 from specchat.decode.engine import Engine, GenerationSettings, StepResult
+from specchat.decode.tree import Cycle
 from specchat.errors import ContextLengthError, SpecchatError, UsageError
 from specchat.stats import Stats
 
@@ -193,11 +194,28 @@ class IncrementalDecoder:
 
 
 @dataclass
+class Turn:
+    """One reply, filled as it streams and complete when it ends: what the REPL, `run` and `bench`
+    read of it, and what a plain replay of it needs (the prompt, the settings, the random state)."""
+
+    prompt_ids: list[int] = field(default_factory=list)  # the conversation the reply answered, as token ids
+    generation: GenerationSettings | None = None
+    rng_state: torch.Tensor | None = None  # the random stream's state when it began
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # per token, the target's top-2 logit margin
+    cycles: list[Cycle] = field(default_factory=list)  # its draft cycles (trees, what was accepted)
+    stats: Stats = field(default_factory=Stats)
+    finished: bool = False  # False: interrupted (Ctrl-C) or failed midway
+
+
+@dataclass
 class TurnEvent:
-    """One streamed piece of a reply: the step and the text it made printable."""
+    """One streamed piece of a reply: the step, the text it made printable, and the turn so far."""
 
     text: str
     step: StepResult
+    turn: Turn
 
 
 class ChatSession:
@@ -210,8 +228,7 @@ class ChatSession:
         self.settings = settings
         self.rng = rng
         self.conversation = Conversation(system=system)
-        self.last_stats: Stats | None = None
-        self.last_prompt_ids: list[int] = []  # what the target's cache held before the latest reply
+        self.last_turn: Turn | None = None
 
     def clear(self) -> None:
         self.conversation = Conversation(system=self.conversation.system)
@@ -219,35 +236,45 @@ class ChatSession:
     def prompt_ids(self) -> list[int]:
         return self.chat_format.prompt_ids(self.conversation)
 
-    def reply(self, user_text: str) -> Iterator[TurnEvent]:
-        """Add the user's message and stream the assistant's reply.
+    def reply(self, user_text: str, on_end: Callable[[Turn], None] | None = None) -> Iterator[TurnEvent]:
+        """Add the user's message and stream the assistant's reply; `on_end(turn)` once it ends.
 
         The reply joins the conversation when the stream ends; if the consumer stops early
-        (Ctrl-C), the partial reply is kept and marked `"interrupted": True`.
+        (Ctrl-C), the partial reply is kept and marked `"interrupted": True`. A message that cannot
+        be answered (too long for the context, refused by the template) ends before any turn.
         """
+        self.chat_format.check_size([*self.conversation.as_messages(), {"role": "user", "content": user_text}],
+                                    self.engine.max_context)  # a huge one is refused before it is tokenized
         self.conversation.add_user(user_text)
         try:
-            prompt = self.last_prompt_ids = self.prompt_ids()
+            prompt = self.prompt_ids()
         except TemplateError:
             self.conversation.messages.pop()  # the message is not part of the conversation after all
             raise
+        turn = self.last_turn = Turn(prompt, self.settings, self.rng.get_state() if self.rng is not None else None)
         decoder = self.chat_format.decoder()
-        stats = self.last_stats = Stats()
-        finished = False
         try:
             for step in self.engine.generate(prompt, self.settings, self.rng):
-                stats.add_step(step)
+                turn.stats.add_step(step)
+                turn.tokens += step.tokens
+                turn.margins += step.margins
+                if step.cycle is not None:
+                    turn.cycles.append(step.cycle)
                 text = decoder.push(step.tokens)
                 if step.finish_reason:  # the last step also releases what the decoder held back
                     text += decoder.flush()
-                yield TurnEvent(text=text, step=step)
-            finished = True
+                turn.text += text
+                yield TurnEvent(text=text, step=step, turn=turn)
+            turn.finished = True
         finally:
-            if stats.new_tokens == 0:
+            if turn.stats.new_tokens == 0:
                 self.conversation.messages.pop()  # nothing was answered (e.g. the prompt was too long)
             else:
                 decoder.flush()
+                turn.text = decoder.text
                 message = {"role": "assistant", "content": decoder.text}
-                if not finished:
+                if not turn.finished:
                     message["interrupted"] = True
                 self.conversation.messages.append(message)
+            if on_end is not None:
+                on_end(turn)

@@ -10,13 +10,13 @@ exact comparisons. It prints nothing; `specchat.ui` decides how things look.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
-from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
 
-from specchat.chat import ChatSession, Conversation, TurnEvent
+from specchat.chat import ChatSession, Conversation, Turn, TurnEvent
 from specchat.decode.tree_shapes import DynamicTreeParams
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.fixed_engine import new_engine
@@ -81,17 +81,6 @@ class MethodTotals(Stats):
 
 
 @dataclass
-class Turn:
-    """The latest reply, as comparisons and reports need it."""
-
-    method: str
-    rng_state: torch.Tensor | None
-    tokens: list[int] = field(default_factory=list)
-    finished: bool = False
-    stats: Stats | None = None
-
-
-@dataclass
 class TurnReport:
     """What the statistics line says about one reply."""
 
@@ -110,7 +99,8 @@ class LiveChat:
         self.profile = profile
         self.load_model = load_model
         self.totals: dict[str, MethodTotals] = {}
-        self.last_turn: Turn | None = None
+        self.last_turn: Turn | None = None  # the latest reply, and the method that gave it
+        self.last_method: str | None = None
         self.last_cycle = None  # the newest `specchat.decode.tree.Cycle`, for /tree
         self.clock = PlainStepClock(session.engine)
         self._plain_engine: Engine | None = None
@@ -127,62 +117,50 @@ class LiveChat:
     # -- replies ---------------------------------------------------------------------------
 
     def reply(self, text: str) -> Iterator[TurnEvent]:
-        """Stream the reply to `text`; stopping early keeps the partial reply (see `ChatSession.reply`)."""
-        messages = [*self.session.conversation.as_messages(), {"role": "user", "content": text}]
-        self.session.chat_format.check_size(messages, self.engine.target.max_context)  # a huge one is not tokenized
-        rng = self.session.rng
-        turn = self.last_turn = Turn(self.settings.method, rng.get_state() if rng is not None else None)
-        totals = self.totals.setdefault(self.settings.method, MethodTotals())
-        earlier_stats = self.session.last_stats
-        try:
-            with closing(self.session.reply(text)) as events:
-                for event in events:
-                    turn.tokens.extend(event.step.tokens)
-                    cycle = event.step.cycle
-                    if cycle is not None:
-                        totals.add_cycle(cycle.tree.depths, len(cycle.accepted))
-                        if len(cycle.tree):  # the last cycle of a reply may have had no room to draft
-                            self.last_cycle = cycle
-                    yield event
-            turn.finished = True
-        finally:
-            if self.session.last_stats is not earlier_stats:  # else the reply failed before it began
-                turn.stats = self.session.last_stats
-            if turn.stats is not None and turn.stats.new_tokens:
-                totals.add_turn(turn.stats)
+        """Stream the reply to `text` (the session's own stream; stopping early keeps the partial
+        reply, see `ChatSession.reply`); the session totals count it once it ends."""
+        return self.session.reply(text, on_end=functools.partial(self._count, self.settings.method))
+
+    def _count(self, method: str, turn: Turn) -> None:
+        totals = self.totals.setdefault(method, MethodTotals())
+        for cycle in turn.cycles:
+            totals.add_cycle(cycle.tree.depths, len(cycle.accepted))
+            if len(cycle.tree):  # the last cycle of a reply may have had no room to draft
+                self.last_cycle = cycle
+        if turn.stats.new_tokens:
+            totals.add_turn(turn.stats)
+        self.last_turn, self.last_method = turn, method
 
     def report(self) -> TurnReport:
         """The latest reply's statistics with its estimated speedup (plain decoding has none)."""
         turn = self.last_turn
-        assert turn is not None and turn.stats is not None, "report() follows a reply"
+        assert turn is not None, "report() follows a reply"
         report = TurnReport(turn.stats)
-        room = self.engine.target.max_context - self.engine.cache.length
-        if turn.method == PLAIN or turn.stats.new_tokens == 0 or room < 8:
-            return report
+        room = self.engine.max_context - self.engine.cache.length
+        if self.last_method == PLAIN or turn.stats.new_tokens < 2 or room < 8:
+            return report  # nothing was decoded after the prefill, or no room to time plain steps
         stats = turn.stats
-        if stats.new_tokens < 2:
-            return report  # nothing was decoded after the prefill
         report.estimated_speedup = estimated_speedup(stats.new_tokens, stats.seconds, stats.prefill_seconds,
                                                      self.clock.seconds_per_step())
         if report.estimated_speedup is not None:
-            self.totals[turn.method].add_estimate(stats, report.estimated_speedup)
+            self.totals[self.last_method].add_estimate(stats, report.estimated_speedup)
         return report
 
     def compare_last_turn(self) -> Comparison | None:
         """Decode the latest prompt plainly (same settings and random state) and compare; None if unfinished."""
         turn = self.last_turn
-        if turn is None or not turn.finished or turn.stats is None:
+        if turn is None or not turn.finished:
             return None
         if self._plain_engine is None:
             self._plain_engine = new_engine(self.engine.target)
         rng = None
         if turn.rng_state is not None:
-            rng = torch.Generator(device=self.session.rng.device)
+            rng = torch.Generator(device=self.engine.target.device)
             rng.set_state(turn.rng_state)
-        comparison = compare_plainly(self._plain_engine, self.session.last_prompt_ids, self.session.settings, rng,
-                                     turn.tokens, turn.stats.seconds, turn.stats.prefill_seconds)
+        comparison = compare_plainly(self._plain_engine, turn.prompt_ids, turn.generation, rng, turn.tokens,
+                                     turn.stats.seconds, turn.stats.prefill_seconds)
         if comparison.speedup is not None:
-            self.totals[turn.method].add_comparison(turn.stats, comparison.speedup)
+            self.totals[self.last_method].add_comparison(turn.stats, comparison.speedup)
         return comparison
 
     # -- changes ---------------------------------------------------------------------------

@@ -22,8 +22,7 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specchat.bench import Answer
-from specchat.chat import ChatFormat, Conversation
+from specchat.chat import ChatFormat, Conversation, Turn
 from specchat.decode.engine import GenerationSettings
 from specchat.errors import SpecchatError
 from specchat.inputs import PromptRecord
@@ -87,7 +86,7 @@ class GenerateRunner:
         self.conversation.messages.extend(record.history)
 
     @torch.inference_mode()
-    def turn(self, prompt: str) -> Answer:
+    def turn(self, prompt: str) -> Turn:
         self.conversation.add_user(prompt)
         ids = torch.tensor([self.chat_format.prompt_ids(self.conversation)], device=self.target.device)
         sampling = self.settings.sampling
@@ -109,7 +108,7 @@ class GenerateRunner:
         self.conversation.add_assistant(decoder.text)
         stats = Stats(new_tokens=len(new), seconds=seconds, prefill_seconds=clock.first_token_seconds,
                       target_forwards=self.forwards)
-        return Answer(decoder.text, stats, new)
+        return Turn(text=decoder.text, tokens=new, stats=stats, finished=True)
 
 
 @builds(methods.HF_ASSISTED)
@@ -161,7 +160,7 @@ class LlamaCppRunner:
         self.conversation = Conversation(system=record.system if record.system is not None else system)
         self.conversation.messages.extend(record.history)
 
-    def turn(self, prompt: str) -> Answer:
+    def turn(self, prompt: str) -> Turn:
         self.conversation.add_user(prompt)
         ids = self.chat_format.prompt_ids(self.conversation)
         sampling, budget = self.settings.sampling, self.settings.max_new_tokens
@@ -182,7 +181,7 @@ class LlamaCppRunner:
         self.conversation.add_assistant(decoder.text)
         stats = Stats(new_tokens=len(new), seconds=seconds, prefill_seconds=first_token_seconds,
                       target_forwards=self.forwards)
-        return Answer(decoder.text, stats, new)
+        return Turn(text=decoder.text, tokens=new, stats=stats, finished=True)
 
 
 def _llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,

@@ -24,7 +24,8 @@ from specchat.decode.tree_shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_T
                                          DynamicTreeParams, JakiroTree, StaticTree)
 from specchat.decode.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
 from specchat.decode.model_proposer import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.decode.target import Target, quantized_cache
+from specchat.decode.loading import quantized_cache
+from specchat.decode.target import Target
 from specchat.decode.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 from specchat.methods import MethodError, builds, effective_draft, method
 from specchat.settings import Settings

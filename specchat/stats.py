@@ -12,6 +12,7 @@ up with `+=`, and the derived numbers are always computed from the sums.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -53,11 +54,12 @@ class Stats:
         self.finish_reason = step.finish_reason or self.finish_reason
 
     def __iadd__(self, other: Stats) -> Stats:
-        for name in ("new_tokens", "seconds", "prefill_seconds", "target_forwards", "draft_seconds", "verify_seconds",
-                     "draft_tokens", "accepted_tokens", "accepted_from_lookup", "lookup_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.accept_lengths = self.accept_lengths + other.accept_lengths
-        self.finish_reason = other.finish_reason or self.finish_reason
+        """Every counter of `Stats` summed (lists joined); the latest finish reason kept."""
+        for counter in dataclasses.fields(Stats):
+            if counter.name == "finish_reason":
+                self.finish_reason = other.finish_reason or self.finish_reason
+            else:
+                setattr(self, counter.name, getattr(self, counter.name) + getattr(other, counter.name))
         return self
 
     @property

@@ -91,6 +91,14 @@ def qwen_dir(tmp_path_factory):
     return save_model_folder(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def core_messages():
+    """The core's messages (logging) on stderr as the command line shows them, in every test."""
+    from specchat.cli import show_core_messages
+
+    show_core_messages()
+
+
 @pytest.fixture(autouse=True)
 def isolated_dirs(tmp_path, monkeypatch):
     """Keep caches, profiles and history of tests out of the user's home."""

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import load_tiny_target
 from drafters.attention import attention, grouped
-from specchat.decode.target import ATTENTION
+from specchat.decode.loading import ATTENTION
 from specchat.decode.cache import KVCache
 
 

@@ -92,7 +92,8 @@ def test_interleaved_bench_asks_every_method_each_question_in_turn(qwen_dir, tmp
 
 
 def test_interleaved_answers_come_one_by_one_so_an_interruption_keeps_them():
-    from specchat.bench import Answer, run_interleaved
+    from specchat.bench import run_interleaved
+    from specchat.chat import Turn
     from specchat.inputs import PromptRecord
     from specchat.stats import Stats
 
@@ -109,7 +110,7 @@ def test_interleaved_answers_come_one_by_one_so_an_interruption_keeps_them():
             if len(asked) == 5:
                 raise KeyboardInterrupt
             asked.append((prompt, self.name))
-            return Answer(text="ok", stats=Stats(new_tokens=1, seconds=0.1), tokens=[1])
+            return Turn(text="ok", stats=Stats(new_tokens=1, seconds=0.1), tokens=[1])
 
     records = [PromptRecord(id=str(i), category=None, turns=[f"q{i}"]) for i in range(3)]
     kept = []

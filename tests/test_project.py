@@ -102,6 +102,15 @@ def test_the_decoding_core_imports_only_itself_drafters_and_the_errors():
         assert not outside, f"{name} imports {sorted(outside)}; the core knows nothing of the layers above it"
 
 
+def test_the_core_and_the_heads_print_nothing():
+    """The decoding core and drafters report through `logging`, which the command line shows: no print."""
+    for name, tree in project_modules().items():
+        if name.startswith(("specchat.decode", "drafters")):
+            prints = [node.lineno for node in ast.walk(tree)
+                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
+            assert not prints, f"{name} prints (lines {prints}); log instead"
+
+
 def test_each_method_name_is_written_once_outside_the_registry():
     from drafters import FORMATS, LAYOUTS
     from specchat.methods import HEAD_FORMATS, HEAD_LAYOUTS, METHODS

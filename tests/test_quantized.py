@@ -203,9 +203,9 @@ def test_auto_keeps_float32_models_unquantized_and_int5_needs_bf16_or_float32_on
 @needs_kernel
 def test_a_cpu_without_native_bf16_runs_the_kernel_on_float32_and_says_what_runs(qwen_dir, monkeypatch, capsys):
     """--dtype auto on an AVX2-class CPU: float32 activations through the int5 kernel, named in /stats and records."""
-    from specchat.decode import target as target_mod
+    from specchat.decode import loading
 
-    monkeypatch.setattr(target_mod, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)
     target = load_target(ModelSpec(model=str(qwen_dir), device="cpu"))
     assert target.dtype == torch.float32 and target.spec.quantize == "int5"
     assert target.runtime == f"int5 weights, {quantized.kernel_isa()} kernel, float32 activations"

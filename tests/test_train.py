@@ -109,8 +109,6 @@ def test_unrolled_steps_see_what_tree_nodes_see(target):
 
 @pytest.fixture(scope="module")
 def store(target, tmp_path_factory):
-    from specchat.decode.sampling import make_generator  # noqa: F401  (keeps the fixture order obvious)
-
     tokenizer = target.tokenizer
     torch.manual_seed(0)
     sequences = []

@@ -20,7 +20,8 @@ profiles or settings. Its defaults are declared here (`options`) and the setting
     deagle.py          DEAGLE's dynamic depth
     cache.py           the target's KV cache (transformers' Cache over `drafters.cache`'s storage)
     forward.py         specchat's own forward for Llama-family targets (eager or compiled) and its cache
-    target.py          the target model at run time: loading from a folder, one forward
+    target.py          the target model at run time: its runtime (own forward, compiled, fixed envelope), one forward
+    loading.py         loading it from a folder: device, dtype, quantization, attention
     quantized.py       specchat's weight-only int5/int4 CPU kernel (kernels/woq_linear.cpp)
     calibrate.py       this machine's cost of verifying n tokens, which sizes CPU trees
     speedup.py         measuring a reply against plain decoding

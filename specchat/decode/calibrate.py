@@ -10,10 +10,10 @@ maximizes expected tokens per second under this machine's curve. The curve is me
 
 from __future__ import annotations
 
+import logging
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -22,6 +22,8 @@ import torch
 from specchat.decode import quantized
 from specchat.decode.cache import causal_mask
 from specchat.decode.machine import cache_dir, device_name, synchronize
+
+log = logging.getLogger(__name__)
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48)  # the small ones: where each token costs much (AVX2)
 CONTEXT = 256  # tokens already cached while timing (a typical chat turn)
@@ -108,7 +110,7 @@ def cached_curve(target) -> Curve:
         known = {}
     key = _key(target)
     if key not in known:
-        print("specchat: measuring what verifying n tokens costs on this machine once (seconds)...", file=sys.stderr)
+        log.info("measuring what verifying n tokens costs on this machine once (seconds)...")
         known[key] = measure(target).milliseconds
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -23,6 +23,9 @@ import torch
 from specchat.decode.machine import synchronize
 
 log = logging.getLogger(__name__)
+# A capture fails on unsafe CUDA calls of its own thread only: the REPL's other threads (loading,
+# the prompt) may use CUDA meanwhile without spoiling it ("global" would refuse them).
+CAPTURE_MODE = "thread_local"
 
 
 def first_line(error: BaseException) -> str:
@@ -36,7 +39,7 @@ def capture_failure(step: Callable[[], None]) -> str | None:
     step()
     torch.cuda.synchronize()
     try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode=CAPTURE_MODE):
             step()
     except RuntimeError as error:
         return first_line(error)
@@ -91,7 +94,7 @@ class StepGraphs:
         if generator is not None:
             graph.register_generator_state(generator)
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
                 step()
         except RuntimeError as error:  # an operation that cannot be captured (a host read, a host-side copy)
             self.failure = f"a decoding step could not be captured as a CUDA graph ({first_line(error)}): steps run eagerly"

@@ -25,11 +25,11 @@ model itself (how far from bf16: README, docs/cpu-runtime.md).
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import functools
 import hashlib
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -42,6 +42,8 @@ from torch.utils import cpp_extension
 
 from specchat.decode import machine
 from specchat.decode.options import KERNEL_BITS  # noqa: F401  (the --quantize choices this kernel runs)
+
+log = logging.getLogger(__name__)
 
 LAYOUT = "woq2"  # the packed format below; a cached model in another layout is packed again
 GROUP = 32  # weights per scale and offset, along the input dimension
@@ -145,7 +147,7 @@ def _built_kernel():
     # torch keeps the build in its extensions folder and rebuilds it when the source or flags change.
     build = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False))
     if not any(build.glob("*.so")):
-        print("specchat: compiling the quantized-linear kernel once (about a minute)...", file=sys.stderr)
+        log.info("compiling the quantized-linear kernel once (about a minute)...")
     try:
         # torch's build lock is a plain file ("lock"): a process that dies holding it (killed, or a chat
         # quit while its model loads) leaves it, and every later load would wait on it forever. Builds
@@ -410,8 +412,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, wha
     kernel_isa()  # fail before touching the model
     stored = _read_cache(cache, bits)
     if stored is None and cache is not None:
-        print(f"specchat: packing {what} into {bits} bits once (seconds per hundred million weights)...",
-              file=sys.stderr)
+        log.info(f"packing {what} into {bits} bits once (seconds per hundred million weights)...")
     fresh = {}
     for module, name, child, key in _linears(model):
         N, K = child.weight.shape
