@@ -25,6 +25,7 @@ from specchat.decode.tree_shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_T
 from specchat.decode.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
 from specchat.decode.model_proposer import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.decode.loading import quantized_cache
+from specchat.decode.options import KERNEL_BITS
 from specchat.decode.target import Target
 from specchat.decode.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 from specchat.methods import MethodError, builds, effective_draft, method
@@ -122,8 +123,8 @@ def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
     """The head's proposer; the tree's shape is made once the head has loaded (a head that cannot
     load fails before this machine's verify cost is measured for the shape's size)."""
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
-    if target.spec.quantize in quantized.KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
-        quantized.quantize_linears(head, quantized.KERNEL_BITS[target.spec.quantize],
+    if target.spec.quantize in KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
+        quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize],
                                    quantized_cache(folder, target.spec.quantize, loaded_on=target),
                                    what="the draft head's linear layers")
     lookup = curve = None
@@ -151,11 +152,9 @@ def dynamic_params(settings: Settings, target: Target) -> DynamicTreeParams:
     else:
         total = settings.total_tokens or cpu_total_tokens(target)  # measured only when not given
         depth, top_k = CPU_DEPTH, CPU_TOP_K
-    try:
-        return DynamicTreeParams(total_tokens=settings.total_tokens or total, depth=settings.depth or depth,
-                                 top_k=settings.tree_top_k or top_k)
-    except ValueError as error:
-        raise MethodError(str(error)) from error
+    # the settings' values were checked where they were parsed (`settings.FIELDS`' checks)
+    return DynamicTreeParams(total_tokens=settings.total_tokens or total, depth=settings.depth or depth,
+                             top_k=settings.tree_top_k or top_k)
 
 
 def default_static_tree(settings: Settings, target: Target) -> tuple:

@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 import drafters
 from specchat import embedded
+from specchat.decode import woq_kernel
 from specchat.decode.machine import cache_dir
-from specchat.decode import quantized
 from specchat.decode.loading import kernel_candidate, load_folder, quiet_transformers, resolve_device, resolve_dtype
 from specchat.decode.target import ModelSpec, Target, dtype_name
 from specchat.errors import ModelLoadError, SpecchatError
@@ -53,9 +53,9 @@ def load_target(spec: ModelSpec) -> Target:
     """
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    kernel_likely = kernel_candidate(spec, device, dtype) and not quantized.missing_cpu_features()
+    kernel_likely = kernel_candidate(spec, device, dtype) and not woq_kernel.missing_cpu_features()
     if kernel_likely:
-        quantized.start_build()
+        woq_kernel.start_build()
     return load_folder(locate(spec, torch.bfloat16 if kernel_likely else dtype), spec, device, dtype)
 
 

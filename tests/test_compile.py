@@ -10,6 +10,7 @@ import torch
 
 from conftest import ScriptedProposer, build_model, build_tokenizer, random_head, tokens_of
 from specchat.decode import quantized
+from specchat.decode import woq_kernel
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.head_proposer import TreeProposer
 from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
@@ -76,8 +77,8 @@ def test_the_forward_compiles_whole_and_computes_what_the_eager_one_does(capsys)
     assert_compiled_whole()
 
 
-@pytest.mark.skipif(quantized.unavailable_reason() is not None,
-                    reason=f"specchat's kernel does not run here: {quantized.unavailable_reason()}")
+@pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
+                    reason=f"specchat's kernel does not run here: {woq_kernel.unavailable_reason()}")
 def test_the_quantized_kernel_compiles_into_the_graph():
     compiled = tiny_target("on", quantize_bits=5)
     assert isinstance(compiled.lm_head, quantized.QuantizedLinear)  # the tiny sizes tile into the kernel's blocks

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, Qwen3Config
 
 from conftest import TINY_VOCAB, build_tokenizer, save_model_folder
 from specchat.decode import quantized
+from specchat.decode import woq_kernel
 from specchat.decode.cache import KVCache, causal_mask
 from specchat.decode.forward import LayerKV, unsupported_reason
 from specchat.decode.target import Target
@@ -141,8 +142,8 @@ def test_other_architectures_go_through_transformers_forward():
     torch.testing.assert_close(stepped, whole, **EXACT)
 
 
-@pytest.mark.skipif(quantized.unavailable_reason() is not None,
-                    reason=f"specchat's kernel does not run here: {quantized.unavailable_reason()}")
+@pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
+                    reason=f"specchat's kernel does not run here: {woq_kernel.unavailable_reason()}")
 def test_a_quantized_model_s_stacked_projections_and_mlps_give_transformers_answers():
     """With q, k, v stacked into one kernel call (`quantized.share_projections`) and gate and up
     fused (`GatedMLP`), specchat's forward calls the same layers transformers' does."""

@@ -6,6 +6,7 @@ import torch
 
 from conftest import load_tiny_target, random_head
 from specchat.decode import quantized
+from specchat.decode import woq_kernel
 from specchat.decode.head_proposer import TreeProposer
 from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.engine import Engine, GenerationSettings
@@ -14,9 +15,9 @@ from specchat.decode.target import ModelSpec
 from specchat.errors import ModelLoadError
 from specchat.sources import load_target
 
-needs_kernel = pytest.mark.skipif(quantized.unavailable_reason() is not None,
+needs_kernel = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
                                   reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
-RUNNABLE = quantized.runnable_isas()  # every path this machine runs (avx-vnni only without AVX-512)
+RUNNABLE = woq_kernel.runnable_isas()  # every path this machine runs (avx-vnni only without AVX-512)
 
 
 @pytest.fixture
@@ -25,16 +26,16 @@ def force_isa(monkeypatch):
 
     def force(isa: str | None):
         if isa is None:
-            monkeypatch.delenv(quantized.ISA_VARIABLE, raising=False)
+            monkeypatch.delenv(woq_kernel.ISA_VARIABLE, raising=False)
         else:
-            monkeypatch.setenv(quantized.ISA_VARIABLE, isa)
-        quantized.kernel_isa.cache_clear()
+            monkeypatch.setenv(woq_kernel.ISA_VARIABLE, isa)
+        woq_kernel.kernel_isa.cache_clear()
 
     yield force
-    quantized.kernel_isa.cache_clear()
+    woq_kernel.kernel_isa.cache_clear()
 
 
-@pytest.fixture(params=list(quantized.ISAS))
+@pytest.fixture(params=list(woq_kernel.ISAS))
 def isa(request, force_isa):
     """Each path in turn, those the CPU lacks skipped."""
     if request.param not in RUNNABLE:
@@ -92,21 +93,21 @@ def test_a_forced_path_the_cpu_lacks_is_a_one_line_error_naming_its_flags(force_
 
     monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
     force_isa("avx512")
-    assert quantized.missing_cpu_features() == ["avx512f", "avx512bw", "avx512vl", "avx512_vnni"]
+    assert woq_kernel.missing_cpu_features() == ["avx512f", "avx512bw", "avx512vl", "avx512_vnni"]
     lacks = "avx512f, avx512bw, avx512vl, avx512_vnni"
-    assert quantized.unavailable_reason() == f"SPECCHAT_CPU_ISA=avx512: this CPU lacks {lacks}"
+    assert woq_kernel.unavailable_reason() == f"SPECCHAT_CPU_ISA=avx512: this CPU lacks {lacks}"
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
-    with pytest.raises(quantized.KernelUnavailable, match="lacks avx512f"):
+    with pytest.raises(woq_kernel.KernelUnavailable, match="lacks avx512f"):
         quantized.quantize_linears(model, 5)
     assert isinstance(model[0], torch.nn.Linear)  # untouched
     force_isa("avx-vnni")
-    assert quantized.unavailable_reason() == "SPECCHAT_CPU_ISA=avx-vnni: this CPU lacks avx_vnni"
+    assert woq_kernel.unavailable_reason() == "SPECCHAT_CPU_ISA=avx-vnni: this CPU lacks avx_vnni"
     force_isa("avx3")
-    assert quantized.unavailable_reason() == "SPECCHAT_CPU_ISA=avx3 is not one of avx512, avx-vnni, avx-vnni-evex, avx2"
+    assert woq_kernel.unavailable_reason() == "SPECCHAT_CPU_ISA=avx3 is not one of avx512, avx-vnni, avx-vnni-evex, avx2"
     monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
     force_isa(None)
-    assert quantized.missing_cpu_features() == ["avx2", "fma", "f16c"]
-    assert quantized.unavailable_reason() == "this CPU lacks avx2, fma, f16c"
+    assert woq_kernel.missing_cpu_features() == ["avx2", "fma", "f16c"]
+    assert woq_kernel.unavailable_reason() == "this CPU lacks avx2, fma, f16c"
 
 
 @needs_kernel
@@ -114,13 +115,13 @@ def test_without_the_variable_the_best_path_the_cpu_has_runs(force_isa, monkeypa
     from specchat.decode import machine
 
     force_isa(None)
-    assert quantized.kernel_isa() == RUNNABLE[0]
+    assert woq_kernel.kernel_isa() == RUNNABLE[0]
     monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c", "avx_vnni"}))
     force_isa(None)
-    assert quantized.kernel_info() == quantized.KernelInfo("avx-vnni", (torch.bfloat16, torch.float32), torch.float32)
+    assert woq_kernel.kernel_info() == woq_kernel.KernelInfo("avx-vnni", (torch.bfloat16, torch.float32), torch.float32)
     monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
     force_isa(None)
-    assert quantized.kernel_isa() == "avx2" and quantized.missing_cpu_features() == []
+    assert woq_kernel.kernel_isa() == "avx2" and woq_kernel.missing_cpu_features() == []
     layer = quantized.QuantizedLinear.from_linear(torch.nn.Linear(64, 32), 5)  # a float32 model
     assert layer(torch.randn(2, 64)).dtype == torch.float32
 
@@ -208,7 +209,7 @@ def test_a_cpu_without_native_bf16_runs_the_kernel_on_float32_and_says_what_runs
     monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)
     target = load_target(ModelSpec(model=str(qwen_dir), device="cpu"))
     assert target.dtype == torch.float32 and target.spec.quantize == "int5"
-    assert target.runtime == f"int5 weights, {quantized.kernel_isa()} kernel, float32 activations"
+    assert target.runtime == f"int5 weights, {woq_kernel.kernel_isa()} kernel, float32 activations"
     said = capsys.readouterr().err.splitlines()
     assert said and all(line.endswith("once (seconds per hundred million weights)...") for line in said)  # progress only
     explicit = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cpu", quantize="int5"))
@@ -220,16 +221,16 @@ def test_a_runtime_that_is_not_the_fastest_is_said_in_one_line(qwen_dir, monkeyp
     load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu", quantize="none"))
     assert capsys.readouterr().err.strip() == ("specchat: --quantize none as asked; --quantize auto (int5, "
                                                "specchat's kernel) decodes faster on this CPU")
-    monkeypatch.setenv(quantized.ISA_VARIABLE, "avx2")
-    quantized.kernel_isa.cache_clear()
+    monkeypatch.setenv(woq_kernel.ISA_VARIABLE, "avx2")
+    woq_kernel.kernel_isa.cache_clear()
     try:
         target = load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu"))
         err = [line for line in capsys.readouterr().err.splitlines() if not line.endswith("...")]  # not progress
     finally:
-        monkeypatch.delenv(quantized.ISA_VARIABLE)
-        quantized.kernel_isa.cache_clear()
+        monkeypatch.delenv(woq_kernel.ISA_VARIABLE)
+        woq_kernel.kernel_isa.cache_clear()
     assert target.runtime == "int5 weights, avx2 (forced) kernel, bfloat16 activations"
-    best = quantized.runnable_isas()[0]
+    best = woq_kernel.runnable_isas()[0]
     assert err == [] if best == "avx2" else err == [f"specchat: {target.runtime}: SPECCHAT_CPU_ISA forces the path "
                                                      f"(this CPU's best: {best})"]
 

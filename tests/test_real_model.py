@@ -64,9 +64,9 @@ def test_the_default_profile_drafts_with_its_bundled_head_losslessly_in_float32(
 def test_the_default_runtime_is_the_quantized_kernel_and_divergences_are_near_ties(shared_cache, tmp_path, capsys):
     """bf16 activations on the int5 model: batched verification may round a near-tie differently,
     never a clear choice (plain decoding of the same quantized model is the reference)."""
-    from specchat.decode import quantized
+    from specchat.decode import woq_kernel
 
-    if quantized.unavailable_reason() is not None:
+    if woq_kernel.unavailable_reason() is not None:
         pytest.skip("the quantized kernel does not run here")
     prompts = tmp_path / "p.txt"
     prompts.write_text("Explain what a hash map is.\nWrite a SQL query that counts orders per customer.\n")

@@ -526,12 +526,12 @@ def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_lo
     from torch.utils import cpp_extension
     from torch.utils.file_baton import FileBaton
 
-    from specchat.decode import quantized
+    from specchat.decode import woq_kernel
 
     build = tmp_path / "build"
     build.mkdir()
     (build / "lock").touch()  # what a process that died holding it leaves
-    monkeypatch.setattr(quantized, "missing_cpu_features", lambda: [])
+    monkeypatch.setattr(woq_kernel, "missing_cpu_features", lambda: [])
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose=False: str(build))
 
     def load(**options):  # torch's: take the lock or wait for it (here not forever)
@@ -541,7 +541,7 @@ def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_lo
         return "the kernel"
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    assert quantized._built_kernel.__wrapped__() == "the kernel"
+    assert woq_kernel._built_kernel.__wrapped__() == "the kernel"
 
 
 def test_train_refuses_an_output_folder_that_would_overwrite_its_data(tmp_path, capsys, monkeypatch):

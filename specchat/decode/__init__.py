@@ -22,7 +22,8 @@ profiles or settings. Its defaults are declared here (`options`) and the setting
     forward.py         specchat's own forward for Llama-family targets (eager or compiled) and its cache
     target.py          the target model at run time: its runtime (own forward, compiled, fixed envelope), one forward
     loading.py         loading it from a folder: device, dtype, quantization, attention
-    quantized.py       specchat's weight-only int5/int4 CPU kernel (kernels/woq_linear.cpp)
+    quantized.py       weight-only int5/int4 linear layers for the CPU: the packed format, the layers
+    woq_kernel.py      their kernel (kernels/woq_linear.cpp): its build and the CPU path it runs
     calibrate.py       this machine's cost of verifying n tokens, which sizes CPU trees
     speedup.py         measuring a reply against plain decoding
     machine.py         the CPU, devices and the cache folder

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.decode import quantized
+from specchat.decode import woq_kernel
 from specchat.decode.cache import causal_mask
 from specchat.decode.machine import cache_dir, device_name, synchronize
+from specchat.decode.options import KERNEL_BITS
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ class Curve:
 
 def _key(target) -> str:
     runtime = target.spec.quantize
-    if runtime in quantized.KERNEL_BITS:  # specchat's kernel: a changed kernel is timed again
-        runtime += f"-{quantized.kernel_version()}"
+    if runtime in KERNEL_BITS:  # specchat's kernel: a changed kernel is timed again
+        runtime += f"-{woq_kernel.kernel_version()}"
     runtime += "-compiled" if target.compiled else ""
     sizes = "-".join(map(str, SIZES))  # a curve measured at other sizes is measured again
     return f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}|{sizes}"

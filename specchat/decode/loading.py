@@ -23,10 +23,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging as transformers_logging
 
 from drafters.attention import grouped
-from specchat.decode import quantized
+from specchat.decode import quantized, woq_kernel
 from specchat.decode.forward import unsupported_reason
 from specchat.decode.machine import cache_dir, cpu_has_bf16
-from specchat.decode.options import AUTO, BITSANDBYTES, QUANTIZE
+from specchat.decode.options import AUTO, BITSANDBYTES, KERNEL_BITS, QUANTIZE
 from specchat.decode.target import ModelSpec, Target, compiles, describe_runtime, dtype_name, fixed_steps
 from specchat.errors import ModelLoadError
 
@@ -90,15 +90,15 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
         # SDPA but for one query token, which it runs several times too slowly on a CPU; a model
         # whose attention does not go through transformers' interface keeps SDPA (it only warns).
         model.set_attn_implementation(ATTENTION)
-    if quantize in quantized.KERNEL_BITS:
+    if quantize in KERNEL_BITS:
         try:
-            quantized.quantize_linears(model, quantized.KERNEL_BITS[quantize], quantized_cache(source, quantize))
-        except (quantized.KernelUnavailable, ValueError) as error:
+            quantized.quantize_linears(model, KERNEL_BITS[quantize], quantized_cache(source, quantize))
+        except (woq_kernel.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
     target = Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
-    if quantize in quantized.KERNEL_BITS and quantized.forced_isa():
-        log.warning(f"{target.runtime}: {quantized.ISA_VARIABLE} forces the path (this CPU's best: "
-                    f"{quantized.runnable_isas()[0]})")
+    if quantize in KERNEL_BITS and woq_kernel.forced_isa():
+        log.warning(f"{target.runtime}: {woq_kernel.ISA_VARIABLE} forces the path (this CPU's best: "
+                    f"{woq_kernel.runnable_isas()[0]})")
     if spec.compile == "on" and not target.compiled:
         log.warning(f"--compile on, but {unsupported_reason(model)}: transformers' forward runs uncompiled")
     if fixed_steps(spec.cuda_graphs, device) and target.envelope is None:  # said, not silent: eager steps are slow
@@ -122,7 +122,7 @@ def kernel_candidate(spec: ModelSpec, device: torch.device, dtype: torch.dtype) 
     """Whether `spec` asks for specchat's kernel here, before knowing whether it compiles: named
     (int5/int4), or `auto` on a CPU with kernel activations, unless float32 was asked for (an
     explicit `--dtype float32` keeps its float32 weights: that is how exactness is checked)."""
-    if spec.quantize in quantized.KERNEL_BITS:
+    if spec.quantize in KERNEL_BITS:
         return True
     return spec.quantize == AUTO and device.type == "cpu" and dtype in KERNEL_DTYPES and spec.dtype != "float32"
 
@@ -138,16 +138,16 @@ def resolve_quantize(spec: ModelSpec, device: torch.device, dtype: torch.dtype) 
     """
     choice = spec.quantize
     if choice != AUTO:
-        if choice in quantized.KERNEL_BITS and (device.type != "cpu" or dtype not in KERNEL_DTYPES):
+        if choice in KERNEL_BITS and (device.type != "cpu" or dtype not in KERNEL_DTYPES):
             raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 or float32 (got "
                                  f"{device.type}, {dtype_name(dtype)})")
-        if device.type == "cpu" and choice not in quantized.KERNEL_BITS and not quantized.missing_cpu_features():
+        if device.type == "cpu" and choice not in KERNEL_BITS and not woq_kernel.missing_cpu_features():
             log.warning(f"--quantize {choice} as asked; --quantize auto (int5, specchat's kernel) decodes "
                         f"faster on this CPU")
         return choice
     if not kernel_candidate(spec, device, dtype):
         return "none"
-    reason = quantized.unavailable_reason()
+    reason = woq_kernel.unavailable_reason()
     if reason is not None:  # said, not silent: plain weights decode several times slower
         log.warning(f"{dtype_name(dtype)} weights, not the 5-bit kernel ({reason}): decoding is several times "
                     f"slower")

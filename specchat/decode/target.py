@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.decode import quantized
+from specchat.decode import woq_kernel
 from specchat.decode.cache import KVCache, causal_mask
 from specchat.decode.envelope import Envelope
 from specchat.decode.forward import DecoderForward, LayerKV, unsupported_reason
 from specchat.decode.graphs import capture_failure
 from specchat.decode.machine import synchronize
-from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS
+from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, KERNEL_BITS
 from specchat.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def describe_runtime(quantize: str, device: torch.device, dtype: torch.dtype) -> str:
     """What runs the target, for start-up lines, /stats, run records and bench results."""
-    if quantize in quantized.KERNEL_BITS:
-        forced = " (forced)" if quantized.forced_isa() else ""
-        return f"{quantize} weights, {quantized.kernel_isa()}{forced} kernel, {dtype_name(dtype)} activations"
+    if quantize in KERNEL_BITS:
+        forced = " (forced)" if woq_kernel.forced_isa() else ""
+        return f"{quantize} weights, {woq_kernel.kernel_isa()}{forced} kernel, {dtype_name(dtype)} activations"
     if quantize in BITSANDBYTES:
         return f"bitsandbytes {quantize} weights, {dtype_name(dtype)} compute, {device.type}"
     return f"{dtype_name(dtype)} weights, {device.type}"
