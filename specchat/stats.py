@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from specchat.decode.tree import Source
+
 
 @dataclass
 class Stats:
@@ -49,8 +51,8 @@ class Stats:
             tree = step.cycle.tree
             if tree.sources:  # the accepted nodes this step kept (an end of turn or the budget may cut the path)
                 kept = step.cycle.accepted[: sum(step.drafted)]
-                self.accepted_from_lookup += sum(tree.sources[node] != "head" for node in kept)
-            self.lookup_seconds += tree.info.get("lookup_seconds", 0.0)
+                self.accepted_from_lookup += sum(tree.sources[node] != Source.HEAD for node in kept)
+            self.lookup_seconds += tree.lookup_seconds
         self.finish_reason = step.finish_reason or self.finish_reason
 
     def __iadd__(self, other: Stats) -> Stats:

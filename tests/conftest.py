@@ -207,7 +207,7 @@ class ScriptedProposer:
         del self.context[length:]
         return len(self.context)
 
-    def observe(self, tokens, features) -> None:
+    def observe(self, tokens, features, cycle=None) -> None:
         self.context.extend(tokens)
 
     def propose(self, root, settings, rng, max_depth, max_nodes):

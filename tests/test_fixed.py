@@ -145,28 +145,34 @@ def test_lookup_chains_merge_on_the_device_as_on_the_host(seed):
     best = int(table.scores[k : k + k * k].argmax()) + k
     spelled = [int(table.tokens[int(table.parents[best])]), int(table.tokens[best]), 555, 556, 557]
     chains = torch.tensor([spelled + [0] * 3, [999, 998, 997] + [0] * 5])
-    lengths, accept = torch.tensor([5, 3]), torch.tensor([0.6, 0.3])
+    lengths, accept, evidence = torch.tensor([5, 3]), torch.tensor([0.6, 0.3]), torch.tensor([4, 2])
     host = Candidates.from_table(table, {})
-    for chain, length, rate in zip(chains.tolist(), lengths.tolist(), accept.tolist()):
-        host.add_chain(chain[:length], rate, 1)
+    for chain, length, rate, strength in zip(chains.tolist(), lengths.tolist(), accept.tolist(), evidence.tolist()):
+        host.add_chain(chain[:length], rate, strength)
     keep = 12
-    ours = select_fixed(merge_lookup(table, chains, lengths, accept.log(), depth), keep, 8)
+    ours = select_fixed(merge_lookup(table, chains, lengths, accept.log(), depth, evidence), keep, 8)
     theirs = host.select(keep)
     kept = [i for i in range(keep) if bool(ours.valid[i])]
     tree = type(theirs)(tokens=[int(ours.tokens[i]) for i in kept],
                         parents=[kept.index(int(ours.parents[i])) if int(ours.parents[i]) >= 0 else -1 for i in kept],
                         depths=[int(ours.depths[i]) for i in kept], probs=[1.0] * len(kept))
     assert paths(tree) == paths(theirs)
-    names = {0: "head", 1: "lookup", 2: "both"}
-    assert sorted(names[int(ours.sources[i])] for i in kept) == sorted(theirs.sources)
+    ours_by_path = {path: (int(ours.sources[kept[i]]), int(ours.evidence[kept[i]])) for i, path in enumerate(walks(tree))}
+    theirs_by_path = {path: (theirs.sources[i], theirs.lookup_evidence[i]) for i, path in enumerate(walks(theirs))}
+    assert ours_by_path == theirs_by_path
+
+
+def walks(tree) -> list[tuple[int, ...]]:
+    """Per node, the token path that reaches it."""
+    found = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        found.append((found[parent] if parent >= 0 else ()) + (token,))
+    return found
 
 
 def paths(tree) -> set[tuple[int, ...]]:
     """A tree's nodes as the token paths that reach them (order-free)."""
-    found = []
-    for token, parent in zip(tree.tokens, tree.parents):
-        found.append((found[parent] if parent >= 0 else ()) + (token,))
-    return set(found)
+    return set(walks(tree))
 
 
 def test_an_oracle_is_accepted_exactly_as_deep_as_scripted(fixed, host):

@@ -11,7 +11,7 @@ from specchat.decode.tree_shapes import DeagleTree, DynamicTreeParams
 from specchat.decode.deagle import DeagleParams
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.lookup import LookupSource, Match
-from specchat.decode.tree import DraftTree
+from specchat.decode.tree import Cycle, DraftTree, Source
 from specchat.stats import Stats
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]
@@ -75,10 +75,11 @@ def test_a_lookup_chain_merges_with_the_heads_nodes_where_they_agree():
     candidates = Candidates(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.3, 0.5],
                             scores=[-0.69, -1.2, -1.39])
     candidates.add_chain([5, 7, 9, 9, 9], accept=0.9, evidence=6)
-    assert candidates.sources == ["both", "head", "both", "lookup", "lookup", "lookup"]
+    H, L, B = Source.HEAD, Source.LOOKUP, Source.BOTH
+    assert candidates.sources == [B, H, B, L, L, L]
     tree = candidates.select(5)
     assert all(p < i for i, p in enumerate(tree.parents))  # connected, parents first
-    assert tree.depths[-1] >= 3 and "lookup" in tree.sources  # the chain goes past the head's depth
+    assert tree.depths[-1] >= 3 and Source.LOOKUP in tree.sources  # the chain goes past the head's depth
 
 
 def test_the_budget_verifies_a_long_confident_chain_and_little_of_a_weak_one():
@@ -104,26 +105,39 @@ def test_lookup_only_adds_to_the_heads_own_tree():
     steep = Curve({1: 10.0, 2: 13.0, 4: 19.0, 8: 31.0, 16: 55.0})
     found, heads_tree = candidates(0.95)
     tree = found.select_for_rate(steep, 3.0, 64, kept=heads_tree)
-    assert [tree.tokens[i] for i, s in enumerate(tree.sources) if s == "head"] == [5, 6, 7, 8]
-    assert tree.sources.count("lookup") >= 4 and all(p < i for i, p in enumerate(tree.parents))
+    assert [tree.tokens[i] for i, s in enumerate(tree.sources) if s == Source.HEAD] == [5, 6, 7, 8]
+    assert tree.sources.count(Source.LOOKUP) >= 4 and all(p < i for i, p in enumerate(tree.parents))
     found, heads_tree = candidates(0.05)
     assert sorted(found.select_for_rate(steep, 3.0, 64, kept=heads_tree).tokens) == [5, 6, 7, 8]
 
 
 def test_the_head_is_trusted_as_far_as_its_drafts_are_accepted():
     tree = DraftTree(tokens=[5, 6, 7, 9], parents=[-1, 0, 1, -1], depths=[1, 2, 3, 1], probs=[0.9, 0.9, 0.9, 0.05],
-                     sources=["head", "head", "head", "lookup"])  # the head's chain: expects 0.9 + 0.81 + 0.73
+                     sources=[Source.HEAD] * 3 + [Source.LOOKUP])  # the head's chain: expects 0.9 + 0.81 + 0.73
     sure = HeadTrust()
     for _ in range(50):
-        sure.learn(tree, [5, 6, 7])
+        sure.learn(Cycle(0, tree, [0, 1, 2], 8))
     assert sure.factor() == 1.0  # at most full trust (a head node never outranks its parent)
     doubtful = HeadTrust()
     for _ in range(50):
-        doubtful.learn(tree, [5, 8])  # one of ~2.4 expected: what sampling makes of a sure head
+        doubtful.learn(Cycle(0, tree, [0], 8))  # one of ~2.4 expected: what sampling makes of a sure head
     assert 0.35 < doubtful.factor() < 0.55
     for _ in range(50):
-        doubtful.learn(tree, [9])  # only lookup's node taken: the head earns nothing
+        doubtful.learn(Cycle(0, tree, [3], 1))  # only lookup's node taken: the head earns nothing
     assert doubtful.factor() < 0.2
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong"])
+def test_the_engine_tells_the_drafter_what_was_accepted(bigram, kind):
+    """The acceptance rate of lookup nodes is learned from the cycles the engine reports (`observe`'s
+    cycle): a lookup that is always right rises above the prior's 1 in 2, one always wrong falls."""
+    settings = GenerationSettings(max_new_tokens=30)
+    plain = tokens_of(Engine(bigram), PROMPT, settings)
+    proposer = hybrid(bigram, ScriptedLookup(PROMPT + plain, kind))
+    prior = proposer.rates.estimate(4)
+    tokens_of(Engine(bigram, proposer), PROMPT, settings)
+    assert proposer.rates.estimate(4) > 0.8 if kind == "right" else proposer.rates.estimate(4) < 0.3
+    assert prior == 0.5
 
 
 def test_a_less_trusted_head_gets_fewer_of_its_nodes_verified():

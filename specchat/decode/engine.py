@@ -86,8 +86,10 @@ class StepResult:
 class Proposer(Protocol):
     """A source of draft tokens: a draft head, a small draft model, or n-gram lookup.
 
-    The engine tells a proposer which context tokens are committed (`observe`) and when the
-    context shrinks (`rewind`); the proposer keeps whatever state it needs in step with that.
+    The engine tells a proposer which context tokens are committed (`observe`), what the target
+    accepted of its latest tree (`observe`'s `cycle`: the proposer need not work it out from the
+    tokens), and when the context shrinks (`rewind`); the proposer keeps whatever state it needs in
+    step with that.
     """
 
     #: Hidden-state indices of the target the proposer consumes (see `Target.forward`), or None.
@@ -100,8 +102,9 @@ class Proposer(Protocol):
         the target from there so the proposer sees those positions' features again.
         """
 
-    def observe(self, tokens: list[int], features: torch.Tensor | None) -> None:
-        """Newly committed context tokens (and the target's features at their positions)."""
+    def observe(self, tokens: list[int], features: torch.Tensor | None, cycle: Cycle | None = None) -> None:
+        """Newly committed context tokens (and the target's features at their positions); after a
+        speculative step, `cycle` is the tree it proposed and the nodes the target accepted."""
 
     def propose(self, root: int, settings: GenerationSettings, rng: torch.Generator | None,
                 max_depth: int, max_nodes: int) -> DraftTree:
@@ -272,12 +275,13 @@ class Engine:
         self.cache.compact(cached, torch.tensor(keep))
         committed = [root] + [tree.tokens[node] for node in acceptance.path]
         self.context_ids.extend(committed)
-        self.proposer.observe(committed, None if out.features is None else out.features[keep])
+        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus)
+        self.proposer.observe(committed, None if out.features is None else out.features[keep], cycle)
         self._sync()
         return StepResult(
             tokens=committed[1:] + [acceptance.bonus], drafted=[True] * len(acceptance.path) + [False],
             seconds=time.perf_counter() - start, draft_seconds=drafted - start, verify_seconds=verified - drafted,
-            draft_tokens=len(tree), cycle=Cycle(root, tree, acceptance.path, acceptance.bonus),
+            draft_tokens=len(tree), cycle=cycle,
             margins=margins(out.logits[keep]),  # row 0 chose the first token, node i's row the token after it
         )
 

@@ -136,8 +136,8 @@ class FixedTree:
         valid: [n] bool.
         probs: [n] the draft's probability of each node given its parent (records, /tree).
         depth: no node is deeper (static: the length of the accepted-path record).
-        sources: [n] codes of `fixed_engine.SOURCES` (hybrid trees), or None: all the drafter's own.
-        chains: [n] which lookup chain proposed a node (-1: none), with `sources`.
+        sources: [n] `specchat.decode.tree.Source` codes (hybrid trees), or None: all the drafter's own.
+        evidence: [n] with `sources`, the strength of the lookup match behind each node (0: none).
         q: [n, vocab] the distributions a sampled chain was drawn from (sps), or None.
     """
 
@@ -148,7 +148,7 @@ class FixedTree:
     probs: torch.Tensor
     depth: int
     sources: torch.Tensor | None = None
-    chains: torch.Tensor | None = None
+    evidence: torch.Tensor | None = None
     q: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -174,7 +174,7 @@ class FixedTree:
 
         return FixedTree(grow(self.tokens, 0), grow(self.parents, -1), grow(self.depths, 1), grow(self.valid, False),
                          grow(self.probs, 0.0), self.depth, None if self.sources is None else grow(self.sources, 0),
-                         None if self.chains is None else grow(self.chains, -1),
+                         None if self.evidence is None else grow(self.evidence, 0),
                          None if self.q is None else torch.cat([self.q, self.q.new_zeros(extra, self.q.shape[1])]))
 
     def ancestors(self) -> torch.Tensor:

@@ -208,7 +208,7 @@ class ScriptedTree:
     def forget(self) -> None:
         pass
 
-    def observe(self, tokens, features) -> None:
+    def observe(self, tokens, features, cycle=None) -> None:
         self.length += len(tokens)
 
     def start(self, root) -> None:

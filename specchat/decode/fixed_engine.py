@@ -27,10 +27,9 @@ from specchat.decode.graphs import StepGraphs
 from specchat.decode.machine import synchronize
 from specchat.decode.sampling import SamplingParams, draw_rows, row_margins
 from specchat.decode.target import Target
-from specchat.decode.tree import Cycle, DraftTree
+from specchat.decode.tree import Cycle, DraftTree, Source
 from specchat.decode.verify import FixedAcceptance, accept_fixed
 
-SOURCES = ("head", "lookup", "both")  # a hybrid tree's node sources, by code (DraftTree.sources)
 PER_NODE = 7  # numbers per tree node in a cycle's record (`pack_cycle`)
 
 
@@ -218,9 +217,9 @@ class FixedEngine(Engine):
         if key not in self._trees:  # the first (eager) run allocates the static tree
             self._trees[key] = FixedTree(*(t.clone() if isinstance(t, torch.Tensor) else t
                                              for t in (tree.tokens, tree.parents, tree.depths, tree.valid,
-                                                       tree.probs, tree.depth, tree.sources, tree.chains, tree.q)))
+                                                       tree.probs, tree.depth, tree.sources, tree.evidence, tree.q)))
         static = self._trees[key]
-        for name in ("tokens", "parents", "depths", "valid", "probs", "sources", "chains", "q"):
+        for name in ("tokens", "parents", "depths", "valid", "probs", "sources", "evidence", "q"):
             if getattr(tree, name) is not None:
                 getattr(static, name).copy_(getattr(tree, name))
 
@@ -247,12 +246,12 @@ class FixedEngine(Engine):
 def pack_cycle(tree: FixedTree, acceptance: FixedAcceptance, margins: torch.Tensor) -> torch.Tensor:
     """A cycle's record as one float64 vector (token ids are exact in it): accepted count, bonus,
     the path (tree.depth), the margins of the kept rows (tree.depth + 1), then the tree's tokens,
-    parents, depths, validity, probabilities, sources and lookup chains."""
+    parents, depths, validity, probabilities, sources and lookup evidence."""
     sources = tree.sources if tree.sources is not None else torch.zeros_like(tree.tokens)
-    chains = tree.chains if tree.chains is not None else torch.full_like(tree.tokens, -1)
+    evidence = tree.evidence if tree.evidence is not None else torch.zeros_like(tree.tokens)
     return torch.cat([torch.stack([acceptance.count, acceptance.bonus]).double(), acceptance.path.double(),
                       margins.double(), tree.tokens.double(), tree.parents.double(), tree.depths.double(),
-                      tree.valid.double(), tree.probs.double(), sources.double(), chains.double()])
+                      tree.valid.double(), tree.probs.double(), sources.double(), evidence.double()])
 
 
 def unpack_cycle(record: list[float], root: int, nodes: int, depth: int) -> tuple[Cycle, list[float]]:
@@ -261,15 +260,14 @@ def unpack_cycle(record: list[float], root: int, nodes: int, depth: int) -> tupl
     path = [int(node) for node in record[2 : 2 + count]]
     margins = record[2 + depth : 2 + depth + count + 1]
     fields = [record[3 + 2 * depth + i * nodes : 3 + 2 * depth + (i + 1) * nodes] for i in range(PER_NODE)]
-    tokens, parents, depths, valid, probs, sources, chains = fields
+    tokens, parents, depths, valid, probs, sources, evidence = fields
     verified = [node for node in range(nodes) if valid[node]]
     position = {node: index for index, node in enumerate(verified)}
     tree = DraftTree(tokens=[int(tokens[node]) for node in verified],
                      parents=[position[int(parents[node])] if parents[node] >= 0 else -1 for node in verified],
                      depths=[int(depths[node]) for node in verified], probs=[probs[node] for node in verified],
-                     sources=[SOURCES[int(sources[node])] for node in verified] if any(sources) else [])
-    if tree.sources:
-        tree.info["lookup_chain"] = [int(chains[node]) for node in verified]
+                     sources=[Source(int(sources[node])) for node in verified] if any(sources) else [],
+                     lookup_evidence=[int(evidence[node]) for node in verified] if any(sources) else [])
     return Cycle(root, tree, [position[node] for node in path], bonus), margins
 
 

@@ -26,11 +26,9 @@ from specchat.decode.engine import PREFILL_CHUNK
 from specchat.decode.envelope import MAX_TREE_ROWS, Envelope, FixedTree, HostInputs, causal_block, pick, window_mask
 from specchat.decode.hybrid import LOOKUP_BRANCHES, LOOKUP_TOKENS, LookupRates
 from specchat.decode.lookup import LookupSource
-from specchat.decode.tree import Cycle
+from specchat.decode.tree import Cycle, Source
 from specchat.decode.tree_shapes import CandidateTable, DynamicTree, Growth, StaticTree
 from specchat.decode.verify import FixedAcceptance
-
-HEAD, LOOKUP, BOTH = 0, 1, 2  # source codes (`specchat.decode.fixed_engine.SOURCES`)
 
 
 class FixedTreeProposer:
@@ -56,10 +54,11 @@ class FixedTreeProposer:
         self.waiting: list[tuple[list[int], torch.Tensor]] = []  # prompt rows not yet fed (tokens, features)
         if lookup is not None:
             self.rates = LookupRates()
+            # per branch b: its tokens "b:j", then every branch's length "b", then its evidence "evidence b"
             self.chains = HostInputs(device, *(f"{b}:{j}" for b in range(LOOKUP_BRANCHES)
-                                               for j in range(self.lookup_tokens)), *map(str, range(LOOKUP_BRANCHES)))
+                                               for j in range(self.lookup_tokens)), *map(str, range(LOOKUP_BRANCHES)),
+                                     *(f"evidence {b}" for b in range(LOOKUP_BRANCHES)))
             self.accept = HostInputs(device, *map(str, range(LOOKUP_BRANCHES)), dtype=torch.float32)
-            self._evidence: list[int] = []
             self._lookup_seconds = 0.0
 
     def describe(self) -> str:
@@ -126,10 +125,9 @@ class FixedTreeProposer:
         if self.lookup is not None:
             started = time.perf_counter()
             found = self.lookup.matches(root, self.lookup_tokens, LOOKUP_BRANCHES)
-            self._evidence = [match.evidence for match in found]
             chains = {str(b): 0 for b in range(LOOKUP_BRANCHES)}
             for b, match in enumerate(found):
-                chains[str(b)] = len(match.tokens)
+                chains[str(b)], chains[f"evidence {b}"] = len(match.tokens), match.evidence
                 chains.update({f"{b}:{j}": token for j, token in enumerate(match.tokens)})
             self.chains.write(**chains)
             accept = {str(b): 1.0 for b in range(LOOKUP_BRANCHES)}  # 1: no chain (its log is 0, never NaN)
@@ -143,13 +141,8 @@ class FixedTreeProposer:
         self.pending = len(tokens)
         if self.lookup is not None:
             self.lookup.observe(tokens)
-            tree = cycle.tree
-            if tree.sources:
-                chains = tree.info.pop("lookup_chain")
-                tree.info["lookup_evidence"] = [self._evidence[c] if 0 <= c < len(self._evidence) else 0
-                                                for c in chains]
-                self.rates.learn(tree, tokens[1:])
-            tree.info["lookup_seconds"] = round(self._lookup_seconds, 6)
+            self.rates.learn(cycle)
+            cycle.tree.lookup_seconds = self._lookup_seconds
 
     # -- device side (captured) --------------------------------------------------------------------
 
@@ -160,8 +153,9 @@ class FixedTreeProposer:
             return select_fixed(table, self.nodes, self.depth)
         count = LOOKUP_BRANCHES * self.lookup_tokens
         chains = self.chains.device[:count].view(LOOKUP_BRANCHES, self.lookup_tokens)
-        return select_fixed(merge_lookup(table, chains, self.chains.device[count:], self.accept.device.log(),
-                                         self.head_depth), self.nodes, self.depth)
+        lengths, evidence = self.chains.device[count:].view(2, LOOKUP_BRANCHES)
+        return select_fixed(merge_lookup(table, chains, lengths, self.accept.device.log(), self.head_depth, evidence),
+                            self.nodes, self.depth)
 
     def _context_pass(self, root: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending positions through the head; the output that predicts the root's children,
@@ -221,19 +215,19 @@ def select_fixed(table: CandidateTable, keep: int, depth: int) -> FixedTree:
     parents = table.parents[chosen]
     mapped = torch.where(parents >= 0, position[parents.clamp(min=0)], -1)
     valid = table.scores[chosen].isfinite() & ((parents < 0) | (mapped >= 0))
-    sources = table.info.get("sources")
-    chains = table.info.get("chains")
+    hybrid = table.sources is not None
     return FixedTree(table.tokens[chosen], mapped, table.depths[chosen], valid, table.logps[chosen].exp(), depth,
-                     sources=None if sources is None else sources[chosen],
-                     chains=None if chains is None else chains[chosen])
+                     sources=table.sources[chosen] if hybrid else None,
+                     evidence=table.evidence[chosen] if hybrid else None)
 
 
 def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Tensor, log_accept: torch.Tensor,
-                 head_depth: int) -> CandidateTable:
+                 head_depth: int, evidence: torch.Tensor) -> CandidateTable:
     """The head's candidates joined by lookup chains [branches, L] (`lengths` of them real, each token
-    accepted with probability exp(`log_accept`) given its parent): `Candidates.add_chain` on the
-    device. A chain's prefix that some head node's path spells merges into it ("both", the better
-    score); the rest hangs below as lookup nodes. Along a chain the score is
+    accepted with probability exp(`log_accept`) given its parent, found with `evidence` tokens of
+    agreeing context): `Candidates.add_chain` on the device. A chain's prefix that some head node's
+    path spells merges into it (BOTH, the better score, the stronger evidence); the rest hangs below
+    as lookup nodes. Along a chain the score is
     s_j = max(head score of the node it merged with, s_{j-1} + log_accept), s_{-1} = 0."""
     device = chains.device
     branches, length = chains.shape
@@ -262,13 +256,13 @@ def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Ten
     reach = head_score[:, None, :] + steps[None] * log_accept[:, None, None]
     reach = reach.masked_fill(steps[None] < 0, float("-inf")).amax(-1)
     scores = torch.maximum(reach, (positions + 1).float()[None, :] * log_accept[:, None])  # [branches, L]
-    # The head nodes a chain merged with: the better score, "both", the chain's index.
+    # The head nodes a chain merged with: the better score, BOTH, the stronger evidence.
     target = torch.where(merged, merged_node, size).flatten()  # `size`: a slot that absorbs the rest
     head_scores = torch.cat([table.scores, table.scores.new_full((1,), float("-inf"))])
     head_scores = head_scores.scatter_reduce(0, target, scores.flatten(), "amax")[:size]
-    branch = torch.arange(branches, device=device)[:, None].expand(branches, length).flatten()
-    head_chains = torch.full((size + 1,), -1, device=device).scatter(0, target, branch)[:size]
-    head_sources = torch.where(head_chains >= 0, BOTH, HEAD)
+    chain_evidence = evidence[:, None].expand(branches, length).flatten()
+    head_evidence = torch.full((size + 1,), -1, device=device).scatter_reduce(0, target, chain_evidence, "amax")[:size]
+    head_sources = torch.where(head_evidence >= 0, int(Source.BOTH), int(Source.HEAD))
     # The chain positions that did not merge: new nodes, each under the one before (or its merge).
     new = real & ~merged
     flat = size + torch.arange(branches * length, device=device).view(branches, length)
@@ -281,6 +275,6 @@ def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Ten
         logps=torch.cat([table.logps, log_accept[:, None].expand(branches, length).flatten()]),
         scores=torch.cat([head_scores, scores.masked_fill(~new, float("-inf")).flatten()]),
         filled=size + branches * length,
-        info={"sources": torch.cat([head_sources, torch.full((branches * length,), LOOKUP, device=device)]),
-              "chains": torch.cat([head_chains, branch])},
+        sources=torch.cat([head_sources, torch.full((branches * length,), int(Source.LOOKUP), device=device)]),
+        evidence=torch.cat([head_evidence.clamp(min=0), chain_evidence]),
     )

@@ -25,7 +25,7 @@ from specchat.decode.calibrate import Curve
 from specchat.decode.engine import GenerationSettings
 from specchat.decode.hybrid import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust, LookupRates
 from specchat.decode.lookup import LookupSource
-from specchat.decode.tree import DraftTree
+from specchat.decode.tree import Cycle, DraftTree
 from specchat.decode.tree_shapes import DynamicTree, Growth, StaticTree
 
 
@@ -47,7 +47,6 @@ class TreeProposer:
         self.lookup, self.curve, self.lookup_tokens = lookup, curve, lookup_tokens
         self.rates = LookupRates()
         self.trust = HeadTrust()
-        self._last: tuple[int, DraftTree] | None = None  # the latest cycle's root and tree, to learn from
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = HeadCache()
         self.consumed = 0  # cache entries of committed context pairs
@@ -62,7 +61,6 @@ class TreeProposer:
     def rewind(self, length: int) -> int:
         if self.lookup is not None:
             self.lookup.rewind(length)
-        self._last = None
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
         if keep < self.consumed:
             self.consumed = keep
@@ -79,15 +77,14 @@ class TreeProposer:
         if self.lookup is not None:  # the acceptance rates stay: they describe the head and the model, not the text
             self.lookup.forget()
 
-    def observe(self, tokens: list[int], features: torch.Tensor) -> None:
+    def observe(self, tokens: list[int], features: torch.Tensor, cycle: Cycle | None = None) -> None:
         self.pending_tokens.extend(tokens)
         self.pending_features.append(features)
         if self.lookup is not None:
             self.lookup.observe(tokens)
-            if self._last is not None and tokens and tokens[0] == self._last[0]:
-                self.rates.learn(self._last[1], tokens[1:])
-                self.trust.learn(self._last[1], tokens[1:])
-            self._last = None
+            if cycle is not None:
+                self.rates.learn(cycle)
+                self.trust.learn(cycle)
 
     @torch.inference_mode()
     def propose(self, root: int, settings: GenerationSettings, rng, max_depth: int, max_nodes: int) -> DraftTree:
@@ -115,9 +112,7 @@ class TreeProposer:
         else:
             drafting_ms = 1000 * (time.perf_counter() - started)
             tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=heads_tree, head_trust=trust)
-        tree.info["lookup_seconds"] = round(lookup_seconds, 6)
-        tree.info["head_trust"] = round(trust, 3)
-        self._last = (root, tree)
+        tree.lookup_seconds, tree.head_trust = lookup_seconds, trust
         return tree
 
     def _context_pass(self, root: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from specchat.decode.calibrate import Curve
-from specchat.decode.tree import DraftTree
+from specchat.decode.tree import Cycle, DraftTree, Source
 from specchat.decode.tree_shapes import CandidateTable
 
 LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle
@@ -35,8 +35,8 @@ class Candidates:
     depths: list[int]
     probs: list[float]  # given the parent
     scores: list[float]
-    sources: list[str] = field(default_factory=list)  # empty: all the head's
-    info: dict = field(default_factory=dict)
+    sources: list[Source] = field(default_factory=list)  # empty: all the head's
+    info: dict = field(default_factory=dict)  # for the trace (`DraftTree.info`)
     evidence: list[int] = field(default_factory=list)  # per lookup node, its match's strength (else 0)
 
     @classmethod
@@ -50,7 +50,7 @@ class Candidates:
         """A lookup continuation from the root, each token accepted with probability `accept` given
         its parent; where the head proposed the same token under the same parent, the node is shared."""
         if not self.sources:
-            self.sources = ["head"] * len(self.tokens)
+            self.sources = [Source.HEAD] * len(self.tokens)
             self.evidence = [0] * len(self.tokens)
         child = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
         parent, score = -1, 0.0
@@ -60,11 +60,11 @@ class Candidates:
             if node is None:
                 node = len(self.tokens)
                 self.tokens.append(token), self.parents.append(parent), self.depths.append(depth)
-                self.probs.append(accept), self.scores.append(score), self.sources.append("lookup")
+                self.probs.append(accept), self.scores.append(score), self.sources.append(Source.LOOKUP)
                 self.evidence.append(evidence)
                 child[(parent, token)] = node
             else:
-                self.sources[node] = "both" if self.sources[node] == "head" else self.sources[node]
+                self.sources[node] = Source.BOTH if self.sources[node] == Source.HEAD else self.sources[node]
                 self.scores[node] = max(self.scores[node], score)
                 self.evidence[node] = max(self.evidence[node], evidence)
             parent, score = node, self.scores[node]
@@ -89,13 +89,13 @@ class Candidates:
         of the nodes' path probabilities, the head's alone scaled by `head_trust` <= 1) per
         millisecond of the cycle (drafting so far + verifying them all). `kept` must be a connected
         tree; the others join in rank order, so every node's parent is chosen before it."""
-        value = [math.exp(score) * (head_trust if source == "head" else 1.0)
-                 for score, source in zip(self.scores, self.sources or ["head"] * len(self.scores))]
+        value = [math.exp(score) * (head_trust if source == Source.HEAD else 1.0)
+                 for score, source in zip(self.scores, self.sources or [Source.HEAD] * len(self.scores))]
         kept = list(kept)[:max_nodes]
         taken = set(kept)
         # Rank order keeps every parent before its children: a child's path probability never exceeds
         # its parent's, a trust <= 1 scales a head node and its head parent alike, and a shared
-        # ("both") parent keeps its full value.
+        # (BOTH) parent keeps its full value.
         ranked = kept + [i for i in self._ranked(value) if i not in taken]
         ranked = ranked[: max(len(kept), min(max_nodes, curve.largest - 1))]
         expected = 1.0 + sum(value[node] for node in kept)
@@ -110,16 +110,14 @@ class Candidates:
     def _tree(self, chosen: list[int]) -> DraftTree:
         chosen = sorted(chosen, key=lambda i: (self.depths[i], -self.scores[i], i))  # parents first, siblings by score
         slot = {node: position for position, node in enumerate(chosen)}
-        info = dict(self.info)
-        if self.evidence:
-            info["lookup_evidence"] = [self.evidence[i] for i in chosen]
         return DraftTree(
             tokens=[int(self.tokens[i]) for i in chosen],
             parents=[slot[self.parents[i]] if self.parents[i] >= 0 else -1 for i in chosen],
             depths=[self.depths[i] for i in chosen],
             probs=[float(self.probs[i]) for i in chosen],
-            info=info,
+            info=dict(self.info),
             sources=[self.sources[i] for i in chosen] if self.sources else [],
+            lookup_evidence=[self.evidence[i] for i in chosen] if self.evidence else [],
         )
 
 
@@ -145,17 +143,17 @@ class LookupRates:
         accepted, offered = self.counts[self._bucket(evidence)]
         return min(0.99, max(0.01, accepted / offered))
 
-    def learn(self, tree: DraftTree, accepted_tokens: list[int]) -> None:
+    def learn(self, cycle: Cycle) -> None:
         """Count, at every node of the accepted path (the root first), which of its lookup children
         were accepted: one at most, the others (and all below the path's end) were not."""
+        tree, path = cycle.tree, cycle.accepted
         if not tree.sources:  # no lookup node this cycle
             return
-        children, evidence = tree.children(), tree.info.get("lookup_evidence", [])
-        path = tree.accepted_nodes(accepted_tokens)
+        children = tree.children()
         for node, taken in zip([-1] + path, path + [None]):
             for c in children[node + 1]:
-                if tree.sources[c] != "head":
-                    counts = self.counts[self._bucket(evidence[c])]
+                if tree.sources[c] != Source.HEAD:
+                    counts = self.counts[self._bucket(tree.lookup_evidence[c])]
                     counts[0] = counts[0] * self.DECAY + (c == taken)
                     counts[1] = counts[1] * self.DECAY + 1
 
@@ -180,15 +178,16 @@ class HeadTrust:
     def factor(self) -> float:
         return min(1.0, max(self.FLOOR, self.accepted / self.expected))
 
-    def learn(self, tree: DraftTree, accepted_tokens: list[int]) -> None:
+    def learn(self, cycle: Cycle) -> None:
         """One cycle: the head-only nodes' path probabilities against how many of them were accepted."""
-        sources = tree.sources or ["head"] * len(tree)
+        tree = cycle.tree
+        sources = tree.sources or [Source.HEAD] * len(tree)
         path: list[float] = []
         for parent, prob in zip(tree.parents, tree.probs):
             path.append(prob * (path[parent] if parent >= 0 else 1.0))
-        expected = sum(p for p, source in zip(path, sources) if source == "head")
+        expected = sum(p for p, source in zip(path, sources) if source == Source.HEAD)
         if expected <= 0:
             return
-        accepted = sum(sources[node] == "head" for node in tree.accepted_nodes(accepted_tokens))
+        accepted = sum(sources[node] == Source.HEAD for node in cycle.accepted)
         self.accepted = self.accepted * self.DECAY + accepted
         self.expected = self.expected * self.DECAY + expected

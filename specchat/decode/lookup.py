@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specchat.decode.tree import DraftTree
+from specchat.decode.tree import DraftTree, Source
 
 # transformers' prompt lookup defaults (prompt_lookup_num_tokens=10 tokens proposed,
 # max_matching_ngram_size=2), with trigrams first: longer keys find fewer, better matches.
@@ -152,10 +152,10 @@ class PromptLookupProposer:
     def forget(self) -> None:
         self.source.forget()
 
-    def observe(self, tokens: list[int], features) -> None:
+    def observe(self, tokens: list[int], features, cycle=None) -> None:
         self.source.observe(tokens)
 
     def propose(self, root: int, settings, rng, max_depth: int, max_nodes: int) -> DraftTree:
         """A chain (lookup needs neither the sampling settings nor the random stream: it is deterministic)."""
         found = self.source.matches(root, min(self.k, max_depth, max_nodes))
-        return DraftTree.chain(found[0].tokens if found else [], source="lookup")
+        return DraftTree.chain(found[0].tokens if found else [], source=Source.LOOKUP)

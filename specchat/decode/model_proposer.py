@@ -67,7 +67,7 @@ class DraftModelProposer:
         self._sync_cache()
         return len(self.context_ids)
 
-    def observe(self, tokens: list[int], features) -> None:
+    def observe(self, tokens: list[int], features, cycle=None) -> None:
         self.context_ids.extend(tokens)
         self._sync_cache()
 

@@ -11,6 +11,7 @@ Plain data, no tensors: the lookup drafter and the method registry use it before
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,6 +60,15 @@ def trim_static_tree(paths, nodes: int, accepted) -> tuple[tuple[int, ...], ...]
     return tuple(sorted(kept, key=lambda path: (len(path), path)))
 
 
+class Source(enum.IntEnum):
+    """What proposed a node of a hybrid tree: the draft head, a lookup continuation, or both (a lookup
+    chain that spelled a head node's path). The codes are the fixed envelope's too (`FixedTree.sources`)."""
+
+    HEAD = 0
+    LOOKUP = 1
+    BOTH = 2
+
+
 @dataclass
 class DraftTree:
     """Draft tokens arranged as a tree (a chain is a tree whose parents are i - 1).
@@ -70,8 +80,12 @@ class DraftTree:
         probs: the draft's probability of each node given its parent (no temperature).
         q: [n, vocab] distributions the tokens were *sampled* from (a draft model under
             sampling), or None for deterministic drafts (top-k, lookup).
-        info: method-specific facts for the trace (e.g. DEAGLE's stop depth and votes).
-        sources: per node, what proposed it: "head", "lookup" or "both" (empty: all one drafter's).
+        info: method-specific facts for the trace only (DEAGLE's stop depth and votes).
+        sources: per node, what proposed it (`Source`); empty: all one drafter's.
+        lookup_evidence: with `sources`, per node the strength of the lookup match that proposed
+            it (tokens of agreeing context; 0 for the head's own nodes).
+        lookup_seconds: the cycle's time spent finding lookup continuations.
+        head_trust: the hybrid drafter's trust in the head this cycle (`hybrid.HeadTrust`), if any.
     """
 
     tokens: list[int]
@@ -80,17 +94,21 @@ class DraftTree:
     probs: list[float]
     q: torch.Tensor | None = None
     info: dict = field(default_factory=dict)
-    sources: list[str] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
+    lookup_evidence: list[int] = field(default_factory=list)
+    lookup_seconds: float = 0.0
+    head_trust: float | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: list[float] | None = None, source: str | None = None) -> DraftTree:
+    def chain(cls, tokens: list[int], probs: list[float] | None = None, source: Source | None = None) -> DraftTree:
         """A chain: each token the child of the one before."""
         n = len(tokens)
         return cls(tokens=list(tokens), parents=list(range(-1, n - 1)), depths=list(range(1, n + 1)),
-                   probs=list(probs) if probs is not None else [1.0] * n, sources=[source] * n if source else [])
+                   probs=list(probs) if probs is not None else [1.0] * n,
+                   sources=[source] * n if source is not None else [])
 
     def children(self) -> list[list[int]]:
         """children()[0] are the root's children; children()[i + 1] are node i's; in stored order."""
@@ -98,16 +116,6 @@ class DraftTree:
         for node, parent in enumerate(self.parents):
             kids[parent + 1].append(node)
         return kids
-
-    def accepted_nodes(self, accepted_tokens: list[int]) -> list[int]:
-        """The nodes along the accepted path, root's child first, up to the first token not in the tree."""
-        children, path = self.children(), []
-        for token in accepted_tokens:
-            node = next((c for c in children[path[-1] + 1 if path else 0] if self.tokens[c] == token), None)
-            if node is None:
-                break
-            path.append(node)
-        return path
 
     def ancestors(self) -> list[list[int]]:
         """Per node, the indices of its ancestors (root to parent) and itself."""
@@ -131,9 +139,20 @@ class Cycle:
         return {
             "root": self.root, "tokens": self.tree.tokens, "parents": self.tree.parents,
             "probs": [round(p, 6) for p in self.tree.probs], "depths": self.tree.depths,
-            "accepted": self.accepted, "bonus": self.bonus, **({"sources": self.tree.sources} if self.tree.sources else {}),
-            **self.tree.info,
+            "accepted": self.accepted, "bonus": self.bonus, **self._lookup_record(), **self.tree.info,
         }
+
+    def _lookup_record(self) -> dict:
+        tree, record = self.tree, {}
+        if tree.sources:
+            record["sources"] = [source.name.lower() for source in tree.sources]
+            if tree.lookup_evidence:
+                record["lookup_evidence"] = tree.lookup_evidence
+        if tree.lookup_seconds:
+            record["lookup_seconds"] = round(tree.lookup_seconds, 6)
+        if tree.head_trust is not None:
+            record["head_trust"] = round(tree.head_trust, 3)
+        return record
 
 
 def parse_static_tree(spec: str) -> tuple[tuple[int, ...], ...]:

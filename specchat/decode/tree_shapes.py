@@ -22,7 +22,7 @@ The head's cache entries of a cycle's tree: every node a level feeds gets one, i
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -67,7 +67,9 @@ class CandidateTable:
     logps: torch.Tensor  # the draft's log-probability of the node given its parent
     scores: torch.Tensor  # of its whole path
     filled: int = 0  # nodes written; the rest are -inf
-    info: dict = field(default_factory=dict)  # what the trace should know (DEAGLE's votes)
+    vote: DepthVote | None = None  # DEAGLE's votes this cycle (for the trace)
+    sources: torch.Tensor | None = None  # hybrid tables: `Source` codes per node (`fixed_heads.merge_lookup`)
+    evidence: torch.Tensor | None = None  # with `sources`: the lookup match's strength per node (0: none)
 
     @classmethod
     def allocate(cls, size: int, device) -> CandidateTable:
@@ -301,13 +303,13 @@ class DeagleTree(DynamicTree):
             return vote.decide(level, growth.beam_scores[-1], level_scores, scores, torch.cat(growth.beam_scores), keep)
 
         table = self._grow(steps, root_hidden, max_depth, max_nodes, stop)
-        table.info["vote"] = vote
+        table.vote = vote
         return table
 
     def trace(self, table: CandidateTable) -> dict:
         """The cycle's depth and votes, for the trace (the host's drafter: reads the votes)."""
         k = self.params.top_k
-        history = table.info["vote"].history()
+        history = table.vote.history()
         drafted = (table.filled - k) // (k * k) + 1  # levels drafted
         info = {"stop_depth": drafted, "depth_votes": history}
         if len(history) == drafted:  # a vote after the last level drafted: it fired
