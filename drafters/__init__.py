@@ -12,7 +12,7 @@ A package of its own, importing torch, safetensors and the standard library only
 can read, test and reuse the heads without the chat tool around them (specchat is one user).
 
 Each architecture module declares its NAME, the KEYS its checkpoints hold, its published
-KEY_MAP, its CONFIG class, the LAYOUTS it is written in (`export_head`: the reference one, SGLang's,
+KEY_MAP, its CONFIG class, its HEAD class, the LAYOUTS it is written in (`export_head`: the reference one, SGLang's,
 vLLM's speculators one), `matches(keys)` and `load(...)`. A head folder holds `config.json` and
 `model.safetensors` (or shards with an index, or `pytorch_model.bin`, read with weights_only).
 The format is told from the checkpoint's keys, and loading is strict: a missing, unexpected or

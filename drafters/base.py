@@ -134,3 +134,7 @@ class DraftHead(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint of this head holds (a shared target embedding is left out)."""
         return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
+
+    def after_load(self) -> None:
+        """Called once `load_state_dict` has put the weights and buffers back: rebuild what is derived
+        from them (nothing by default)."""

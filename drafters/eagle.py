@@ -112,6 +112,7 @@ class EagleHead(DraftHead):
 
 
 CONFIG = EagleConfig  # the config.json fields of this format
+HEAD = EagleHead  # the head this format loads into
 
 
 def matches(keys: set[str]) -> bool:

@@ -193,6 +193,9 @@ class Eagle3Head(DraftHead):
         self.draft_to_target: torch.Tensor | None = None
         self.refresh_vocab_map()
 
+    def after_load(self) -> None:
+        self.refresh_vocab_map()
+
     def refresh_vocab_map(self) -> None:
         """Draft index i stands for target id i + d2t[i] (identity when the vocabularies are equal)."""
         if self.config.draft_vocab_size != self.config.vocab_size:
@@ -230,6 +233,7 @@ class Eagle3Head(DraftHead):
 
 
 CONFIG = Eagle3Config  # the config.json fields of this format
+HEAD = Eagle3Head  # the head this format loads into
 
 
 def matches(keys: set[str]) -> bool:

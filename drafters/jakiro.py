@@ -114,6 +114,7 @@ class JakiroHead(EagleHead):
 
 
 CONFIG = JakiroConfig  # the config.json fields of this format
+HEAD = JakiroHead  # the head this format loads into
 
 
 def matches(keys: set[str]) -> bool:

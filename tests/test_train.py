@@ -13,8 +13,9 @@ from specchat.train.unrolled import UnrolledKeys
 from drafters.cache import HeadCache
 from specchat.train.data import encode, read_conversations
 from specchat.train.features import extract
-from specchat.train.trainer import (TrainConfig, batch_loss, build_head, draft_vocabulary, evaluation_sums, host_batch,
-                                    to_device, train)
+from specchat.train.batches import host_batch, to_device
+from specchat.train.losses import batch_loss, evaluation_sums
+from specchat.train.trainer import TrainConfig, build_head, draft_vocabulary, train
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def test_batched_extraction_equals_one_sequence_at_a_time(target, store, tmp_pat
 
 def test_batched_training_time_test_equals_one_sequence_at_a_time(target, varied):
     """Rows of different lengths, padded into one flattened batch, see only their own row."""
-    from specchat.train.trainer import unrolled_outputs
+    from specchat.train.losses import unrolled_outputs
 
     head = random_head("eagle3", target, seed=3)
     ids = [0, 4, 7]
@@ -386,7 +387,7 @@ def test_the_simulated_tau_of_an_oracle_head_is_its_chain_length(bigram_dir, tmp
     draft is accepted, so tau is 1 + the number of chain steps that stay inside the answer."""
     from conftest import oracle_head
 
-    from specchat.train.trainer import evaluate
+    from specchat.train.losses import evaluate
 
     bigram = load_tiny_target(bigram_dir)
     sequences = []
@@ -396,8 +397,7 @@ def test_the_simulated_tau_of_an_oracle_head_is_its_chain_length(bigram_dir, tmp
         sequences.append((ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))))
     store = extract(tmp_path / "features", sequences, bigram, None)
     head = oracle_head(bigram)
-    config = TrainConfig(kind="eagle", eval_steps=3, batch_tokens=1000)
-    result = evaluate(head, store, [0, 1, 2], config, None, bigram.device, rows=2)
+    result = evaluate(head, store, [0, 1, 2], None, bigram.device, rows=2, steps=3, batch_tokens=1000)
     assert result["top1_by_step"] == [1.0, 1.0, 1.0]
     host = host_batch(store, [0, 1, 2], 3, False, None, False, evaluation=True)
     chain_lengths = sum(host.valid[0] & host.valid[1] & host.valid[2]) * 3 + \
@@ -411,11 +411,26 @@ def test_training_has_no_per_format_branches():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "specchat"
-    sources = [p.read_text() for p in (root / "train").glob("*.py")]
-    cli = (root / "cli.py").read_text()
-    sources.append(cli[cli.index('@cli.command(name="train")'):cli.index("def debug_wanted")])
+    sources = [p.read_text() for p in (root / "train").glob("*.py")] + [(root / "cli_train.py").read_text()]
     pattern = re.compile(r"kind\s*[!=]=|[!=]=\s*['\"](eagle3?|jakiro)['\"]|in \(['\"](eagle3?|jakiro)['\"]")
     assert not [m.group(0) for text in sources for m in pattern.finditer(text)]
+
+
+def test_the_train_command_and_its_options_agree():
+    """Every option of `specchat train` is a TrainOptions field with the field's default, and every field an option."""
+    import dataclasses
+
+    from specchat.cli import cli
+    from specchat.train.options import TrainOptions
+
+    params = {p.name: p for p in cli.commands["train"].params}
+    fields = {f.name: f for f in dataclasses.fields(TrainOptions)}
+    assert params.keys() == fields.keys()
+    for name, field in fields.items():
+        if field.default is dataclasses.MISSING:
+            assert params[name].required, name
+        else:
+            assert params[name].default == field.default, name
 
 
 def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, capsys):

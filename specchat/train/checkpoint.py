@@ -239,8 +239,7 @@ def restore(loaded: Loaded, head, optimizer, names: list[str], device: torch.dev
     if missing:
         raise ResumeError(f"the checkpoint lacks head weights {sorted(missing)[:3]}")
     head.load_state_dict(state, strict=False)
-    if hasattr(head, "refresh_vocab_map"):
-        head.refresh_vocab_map()
+    head.after_load()  # what the head derives from its loaded buffers (EAGLE-3's draft-to-target map)
     params = optimizer.param_groups[0]["params"]
     optimizer_state = {}
     adam_step = meta["optimizer"]["step"]

@@ -1,7 +1,10 @@
 """`specchat train` from files to a head folder: read, (regenerate,) encode, extract, train, save.
 
-Intermediate results live in a work folder (by default under the cache, keyed by the target and
-the data), so a second head for the same data reuses the regenerated answers and the features.
+`run` is the command's one entry point, once the target is loaded: it holds the policy (defaults
+by device, the work folder, --prepare-only, the training recipe's config, the exports) and says
+what it does through a `log` callback. Intermediate results live in a work folder (by default
+under the cache, keyed by the target and the data), so a second head for the same data reuses the
+regenerated answers and the features.
 """
 
 from __future__ import annotations
@@ -11,45 +14,106 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from specchat import __version__
+from specchat import exports as exporting
 from specchat.chat import ChatFormat
 from drafters import FORMATS, save_head
 from drafters.eagle3 import default_feature_layers
 from specchat.errors import UsageError
 from specchat.decode.machine import cache_dir, hardware
-from specchat.train import trainer
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, extract
 from specchat.train.datafolder import DataFolder
+from specchat.train.losses import RIGHT_WEIGHT
+from specchat.train.options import TrainOptions
 from specchat.train.prompts import prompt_record
-from specchat.train.regenerate import RegenerateOptions, regenerate
+from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
 from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, head_class, train
-
-DEFAULT_MAX_TOKENS = 2048  # EAGLE's max_len
-DEFAULT_HELD_OUT = 0.02
 
 
 @dataclass
 class PrepareOptions:
+    """What preparing the data takes (TrainOptions' part of it, with the device's defaults filled in)."""
+
     data: list[str]
-    regenerate: bool = False
-    regenerate_batch: int = 32
-    regenerate_max_tokens: int = 512
-    regenerate_temperature: float = 0.0
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    limit: int | None = None
-    held_out: float = DEFAULT_HELD_OUT
-    seed: int = 0
-    extract_tokens: int | None = None  # padded positions per target forward; None: by device
+    regenerate: bool
+    regenerate_batch: int
+    regenerate_max_tokens: int
+    regenerate_temperature: float
+    max_tokens: int
+    limit: int | None
+    held_out: float
+    seed: int
+    extract_tokens: int | None  # padded positions per target forward; None: by device
 
 
 class TrainError(UsageError, ValueError):
     """Training cannot start (no usable data, an incompatible work folder, ...)."""
+
+
+def run(target, options: TrainOptions, log: Callable[[str], None], progress) -> None:
+    """`specchat train` for a loaded `target`: prepare the data, train the head into `options.output`,
+    then export it; each step is said through `log`.
+
+    `progress()` opens the progress display (`specchat.ui.TrainingProgress`: a context manager with
+    `stage(description)` and `training(state, total_steps, loss, accuracy)`), open while the data is
+    prepared and the head trains, so that the closing lines come after it.
+    """
+    target.model.requires_grad_(False)
+    prepared = prepare_options(options, target.device)
+    work = Path(options.work_dir) if options.work_dir else default_work_dir(target.name, prepared)
+    log(f"work folder {work}")
+    with progress() as bars:
+        store, summary = prepare(target, prepared, work, need_aux=head_class(options.kind).reads_fused_features,
+                                 log=log, progress=bars.stage)
+        if options.prepare_only:
+            log(f"prepared {len(store)} sequences in {work}")
+            return
+        summary["held_out_fraction"] = options.held_out
+        shard = int(options.max_shard_mb * 2**20) if options.max_shard_mb else None
+        record = train_head(target, store, train_config(options), Path(options.output), summary, options.resume, log,
+                            bars.training, shard)
+    log(outcome(record, options.output))
+    if options.exports and record["finished"]:
+        for layout in options.exports:
+            exporting.export(options.output, layout, Path(options.output) / layout, max_shard_bytes=shard)
+            log(f"wrote {Path(options.output) / layout} ({layout} layout)")
+
+
+def prepare_options(options: TrainOptions, device: torch.device) -> PrepareOptions:
+    return PrepareOptions(
+        data=list(options.data_files), regenerate=options.regenerate,
+        regenerate_batch=options.regenerate_batch or batch_size_for(device),
+        regenerate_max_tokens=options.regenerate_max_tokens, regenerate_temperature=options.regenerate_temperature,
+        max_tokens=options.max_tokens, limit=options.limit, held_out=options.held_out, seed=options.seed,
+        extract_tokens=options.extract_tokens)
+
+
+def train_config(options: TrainOptions) -> TrainConfig:
+    return TrainConfig(kind=options.kind, learning_rate=options.lr, warmup_steps=options.warmup, epochs=options.epochs,
+                       max_steps=options.max_steps, batch_tokens=options.batch_tokens, batch_size=options.batch_size,
+                       ttt_steps=options.ttt_steps, draft_vocab=options.draft_vocab,
+                       intermediate_size=options.intermediate_size, eval_every=options.eval_every,
+                       checkpoint_every=options.checkpoint_every, checkpoint_precision=options.checkpoint_precision,
+                       max_minutes=options.max_minutes, seed=options.seed)
+
+
+def outcome(record: dict, output: str) -> str:
+    """The closing line: what `output` holds, after how much training, and how good it is."""
+    selected = record["selected"]
+    summary = f"{record['steps']} steps, {record['tokens_seen']:,} tokens"
+    if "tau" in selected:
+        summary += (f"; the head of step {selected['step']:,}: held-out top-1 by step {selected['top1_by_step']}, "
+                    f"simulated tau {selected['tau']:.3f}")
+    if not record["finished"]:
+        return f"unfinished: {output} holds the best head so far ({summary})"
+    return f"wrote {output} ({summary})"
 
 
 def default_work_dir(target_name: str, options: PrepareOptions) -> Path:
@@ -141,7 +205,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
     A run stopped by its time limit leaves its checkpoint for --resume and the best head so far.
     """
     device = target.device  # the one place the training device is decided: where the target is
-    train_ids, held_out = split(len(store), data_summary.get("held_out_fraction", DEFAULT_HELD_OUT), config.seed)
+    train_ids, held_out = split(len(store), data_summary.get("held_out_fraction", TrainOptions.held_out), config.seed)
     size = config.draft_vocab or PAPER_DRAFT_VOCAB
     vocab, coverage = (None, 1.0) if size >= target.vocab_size else draft_vocabulary(store, size, target.vocab_size)
     if vocab is not None:
@@ -236,6 +300,6 @@ def recipe_description(config: TrainConfig) -> dict:
               "feature_noise_uniform": cls.feature_noise, "step_loss_decay": cls.step_loss_decay,
               "unrolled_steps": steps, "paper_unrolled_steps": cls.paper_unrolled_steps}
     if cls.predicts_two_ahead:
-        recipe["right_weight"] = trainer.RIGHT_WEIGHT
-        recipe["loss"] += f" on the left output, + {trainer.RIGHT_WEIGHT:g} * the same on the right (two-ahead) output"
+        recipe["right_weight"] = RIGHT_WEIGHT
+        recipe["loss"] += f" on the left output, + {RIGHT_WEIGHT:g} * the same on the right (two-ahead) output"
     return recipe

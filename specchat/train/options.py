@@ -1,0 +1,56 @@
+"""What `specchat train` can be asked for, each default written once, here.
+
+Torch-free: the command line builds the train command's options from these fields (names and
+defaults) before anything heavy loads; `specchat.train.pipeline.run` carries them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The options of `specchat train`, named as its parameters; None: decided by the device or the target."""
+
+    kind: str  # head format: eagle | eagle3 | jakiro (drafters.FORMATS)
+    data_files: tuple[str, ...]
+    output: str  # the folder the head is written into
+    # The target, loaded as the profile says unless these say otherwise.
+    model: str | None = None
+    gguf_file: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    profile: str | None = None
+    # The data: regenerated answers and target features, kept in the work folder.
+    regenerate: bool = False
+    regenerate_batch: int | None = None  # None: by device (specchat.train.regenerate.batch_size_for)
+    regenerate_max_tokens: int = 512
+    regenerate_temperature: float = 0.0
+    max_tokens: int = 2048  # EAGLE's max_len
+    limit: int | None = None
+    extract_tokens: int | None = None  # padded positions per target forward; None: by device
+    held_out: float = 0.02
+    work_dir: str | None = None  # None: under the cache, keyed by the target and the data
+    prepare_only: bool = False
+    # The head and its training (specchat.train.trainer.TrainConfig).
+    draft_vocab: int | None = None  # None: 32000 (EAGLE-3's size)
+    intermediate_size: int | None = None  # None: the target's
+    ttt_steps: int | None = None  # None: the paper's (7 for eagle3, 1 for eagle/jakiro)
+    epochs: float = 2.0
+    max_steps: int | None = None
+    # The papers train 20-40 epochs over ~68k conversations with learning rates of 3e-5..9e-5 on
+    # schedules of 800k steps; CPU runs take a few thousand steps, so the rate is higher.
+    lr: float = 3e-4
+    warmup: int = 100
+    batch_tokens: int = 8192  # tokens per optimizer step (gradient accumulation over forward passes)
+    batch_size: int | None = None  # sequences per forward pass; None: 1 on a CPU, 8 on a GPU
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    checkpoint_precision: str = "auto"  # auto | exact | compact (see specchat.train.checkpoint)
+    max_minutes: float | None = None  # stop (with a checkpoint) after this much training time
+    resume: bool = False
+    seed: int = 0
+    # The result.
+    max_shard_mb: float | None = None
+    exports: tuple[str, ...] = ()  # layouts to export the finished head in (specchat.exports)
