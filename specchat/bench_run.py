@@ -25,7 +25,7 @@ from specchat.bench import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import check_output_folder, read_prompts
 from specchat.decode.machine import hardware
-from specchat.methods import METHODS, PLAIN, MethodError, default_draft
+from specchat.methods import METHODS, PLAIN, MethodError, effective_draft, needs_draft
 from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 
 
@@ -37,34 +37,19 @@ OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png",
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
               warmup: int, output_dir: str, interleave: bool = False) -> None:
     check_output_folder("--output", output_dir, inputs, OUTPUT_FILES)
-    variants = {label: parse_variant(label) for label in methods}
-    if PLAIN not in variants:  # speedups are relative to plain decoding measured in the same run
-        variants = {PLAIN: (PLAIN, {}), **variants}
-    methods = list(variants)
-    records = read_prompts(inputs)[: limit or None]
     # Runs repeat exactly: a run without --seed samples with seed 0.
     settings = dataclasses.replace(settings, method=PLAIN, seed=0 if settings.seed is None else settings.seed)
+    runs, skipped = method_settings(methods, draft_for, settings)
+    records = read_prompts(inputs)[: limit or None]
     checked = app.check(settings)
     console = Console(stderr=True)
     target, chat_format = app.load_chat_model(settings, checked)
     generation = app.generation_settings(settings, checked, chat_format)
-    load_model = app.model_loader(settings)
-    drafts, skipped = {}, {}
-    for method in methods:
-        name = variants[method][0]
-        wanted = METHODS[name].draft
-        # A --draft of the wrong kind for a method (a head for sps) fails to load and skips that method, said.
-        draft = (draft_for.get(method) or draft_for.get(name) or settings.draft or default_draft(name, settings.model)) \
-            if wanted else None
-        if wanted and not draft:
-            skipped[method] = f"needs a draft ({wanted}); give one with --draft-for {method}=PATH"
-        drafts[method] = draft
     for method, reason in skipped.items():
         console.print(f"skipping {method}: {reason}", style="yellow", markup=False, highlight=False, soft_wrap=True)
-    methods = [m for m in methods if m not in skipped]
-    turns_total = sum(len(r.turns) for r in records) * repeat * len(methods)
-    results, memory, meta = [], {}, {
-        "inputs": inputs, "questions": len(records), "methods": methods, "drafts": drafts, "skipped": skipped,
+    meta = {
+        "inputs": inputs, "questions": len(records), "methods": list(runs),
+        "drafts": {**{label: run.draft for label, run in runs.items()}, **dict.fromkeys(skipped)}, "skipped": skipped,
         "model": settings.model, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
         "runtime": target.runtime,
         "compile_seconds": round(target.compile_seconds, 2),  # at load, before any timed turn: not in tok/s
@@ -72,65 +57,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "warmup": warmup, "interleave": interleave, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
-    interrupted: BaseException | None = None  # the Ctrl-C or SIGTERM that stopped the runs
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("{task.fields[info]}"), console=console)
-
-    def open_runner(method: str):
-        """The method's runner (and what it loaded), or None with the reason said and recorded."""
-        name, overrides = variants[method]
-        try:
-            return _runner(dataclasses.replace(settings, method=name, draft=drafts[method], **overrides),
-                           target, chat_format, generation, load_model)
-        except SpecchatError as error:
-            console.print(f"skipping {method}: {error}", style="red", markup=False, highlight=False, soft_wrap=True)
-            skipped[method] = str(error)
-            return None
-
-    with progress:
-        task = progress.add_task("bench", total=turns_total, info="")
-
-        def on_turn(result):
-            speed = f"{result.tokens_per_s:.1f} tok/s"
-            progress.advance(task)
-            progress.update(task, description=result.method, info=speed)
-            if not console.is_terminal:  # a log file gets no live bar: one line per turn instead
-                console.print(f"{result.method} {progress.tasks[0].completed:.0f}/{turns_total}: question "
-                              f"{result.question} turn {result.turn + 1}, {result.new_tokens} tokens, "
-                              f"{speed}, τ {result.tau:.2f}", highlight=False, soft_wrap=True)
-
-        if interleave:  # every runner at once; peak memory is then not any one method's
-            opened = {method: open_runner(method) for method in methods}
-            runners = {method: pair[0] for method, pair in opened.items() if pair is not None}
-            try:
-                answers = bench.run_interleaved(runners, records, settings.system, repeat, warmup, on_turn)
-                results.extend(answers)  # consumed one by one: an interruption keeps what finished
-            except (KeyboardInterrupt, Terminated) as stop:
-                interrupted = stop
-            finally:
-                for runner in runners.values():
-                    runner.close()
-                del runners, opened
-                gc.collect()
-        else:
-            for method in methods:
-                opened = open_runner(method)
-                if opened is None:
-                    continue
-                runner, owned = opened
-                try:
-                    with PeakMemory(target.device) as peak:
-                        answers = bench.run_method(method, runner, records, settings.system, repeat, warmup, on_turn)
-                        results.extend(answers)  # consumed one by one: an interruption keeps what finished
-                except (KeyboardInterrupt, Terminated) as stop:
-                    interrupted = stop
-                finally:
-                    memory[method] = peak.peak
-                    runner.close()
-                    del runner, owned  # the method's drafter or assistant goes before the next one is measured
-                    gc.collect()
-                if interrupted is not None:
-                    break
+    measure = BenchRuns(runs, target, chat_format, generation, app.model_loader(settings), console, skipped)
+    results, memory, interrupted = measure.all(records, settings.system, repeat, warmup, interleave)
     meta["interrupted"] = interrupted is not None
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     meta["capture_seconds"] = round(target.capture_seconds, 2)  # CUDA graphs, at each shape's first steps: not in tok/s
@@ -141,6 +69,109 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     console.print(f"wrote {output_dir}/results.json, results.csv and {', '.join(p.name for p in written)}")
     if interrupted is not None:
         raise interrupted
+
+
+def method_settings(labels: list[str], draft_for: dict, settings: Settings) -> tuple[dict[str, Settings], dict[str, str]]:
+    """The settings of each method to run, by label (plain decoding first: speedups are relative to it,
+    measured in the same run), and the methods skipped for want of a draft, with why.
+
+    A label is a method with changes of its own (`parse_variant`); its draft is `--draft-for`'s, else
+    the one chat would use (`methods.effective_draft`: --draft, else the method's default). A --draft
+    of the wrong kind for a method (a head for sps) fails to load later and skips that method, said.
+    """
+    labels = labels if PLAIN in labels else [PLAIN, *labels]
+    runs, skipped = {}, {}
+    for label in labels:
+        name, changes = parse_variant(label)
+        run = dataclasses.replace(settings, method=name, **changes)
+        given = draft_for.get(label) or draft_for.get(name)
+        if given:
+            run = dataclasses.replace(run, draft=given)
+        wanted = needs_draft(name)
+        draft = effective_draft(run) if wanted else None
+        if wanted and not draft:
+            skipped[label] = f"needs a draft ({wanted}); give one with --draft-for {label}=PATH"
+            continue
+        runs[label] = dataclasses.replace(run, draft=draft)
+    return runs, skipped
+
+
+class BenchRuns:
+    """The measured runs of a bench: each method's turns over the questions, one method at a time
+    (its peak memory measured) or interleaved, with progress shown and Ctrl-C or SIGTERM stopping
+    the runs with what finished kept."""
+
+    def __init__(self, runs: dict[str, Settings], target, chat_format, generation, load_model, console: Console,
+                 skipped: dict[str, str]):
+        self.runs, self.target, self.chat_format = runs, target, chat_format
+        self.generation, self.load_model, self.console, self.skipped = generation, load_model, console, skipped
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console)
+        self.turns_total = 0
+
+    def all(self, records, system, repeat: int, warmup: int, interleave: bool):
+        """(results, peak memory by method, the Ctrl-C or SIGTERM that stopped the runs or None)."""
+        self.turns_total = sum(len(r.turns) for r in records) * repeat * len(self.runs)
+        with self.progress:
+            self.task = self.progress.add_task("bench", total=self.turns_total, info="")
+            if interleave:  # every runner at once; peak memory is then not any one method's
+                return self._interleaved(records, system, repeat, warmup)
+            return self._one_by_one(records, system, repeat, warmup)
+
+    def _interleaved(self, records, system, repeat, warmup):
+        results, interrupted = [], None
+        opened = {label: self._open(label) for label in self.runs}
+        runners = {label: pair[0] for label, pair in opened.items() if pair is not None}
+        try:
+            results.extend(bench.run_interleaved(runners, records, system, repeat, warmup, self._on_turn))
+        except (KeyboardInterrupt, Terminated) as stop:  # consumed one by one: what finished is kept
+            interrupted = stop
+        finally:
+            for runner in runners.values():
+                runner.close()
+            del runners, opened
+            gc.collect()
+        return results, {}, interrupted
+
+    def _one_by_one(self, records, system, repeat, warmup):
+        results, memory, interrupted = [], {}, None
+        for label in self.runs:
+            opened = self._open(label)
+            if opened is None:
+                continue
+            runner, owned = opened
+            try:
+                with PeakMemory(self.target.device) as peak:
+                    results.extend(bench.run_method(label, runner, records, system, repeat, warmup, self._on_turn))
+            except (KeyboardInterrupt, Terminated) as stop:  # consumed one by one: what finished is kept
+                interrupted = stop
+            finally:
+                memory[label] = peak.peak
+                runner.close()
+                del runner, owned  # the method's drafter or assistant goes before the next one is measured
+                gc.collect()
+            if interrupted is not None:
+                break
+        return results, memory, interrupted
+
+    def _open(self, label: str):
+        """The method's runner (and what it loaded), or None with the reason said and recorded."""
+        try:
+            return _runner(self.runs[label], self.target, self.chat_format, self.generation, self.load_model)
+        except SpecchatError as error:
+            self.console.print(f"skipping {label}: {error}", style="red", markup=False, highlight=False,
+                               soft_wrap=True)
+            self.skipped[label] = str(error)
+            return None
+
+    def _on_turn(self, result) -> None:
+        speed = f"{result.tokens_per_s:.1f} tok/s"
+        self.progress.advance(self.task)
+        self.progress.update(self.task, description=result.method, info=speed)
+        if not self.console.is_terminal:  # a log file gets no live bar: one line per turn instead
+            self.console.print(f"{result.method} {self.progress.tasks[0].completed:.0f}/{self.turns_total}: question "
+                               f"{result.question} turn {result.turn + 1}, {result.new_tokens} tokens, "
+                               f"{speed}, τ {result.tau:.2f}", highlight=False, soft_wrap=True)
 
 
 # Short headers for bench.TABLE_COLUMNS, so that a table fits an 80-column terminal or pipe; the

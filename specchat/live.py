@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.chat import ChatSession, Conversation, Turn, TurnEvent
-from specchat.decode.tree_shapes import DynamicTreeParams
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.fixed_engine import new_engine
 from specchat.errors import SpecchatError
@@ -198,7 +197,7 @@ class LiveChat:
 
         `reseed` restarts the random stream from the seed even if the seed did not change.
         """
-        generation = self._check(candidate)
+        generation = self._generation(candidate)
         if method_key(candidate) != method_key(self.settings):
             self._install_proposer(candidate)
         if reseed or candidate.seed != self.settings.seed:
@@ -208,17 +207,11 @@ class LiveChat:
         self.session.settings = generation
         self.settings = candidate
 
-    def _check(self, candidate: Settings) -> GenerationSettings:
-        """The generation settings `candidate` gives; LiveChatError if any value is out of range."""
-        if candidate.draft_tokens is not None and candidate.draft_tokens < 1:
-            raise LiveChatError(f"draft_tokens must be >= 1, got {candidate.draft_tokens}")
-        tree = {"total_tokens": candidate.total_tokens, "depth": candidate.depth, "top_k": candidate.tree_top_k}
-        try:
-            sampling = SamplingParams(candidate.temperature, candidate.top_p, candidate.top_k)
-            DynamicTreeParams(**{name: value for name, value in tree.items() if value is not None})  # only checks
-            return GenerationSettings(candidate.max_new_tokens, sampling, self.session.settings.stop_ids)
-        except ValueError as error:
-            raise LiveChatError(str(error)) from error
+    def _generation(self, candidate: Settings) -> GenerationSettings:
+        """The generation settings `candidate` gives (its values were checked where they were parsed,
+        `settings.parse_value`, so this cannot fail)."""
+        sampling = SamplingParams(candidate.temperature, candidate.top_p, candidate.top_k)
+        return GenerationSettings(candidate.max_new_tokens, sampling, self.session.settings.stop_ids)
 
     def _install_proposer(self, candidate: Settings) -> None:
         key = method_key(candidate)
@@ -252,7 +245,6 @@ class LiveChat:
         try:
             candidate = dataclasses.replace(self.settings, **{key: parse_value(key, saved[key])
                                                               for key in (*LIVE_KEYS, "system") if key in saved})
-            self._check(candidate)
         except LiveChatError as error:
             raise LiveChatError(f"{path}: {error}") from error
         if saved.get("model") not in (None, self.settings.model):

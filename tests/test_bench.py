@@ -257,3 +257,19 @@ def test_result_tables_are_readable_at_the_width_of_the_terminal_or_pipe(width):
     legend = " ".join(out.split())
     assert legend.count("×: speedup over vanilla") == 1
     assert "ties: differing answers that first differ at a near-tie" in legend
+
+
+def test_each_method_gets_its_draft_as_chat_would_unless_draft_for_says():
+    """bench's drafts: --draft-for by label or method, else `methods.effective_draft` (--draft, else the
+    method's default for the model); a variant may name its own draft; plain decoding always runs."""
+    from specchat.bench_run import method_settings
+    from specchat.settings import Settings
+
+    settings = Settings(model="some/model", draft="given-head")
+    runs, skipped = method_settings(["eagle2", "deagle+draft=variant-head", "sps", "pld"], {"sps": "small-model"},
+                                    settings)
+    assert list(runs) == ["vanilla", "eagle2", "deagle+draft=variant-head", "sps", "pld"]
+    assert [run.draft for run in runs.values()] == [None, "given-head", "variant-head", "small-model", None]
+    assert [run.method for run in runs.values()] == ["vanilla", "eagle2", "deagle", "sps", "pld"]
+    runs, skipped = method_settings(["eagle2"], {}, Settings(model="some/model"))  # no head for this model
+    assert list(runs) == ["vanilla"] and "--draft-for eagle2=PATH" in skipped["eagle2"]
