@@ -158,6 +158,16 @@ class Engine:
         del self.context_ids[length:]
         return length
 
+    def _keep_cached_prefix(self, prompt_ids: list[int]) -> int:
+        """Rewind to the longest prefix the cache shares with `prompt_ids`; return its length. At
+        least one prompt token is left to run through the target, for the next-token logits."""
+        shared = 0
+        for cached, new in zip(self.context_ids, prompt_ids):
+            if cached != new:
+                break
+            shared += 1
+        return self._rewind(min(shared, len(prompt_ids) - 1))
+
     def _sync(self) -> None:
         synchronize(self.target.device)
 
@@ -214,13 +224,7 @@ class Engine:
     def prefill(self, prompt_ids: list[int], settings: GenerationSettings, rng) -> StepResult:
         """Process the uncached part of the prompt and draw the first reply token."""
         start = time.perf_counter()
-        shared = 0
-        for cached, new in zip(self.context_ids, prompt_ids):
-            if cached != new:
-                break
-            shared += 1
-        # At least one prompt token must run through the target to give the next-token logits.
-        kept = self._rewind(min(shared, len(prompt_ids) - 1))
+        kept = self._keep_cached_prefix(prompt_ids)
         feature_layers = self.proposer.feature_layers if self.proposer else None
         for chunk_start in range(kept, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[chunk_start : chunk_start + PREFILL_CHUNK]

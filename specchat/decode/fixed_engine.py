@@ -99,12 +99,7 @@ class FixedEngine(Engine):
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], settings: GenerationSettings, rng) -> StepResult:
         start = time.perf_counter()
-        shared = 0
-        for cached, new in zip(self.context_ids, prompt_ids):
-            if cached != new:
-                break
-            shared += 1
-        kept = self._rewind(min(shared, len(prompt_ids) - 1))
+        kept = self._keep_cached_prefix(prompt_ids)
         feature_layers = self.proposer.feature_layers if self.proposer else None
         for chunk_start in range(kept, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[chunk_start : chunk_start + PREFILL_CHUNK]

@@ -27,7 +27,7 @@ from specchat.decode.envelope import MAX_TREE_ROWS, Envelope, FixedTree, HostInp
 from specchat.decode.hybrid import LOOKUP_BRANCHES, LOOKUP_TOKENS, LookupRates
 from specchat.decode.lookup import LookupSource
 from specchat.decode.tree import Cycle, Source
-from specchat.decode.tree_shapes import CandidateTable, DynamicTree, Growth, StaticTree
+from specchat.decode.tree_shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree
 from specchat.decode.verify import FixedAcceptance
 
 
@@ -173,11 +173,12 @@ class FixedTreeProposer:
         self.pending_tokens.copy_(torch.cat([root, tree.tokens[acceptance.path]]))
 
 
-class FixedSteps:
+class FixedSteps(HeadSteps):
     """The head's steps on the fixed envelope (`tree_shapes.HeadSteps`): a tree's entries go to
     fixed slots after the context pass's rows; DEAGLE's vote drops the levels after it."""
 
     def __init__(self, proposer: FixedTreeProposer, context_end: torch.Tensor, span: int):
+        super().__init__(proposer.head)
         self.proposer, self.context_end, self.span = proposer, context_end, span
 
     def feed(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, both: bool = False):
@@ -191,13 +192,6 @@ class FixedSteps:
         if both:
             return p.head.forward_both(hidden, tokens, positions, mask, window)
         return p.head(hidden, tokens, positions, mask, window), None
-
-    def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
-        return self.proposer.head.log_probs(outputs)
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        table = self.proposer.head.draft_to_target
-        return draft_ids if table is None else table[draft_ids]
 
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         growth.alive = ~fired if growth.alive is None else growth.alive & ~fired

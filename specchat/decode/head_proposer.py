@@ -26,7 +26,7 @@ from specchat.decode.engine import GenerationSettings
 from specchat.decode.hybrid import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust, LookupRates
 from specchat.decode.lookup import LookupSource
 from specchat.decode.tree import Cycle, DraftTree
-from specchat.decode.tree_shapes import DynamicTree, Growth, StaticTree
+from specchat.decode.tree_shapes import DynamicTree, Growth, HeadSteps, StaticTree
 
 
 class TreeProposer:
@@ -127,11 +127,12 @@ class TreeProposer:
         return out[-1]
 
 
-class HostSteps:
+class HostSteps(HeadSteps):
     """The head's steps for the host's drafter (`tree_shapes.HeadSteps`): a tree's entries are
     appended to the head's growing cache, in feeding order, and DEAGLE's vote is read and obeyed."""
 
     def __init__(self, proposer: TreeProposer):
+        super().__init__(proposer.head)
         self.proposer = proposer
 
     def feed(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, both: bool = False):
@@ -144,13 +145,6 @@ class HostSteps:
         if both:
             return p.head.forward_both(hidden, tokens, positions, mask, p.cache)
         return p.head(hidden, tokens, positions, mask, p.cache), None
-
-    def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
-        return self.proposer.head.log_probs(outputs)
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        table = self.proposer.head.draft_to_target
-        return draft_ids if table is None else table[draft_ids]
 
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         return bool(fired)

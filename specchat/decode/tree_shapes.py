@@ -22,8 +22,8 @@ The head's cache entries of a cycle's tree: every node a level feeds gets one, i
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -36,24 +36,33 @@ from specchat.decode.deagle import DeagleParams, DepthVote
 PAPER_TOTAL_TOKENS, PAPER_DEPTH, PAPER_TOP_K = 60, 6, 10
 
 
-class HeadSteps(Protocol):
-    """The draft head as a shape runs it (see the module docstring)."""
+class HeadSteps(ABC):
+    """The draft head as a shape runs it (see the module docstring). The host's drafter and the
+    fixed envelope's differ in where a node's cache entry goes and in how a vote stops drafting."""
 
+    def __init__(self, head: DraftHead):
+        self.head = head
+
+    @abstractmethod
     def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, first_entry: int,
              entries: torch.Tensor, both: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the head on m nodes of depth `level` (their parents' outputs `hidden` [m, H] and their
         tokens [m]); their entries are `first_entry` + row, `entries` [m, E] what each attends to.
         Returns the outputs [m, H] and, when `both`, the two-ahead outputs (Jakiro)."""
 
-    def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
-        """Draft log-probabilities [m, draft vocab] of the token after each output."""
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids as target ids."""
-
+    @abstractmethod
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         """DEAGLE voted (`fired`, a 0-d tensor): whether to stop drafting now (the host reads it);
         else the levels after it are dropped (`growth.alive`)."""
+
+    def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [m, draft vocab] of the token after each output."""
+        return self.head.log_probs(outputs)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids as target ids."""
+        table = self.head.draft_to_target
+        return draft_ids if table is None else table[draft_ids]
 
 
 @dataclass
