@@ -111,12 +111,21 @@ class DepthVote:
 
     def history(self) -> list[dict]:
         """Each depth's numbers and votes, for the trace (reads the tensors: the host's drafter only)."""
+        if not self._history:
+            return []
+        # One read of every depth's numbers (a read per value costs a device sync each on a GPU), gathered
+        # by tensor methods: this module imports no torch (the settings read its defaults before it loads).
+        first = self._history[0][1]
+        table = first.new_zeros((len(self._history), 6), dtype=first.double().dtype)
+        for row, (_, *values) in enumerate(self._history):
+            for column, value in enumerate(values):
+                table[row, column] = value
+        numbers = table.tolist()
         records = []
-        for depth, mass, ratio, expected, low_mass, saturated, momentum in self._history:
-            votes = [name for name, on in (("mass", low_mass), ("momentum", momentum), ("saturation", saturated))
-                     if bool(on)]
-            records.append({"depth": depth, "mass": round(float(mass), 4), "rho": round(float(ratio), 4),
-                            "expected": round(float(expected), 4), "votes": votes})
+        for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history, numbers):
+            votes = [name for name, on in (("mass", low_mass), ("momentum", momentum), ("saturation", saturated)) if on]
+            records.append({"depth": depth, "mass": round(mass, 4), "rho": round(ratio, 4),
+                            "expected": round(expected, 4), "votes": votes})
         return records
 
 

@@ -28,7 +28,7 @@ from specchat.errors import ContextLengthError
 from specchat.decode.machine import synchronize
 from specchat.decode.options import MAX_NEW_TOKENS
 from specchat.decode.sampling import SamplingParams, argmax, margins, sample, target_probs
-from specchat.decode.target import Target
+from specchat.decode.target import Target, TargetOutput
 from specchat.decode.tree import Cycle, DraftTree
 from specchat.decode.verify import accept, verify_inputs
 
@@ -225,17 +225,23 @@ class Engine:
         """Process the uncached part of the prompt and draw the first reply token."""
         start = time.perf_counter()
         kept = self._keep_cached_prefix(prompt_ids)
-        feature_layers = self.proposer.feature_layers if self.proposer else None
         for chunk_start in range(kept, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[chunk_start : chunk_start + PREFILL_CHUNK]
-            is_last = chunk_start + PREFILL_CHUNK >= len(prompt_ids)
-            out = self.target.forward(
-                torch.tensor([chunk], device=self.target.device), self.cache,
-                logits_for="last" if is_last else "none", feature_layers=feature_layers,
-            )
+            out = self._prefill_chunk(chunk, last=chunk_start + PREFILL_CHUNK >= len(prompt_ids))
             self.context_ids.extend(chunk)
             if self.proposer is not None:
                 self.proposer.observe(chunk, out.features)
+        return self._first_token(out, settings, rng, start)
+
+    def _prefill_chunk(self, chunk: list[int], last: bool) -> TargetOutput:
+        """One chunk of the prompt through the target, into the cache: its features (for the
+        proposer) and, for the `last` chunk, the logits of the token after it."""
+        feature_layers = self.proposer.feature_layers if self.proposer else None
+        return self.target.forward(torch.tensor([chunk], device=self.target.device), self.cache,
+                                   logits_for="last" if last else "none", feature_layers=feature_layers)
+
+    def _first_token(self, out: TargetOutput, settings: GenerationSettings, rng, start: float) -> StepResult:
+        """The prefill's step: the reply's first token, drawn from the last chunk's logits."""
         first = self._draw(out.logits[-1], settings.sampling, rng)
         self._sync()
         return StepResult(tokens=[first], drafted=[False], seconds=time.perf_counter() - start, prefill=True,
@@ -274,6 +280,7 @@ class Engine:
         self._sync()
         verified = time.perf_counter()
         acceptance = accept(tree, out.logits, settings.sampling, rng)
+        tree.q = None  # verified: the reply's record of this cycle need not hold [n, vocab] distributions
         # Compact: the root's and the accepted nodes' entries move down next to the committed prefix.
         keep = [0] + [node + 1 for node in acceptance.path]
         self.cache.compact(cached, torch.tensor(keep))

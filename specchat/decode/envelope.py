@@ -195,15 +195,16 @@ class FixedTree:
         return before & (self.parents[:, None] == self.parents[None, :])
 
 
-def verify_rows(tree: FixedTree, root: torch.Tensor, length: torch.Tensor, span: int):
+def verify_rows(tree: FixedTree, root: torch.Tensor, length: torch.Tensor, span: int, ancestors: torch.Tensor):
     """The target forward's inputs for verifying `tree` after `root` ([1]) at context `length`:
     ids, positions [1, n + 1], mask [1, 1, n + 1, span] and the cache slots [n + 1] they go to.
-    Row 0 is the root, row i + 1 node i (as `specchat.decode.verify.verify_inputs`)."""
+    Row 0 is the root, row i + 1 node i (as `specchat.decode.verify.verify_inputs`); `ancestors` is
+    `tree.ancestors()`."""
     n, device = len(tree), root.device
     ids = torch.cat([root, tree.tokens])[None]
     positions = (length + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths]))[None]
     block = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)
     block[:, 0].fill_(True)  # (assigning a Python value makes a host tensor of it first: not in a step)
-    block[1:, 1:] = tree.ancestors()
+    block[1:, 1:] = ancestors
     slots = length + torch.arange(n + 1, device=device)
     return ids, positions, window_mask(block, length, length, span), slots

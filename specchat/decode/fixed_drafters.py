@@ -12,7 +12,7 @@ import torch
 from specchat.decode.engine import PREFILL_CHUNK
 from specchat.decode.envelope import Envelope, FixedTree, HostInputs, causal_block, pick, window_mask
 from specchat.decode.model_proposer import DEFAULT_DRAFT_TOKENS
-from specchat.decode.sampling import draw_rows, target_probs
+from specchat.decode.sampling import sample_rows, target_probs
 from specchat.decode.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LookupSource
 from specchat.decode.tree import DraftTree
 from specchat.decode.verify import FixedAcceptance
@@ -50,7 +50,7 @@ class FixedLookupProposer:
     def start(self, root: torch.Tensor) -> None:
         pass
 
-    def prepare(self, root: int, length: int) -> int:
+    def prepare(self, root: int) -> int:
         found = self.source.matches(root, self.k)
         if not found:
             return 0
@@ -122,7 +122,7 @@ class FixedModelProposer:
             self.fed += len(chunk)
         self.last.fill_(self.context[-1])
 
-    def prepare(self, root: int, length: int) -> int:
+    def prepare(self, root: int) -> int:
         return self.envelope.rows_for(self.k + 1) - 1
 
     def draft(self, nodes: int, root: torch.Tensor, length: torch.Tensor, span: int, sampling, rng) -> FixedTree:
@@ -137,9 +137,12 @@ class FixedModelProposer:
             out = self.model.forward_at(ids[None], self.cache, positions=slots[None], slots=slots, span=span,
                                         mask=window_mask(block, at, at, span), logits_for=rows - 1)
             logits = self._vocabulary(out.logits.float())
-            token = draw_rows(logits, sampling, rng)
-            if not sampling.greedy:
-                qs.append(target_probs(logits, sampling)[0])
+            if sampling.greedy:  # `draw_rows`, with q computed once where it is kept
+                token = logits.argmax(-1)
+            else:
+                q_row = target_probs(logits, sampling)
+                token = sample_rows(q_row, rng)
+                qs.append(q_row[0])
             probs.append(torch.softmax(logits, -1)[0].gather(0, token)[0])
             tokens.append(token)
             ids = token
@@ -214,7 +217,7 @@ class ScriptedTree:
     def start(self, root) -> None:
         pass
 
-    def prepare(self, root: int, length: int) -> int:
+    def prepare(self, root: int) -> int:
         return self.nodes
 
     def draft(self, nodes: int, root: torch.Tensor, length: torch.Tensor, span: int, sampling, rng) -> FixedTree:

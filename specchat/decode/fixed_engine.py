@@ -21,12 +21,12 @@ from typing import Protocol
 
 import torch
 
-from specchat.decode.engine import PREFILL_CHUNK, Engine, GenerationSettings, Proposer, StepResult
+from specchat.decode.engine import Engine, GenerationSettings, Proposer, StepResult
 from specchat.decode.envelope import Envelope, FixedTree, HostInputs, causal_block, verify_rows, window_mask
 from specchat.decode.graphs import StepGraphs
 from specchat.decode.machine import synchronize
 from specchat.decode.sampling import SamplingParams, draw_rows, row_margins
-from specchat.decode.target import Target
+from specchat.decode.target import Target, TargetOutput
 from specchat.decode.tree import Cycle, DraftTree, Source
 from specchat.decode.verify import FixedAcceptance, accept_fixed
 
@@ -54,7 +54,7 @@ class FixedProposer(Protocol):
     def start(self, root: torch.Tensor) -> None:
         """A prefill drew `root` ([1], on the device): make ready for the first cycle (eagerly)."""
 
-    def prepare(self, root: int, length: int) -> int:
+    def prepare(self, root: int) -> int:
         """Before a cycle (host): the number of tree nodes it will draft, padding included (0:
         nothing to verify, a plain step instead; only a proposer that needs no features may say so)."""
 
@@ -82,7 +82,6 @@ class FixedEngine(Engine):
     def __init__(self, target: Target, proposer: FixedProposer | None = None, capture: bool | None = None):
         self.envelope: Envelope = target.envelope
         super().__init__(target, proposer)
-        self.max_context = min(target.max_context, self.envelope.max_context)
         device = target.device
         self.graphs = StepGraphs(device, capture=target.captures if capture is None else capture, ledger=target)
         self.inputs = HostInputs(device, "length", "limit")
@@ -96,18 +95,8 @@ class FixedEngine(Engine):
 
     # -- prefill ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], settings: GenerationSettings, rng) -> StepResult:
-        start = time.perf_counter()
-        kept = self._keep_cached_prefix(prompt_ids)
-        feature_layers = self.proposer.feature_layers if self.proposer else None
-        for chunk_start in range(kept, len(prompt_ids), PREFILL_CHUNK):
-            chunk = prompt_ids[chunk_start : chunk_start + PREFILL_CHUNK]
-            out = self._prefill_chunk(chunk, feature_layers)
-            self.cache.extend(len(chunk))
-            self.context_ids.extend(chunk)
-            if self.proposer is not None:
-                self.proposer.observe(chunk, None if out.features is None else out.features[: len(chunk)])
+    def _first_token(self, out: TargetOutput, settings: GenerationSettings, rng, start: float) -> StepResult:
+        """The reply's first token, drawn on the device into the root the first cycle starts from."""
         first = draw_rows(out.logits, settings.sampling, rng)
         self.root.copy_(first)
         token, margin = torch.cat([first.double(), row_margins(out.logits).double()]).tolist()
@@ -116,17 +105,21 @@ class FixedEngine(Engine):
         return StepResult(tokens=[int(token)], drafted=[False], seconds=time.perf_counter() - start, prefill=True,
                           margins=[margin])
 
-    def _prefill_chunk(self, chunk: list[int], feature_layers):
-        """One chunk of the prompt, padded to a bucket (eager: prefills are not captured)."""
+    def _prefill_chunk(self, chunk: list[int], last: bool) -> TargetOutput:
+        """One chunk of the prompt, padded to a bucket (eager: prefills are not captured); its
+        features are the chunk's rows; the `last` chunk's logits are those of the token after it."""
         length, device = len(self.context_ids), self.target.device
         rows = self.envelope.rows_for(len(chunk))
         span = self.envelope.span_for(length + rows)
         ids = torch.tensor([chunk + [0] * (rows - len(chunk))], device=device)
         at = torch.tensor(length, device=device)
         slots = at + torch.arange(rows, device=device)
-        return self.target.forward_at(ids, self.cache, positions=slots[None], slots=slots, span=span,
-                                      mask=window_mask(causal_block(rows, device), at, at, span),
-                                      logits_for=len(chunk) - 1, feature_layers=feature_layers)
+        out = self.target.forward_at(ids, self.cache, positions=slots[None], slots=slots, span=span,
+                                     mask=window_mask(causal_block(rows, device), at, at, span),
+                                     logits_for=len(chunk) - 1 if last else "none",
+                                     feature_layers=self.proposer.feature_layers if self.proposer else None)
+        self.cache.extend(len(chunk))
+        return TargetOutput(out.logits, None if out.features is None else out.features[: len(chunk)])
 
     # -- plain decoding ----------------------------------------------------------------------------
 
@@ -174,7 +167,7 @@ class FixedEngine(Engine):
     @torch.inference_mode()
     def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
         """Draft (on the device), verify, accept, compact, commit: two steps and one read."""
-        nodes = self.proposer.prepare(root, len(self.context_ids))
+        nodes = self.proposer.prepare(root)
         if nodes == 0:  # nothing to verify (no lookup match): a plain step
             step = self.decode_step(root, settings, rng)
             step.cycle = Cycle(root, DraftTree([], [], [], []), [], step.tokens[0])
@@ -220,10 +213,11 @@ class FixedEngine(Engine):
 
     def _verify(self, nodes: int, span: int, sampling: SamplingParams, rng) -> None:
         tree, length = self._trees[nodes, not sampling.greedy], self.inputs["length"]
-        ids, positions, mask, slots = verify_rows(tree, self.root, length, span)
+        ancestors = tree.ancestors()  # the mask's tree part, and each accepted node's path
+        ids, positions, mask, slots = verify_rows(tree, self.root, length, span, ancestors)
         out = self.target.forward_at(ids, self.cache, positions=positions, mask=mask, slots=slots, span=span,
                                      feature_layers=self.proposer.feature_layers)
-        acceptance = accept_fixed(tree, out.logits, sampling, rng, self.inputs["limit"])
+        acceptance = accept_fixed(tree, out.logits, sampling, rng, self.inputs["limit"], ancestors)
         kept = acceptance.kept_rows()
         self.cache.gather_rows(length, kept)
         self.proposer.commit(tree, acceptance, self.root, None if out.features is None else out.features[kept])
@@ -258,11 +252,12 @@ def unpack_cycle(record: list[float], root: int, nodes: int, depth: int) -> tupl
     tokens, parents, depths, valid, probs, sources, evidence = fields
     verified = [node for node in range(nodes) if valid[node]]
     position = {node: index for index, node in enumerate(verified)}
+    hybrid = any(sources)  # a node from a lookup: the tree's sources are recorded
     tree = DraftTree(tokens=[int(tokens[node]) for node in verified],
                      parents=[position[int(parents[node])] if parents[node] >= 0 else -1 for node in verified],
                      depths=[int(depths[node]) for node in verified], probs=[probs[node] for node in verified],
-                     sources=[Source(int(sources[node])) for node in verified] if any(sources) else [],
-                     lookup_evidence=[int(evidence[node]) for node in verified] if any(sources) else [])
+                     sources=[Source(int(sources[node])) for node in verified] if hybrid else [],
+                     lookup_evidence=[int(evidence[node]) for node in verified] if hybrid else [])
     return Cycle(root, tree, [position[node] for node in path], bonus), margins
 
 

@@ -120,7 +120,7 @@ class FixedTreeProposer:
                   self.cache.at(slots, span))
         self.consumed += count
 
-    def prepare(self, root: int, length: int) -> int:
+    def prepare(self, root: int) -> int:
         self.inputs.write(consumed=self.consumed, pending=self.pending)
         if self.lookup is not None:
             started = time.perf_counter()

@@ -67,10 +67,6 @@ class LayerKV:
     def length(self) -> int:
         return self.storage.length
 
-    @property
-    def capacity(self) -> int:
-        return self.storage.capacity
-
     def reserve(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.fixed_capacity is None or needed <= self.fixed_capacity, "a fixed cache does not grow"
         self.storage.reserve(self._shape, self._shape, needed)

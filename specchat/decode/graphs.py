@@ -103,7 +103,3 @@ class StepGraphs:
         self.pool = graph.pool()
         return graph
 
-    def describe(self) -> str:
-        if self.failure is not None:
-            return "fixed-shape steps, eager (capture failed)"
-        return f"fixed-shape steps, {len(self.graphs)} CUDA graphs" if self.capture else "fixed-shape steps, eager"

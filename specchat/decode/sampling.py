@@ -88,8 +88,7 @@ def margins(logits: torch.Tensor) -> list[float]:
     logits = logits.float()
     blocks = _blocks(logits)
     if blocks is None:
-        top = logits.topk(2, dim=-1).values
-        return (top[:, 0] - top[:, 1]).tolist()
+        return row_margins(logits).tolist()
     maxima = blocks.amax(-1)
     block = maxima.argmax(-1, keepdim=True)
     top = blocks[torch.arange(len(block)), block[:, 0]].topk(2, dim=-1).values  # best two in the best block

@@ -121,6 +121,7 @@ class Target:
         self.captures = fixed and self.device.type == "cuda"
         if self.envelope is not None:
             self.runtime += ", CUDA graphs" if self.captures else ", fixed-shape steps (eager)"
+            self.max_context = self.envelope.max_context  # its cache holds no more (GPU memory may bound it)
         self.compile_seconds = 0.0  # spent compiling at load (`warm_up`), reported apart from decoding
         self.capture_seconds = 0.0  # spent capturing steps as CUDA graphs (`specchat.decode.graphs`), likewise
 

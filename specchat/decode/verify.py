@@ -133,16 +133,17 @@ class FixedAcceptance:
         return torch.cat([self.path.new_zeros(1), self.path + 1])
 
 
-def accept_fixed(tree: FixedTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor
-                 ) -> FixedAcceptance:
+def accept_fixed(tree: FixedTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor,
+                 ancestors: torch.Tensor | None = None) -> FixedAcceptance:
     """`accept` on the device for a fixed tree: no host read, no shape that depends on the draft.
-    Nodes deeper than `limit` (a 0-d tensor) are never accepted."""
+    Nodes deeper than `limit` (a 0-d tensor) are never accepted. `ancestors`: `tree.ancestors()`,
+    if the caller has it already (the verify step's mask is made of it)."""
     if tree.q is not None:
         return accept_fixed_chain(tree, logits, sampling, rng, limit)
     drawn = draw_rows(logits, sampling, rng)  # the target's token at every row (module docstring)
     matched = tree.valid & (tree.depths <= limit) & (tree.tokens == drawn[tree.parents + 1])
     matched &= ~(tree.earlier_siblings() & matched[None, :]).any(-1)  # the first matching child only
-    ancestors = tree.ancestors()
+    ancestors = tree.ancestors() if ancestors is None else ancestors
     on_path = matched & ~(ancestors & ~matched[None, :]).any(-1)  # it and all its ancestors matched
     reached = torch.where(on_path, tree.depths, 0)
     count, last = reached.max(), reached.argmax()
