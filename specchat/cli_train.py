@@ -17,7 +17,7 @@ from specchat import settings as settings_mod
 from specchat.errors import UsageError
 from specchat.inputs import check_output_folder
 from specchat.methods import HEAD_FORMATS, HEAD_LAYOUTS
-from specchat.train.options import TrainOptions
+from specchat.train.options import DATA_TEMPERATURES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, TrainOptions
 from specchat.ui import TrainingProgress
 
 # What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
@@ -70,8 +70,8 @@ def data_prompts(folder, sources, sharegpt, max_turns):
               help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_NEW_TOKENS, show_default=True)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True,
               help="A conversation stops at the turn whose prompt would be longer.")
 @click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns answered per prompt.")
 @click.option("--part", default="1/1", show_default=True,
@@ -94,7 +94,7 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatur
     from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
 
     target = training_target(model, gguf_file, dtype, device, profile)
-    options = RegenerateOptions(temperatures=tuple(temperatures) or (0.0, 1.0),
+    options = RegenerateOptions(temperatures=tuple(temperatures) or DATA_TEMPERATURES,
                                 batch_size=batch or batch_size_for(target.device),
                                 max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                                 max_turns=max_turns, part=(int(index) - 1, int(count)),

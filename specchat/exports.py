@@ -14,6 +14,7 @@ from pathlib import Path
 import drafters
 from drafters.eagle3 import default_feature_layers
 from specchat.embedded import EMBEDDED_MODELS
+from specchat.hub import HUB_ID
 from specchat.sources import DraftHeadError, resolve_folder
 
 TRAINING_RECORD = "training.json"  # what `specchat train` writes beside a head
@@ -22,7 +23,12 @@ TRAINING_RECORD = "training.json"  # what `specchat train` writes beside a head
 def export(head: str, layout: str, output: str | Path, verifier: str | None = None, speculative_tokens: int = 5,
            max_shard_bytes: int | None = None) -> list[Path]:
     """The head `head` names, written into `output` in `layout`; returns the files written."""
-    folder = resolve_folder(head)
+    return export_folder(resolve_folder(head), layout, output, verifier, speculative_tokens, max_shard_bytes)
+
+
+def export_folder(folder: Path, layout: str, output: str | Path, verifier: str | None = None,
+                  speculative_tokens: int = 5, max_shard_bytes: int | None = None) -> list[Path]:
+    """The head in `folder` (a name is not looked up: `export`), written into `output` in `layout`."""
     target = training_record(folder).get("target") or {}
     layers = target.get("layers")
     try:
@@ -47,6 +53,6 @@ def hub_id(model: str | None) -> str | None:
     itself when it is a hub id (owner/name); None when it is neither (a local file or folder)."""
     if model in EMBEDDED_MODELS:
         return EMBEDDED_MODELS[model].hub_id
-    if model and model.count("/") == 1 and not Path(model).exists():
+    if model and HUB_ID.match(model) and not Path(model).exists():
         return model
     return None

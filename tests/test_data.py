@@ -96,6 +96,18 @@ def test_shards_are_closed_with_a_checksum_and_checked(tmp_path):
     assert any(s["file"] == damaged.name and "mismatch" in s["status"] for s in scan.shards)
 
 
+def test_a_scan_leaves_a_shard_that_is_being_written_alone(tmp_path):
+    """Another process's scan (`data status`, a second part) must not close a live writer's shard."""
+    folder = DataFolder(tmp_path)
+    record = {"key": "k1", "turn": 1, "temperature": 0.0, "messages": [{"role": "assistant", "content": "a"}]}
+    with folder.writer() as shard:
+        shard.write(record)
+        shard.flush()
+        assert folder.scan().answers == {} and shard.partial.is_file()
+        shard.write({**record, "key": "k2"})
+    assert set(folder.scan().answers) == {("k1", 0.0), ("k2", 0.0)}
+
+
 # --- regeneration ----------------------------------------------------------------------------------
 
 

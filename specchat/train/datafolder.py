@@ -3,7 +3,8 @@
     DATA/prompts.jsonl             the prompts (`specchat.train.prompts`)
     DATA/shards/NAME.jsonl         answers, one JSON record per line; NAME = host, process, start time, random
     DATA/shards/NAME.jsonl.sha256  written when a shard is closed: its sha256 and record count
-    DATA/shards/NAME.partial       a shard being written, or cut off (its whole lines are kept)
+    DATA/shards/NAME.partial       a shard being written (its writer holds a lock on it), or cut off
+                                   (no one does: a scan keeps its whole lines and closes it)
     DATA/manifest.json             rebuilt from the shards at every scan: which answers are done
 
 A record is one answered user turn: {"key", "turn", "temperature", "messages", "finish", "source"},
@@ -18,6 +19,7 @@ whole lines of a cut-off one (and closes it), and counts an answer given twice o
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -27,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specchat.inputs import file_lines
+from specchat.inputs import atomic_output, file_lines
 
 MANIFEST, PROMPTS, SHARDS = "manifest.json", "prompts.jsonl", "shards"
 GREEDY = 0.0
@@ -63,7 +65,8 @@ class DataFolder:
         """Check and read every shard (closing cut-off ones), and write the manifest."""
         self.shards.mkdir(parents=True, exist_ok=True)
         for partial in sorted(self.shards.glob("*.partial")):
-            _close(partial)
+            if not _written_now(partial):
+                _close(partial)
         scan = Scan()
         for shard in sorted(self.shards.glob("*.jsonl")):
             text = shard.read_bytes()
@@ -101,9 +104,8 @@ class DataFolder:
             entry["done"][key] = record["turn"]
         manifest = {"version": 1, "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "shards": scan.shards,
                     "duplicate_answers": scan.duplicates, "answers": done}
-        temporary = self.path / (MANIFEST + ".partial")
-        temporary.write_text(json.dumps(manifest, indent=1) + "\n")
-        temporary.replace(self.path / MANIFEST)
+        with atomic_output(str(self.path / MANIFEST)) as sink:  # scans in two processes do not collide
+            sink.write(json.dumps(manifest, indent=1) + "\n")
 
     def writer(self) -> ShardWriter:
         return ShardWriter(self.shards)
@@ -132,6 +134,7 @@ class ShardWriter:
         name = f"{socket.gethostname()}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self.partial = folder / f"{name}.partial"
         self.sink = open(self.partial, "a", encoding="utf-8")
+        fcntl.flock(self.sink, fcntl.LOCK_EX)  # while it is held, no scan closes the shard under us
         self.records = 0
 
     def write(self, record: dict) -> None:
@@ -142,14 +145,28 @@ class ShardWriter:
         self.sink.flush()
 
     def close(self) -> Path | None:
+        self.sink.flush()
+        shard = _close(self.partial)  # under its lock: no scan closes it too
         self.sink.close()
-        return _close(self.partial)
+        return shard
 
     def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _written_now(partial: Path) -> bool:
+    """Whether a live writer holds `partial` (the system drops a dead process's lock)."""
+    try:
+        with open(partial, "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the handle closes
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:  # its writer closed it meanwhile
+        return True
+    return False
 
 
 def _close(partial: Path) -> Path | None:

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Regenerated answers (`specchat data regenerate`, `train --regenerate`): the longest answer, the
+# longest prompt a conversation goes on to, and the temperatures `data regenerate` answers at.
+DEFAULT_MAX_NEW_TOKENS = 512
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+DATA_TEMPERATURES = (0.0, 1.0)
+
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -25,7 +31,7 @@ class TrainOptions:
     # The data: regenerated answers and target features, kept in the work folder.
     regenerate: bool = False
     regenerate_batch: int | None = None  # None: by device (specchat.train.regenerate.batch_size_for)
-    regenerate_max_tokens: int = 512
+    regenerate_max_tokens: int = DEFAULT_MAX_NEW_TOKENS
     regenerate_temperature: float = 0.0
     max_tokens: int = 2048  # EAGLE's max_len
     limit: int | None = None

