@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from specchat.chat import ChatFormat, ChatSession, resolve_template
 from specchat.decode.engine import GenerationSettings
 from specchat.decode.fixed_engine import new_engine
-from specchat.errors import UsageError
 from specchat.live import LiveChat
 from specchat.methods import MethodError, effective_draft, needs_draft
 from specchat import peers  # noqa: F401  (attaches the peers' builders to their methods)
@@ -45,13 +44,9 @@ class Checked:
 
 
 def check(settings: Settings) -> Checked:
-    """What can be checked before any model loads: sampling values, the method's draft, the template file."""
-    try:
-        sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
-    except ValueError as error:
-        raise UsageError(str(error)) from error
-    if settings.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}")
+    """What can be checked before any model loads: the method's draft, the template file (each value
+    was checked where it was parsed, `settings`)."""
+    sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
     wanted = needs_draft(settings.method)
     if wanted and not effective_draft(settings):
         raise MethodError(f"--method {settings.method} needs --draft: {wanted}")

@@ -82,19 +82,17 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
     session.conversation.messages.extend(record.history)
     turns = []
     for turn_index, prompt in enumerate(record.turns):
-        pieces, cycle_index = [], 0
         writer = ui.answer(session.chat_format.decoder() if settings.show_accept else None) if ui else None
         try:
             for event in chat.reply(prompt):
-                pieces.append(event.text)
                 if writer is not None:
                     writer.write(event)
                 if event.step.cycle is not None:
+                    cycle_index = len(event.turn.cycles) - 1
                     line = {"id": record.id, "turn": turn_index, "cycle": cycle_index, **event.step.cycle.record()}
                     if cycle_index == 0:
                         line["context_ids"] = event.turn.prompt_ids
                     trace.append(json.dumps(line) + "\n")
-                    cycle_index += 1
         except (SpecchatError, RuntimeError, ValueError) as error:  # this record only: the caches were rolled back
             reason = str(error) if isinstance(error, SpecchatError) else f"the answer failed: {type(error).__name__}: {error}"
             if ui is not None:
@@ -105,7 +103,7 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
                 writer.close()
         comparison = chat.compare_last_turn() if settings.compare else None
         stats = chat.last_turn.stats
-        turn = {"prompt": prompt, "response": "".join(pieces), **stats.record()}
+        turn = {"prompt": prompt, "response": chat.last_turn.text, **stats.record()}
         turns.append({**turn, **comparison.record()} if comparison else turn)
         if ui is not None:
             ui.end_answer()

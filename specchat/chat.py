@@ -201,7 +201,7 @@ class Turn:
     prompt_ids: list[int] = field(default_factory=list)  # the conversation the reply answered, as token ids
     generation: GenerationSettings | None = None
     rng_state: torch.Tensor | None = None  # the random stream's state when it began
-    text: str = ""
+    text: str = ""  # the whole reply, once it ends (the events carry it piece by piece)
     tokens: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # per token, the target's top-2 logit margin
     cycles: list[Cycle] = field(default_factory=list)  # its draft cycles (trees, what was accepted)
@@ -263,7 +263,6 @@ class ChatSession:
                 text = decoder.push(step.tokens)
                 if step.finish_reason:  # the last step also releases what the decoder held back
                     text += decoder.flush()
-                turn.text += text
                 yield TurnEvent(text=text, step=step, turn=turn)
             turn.finished = True
         finally:
