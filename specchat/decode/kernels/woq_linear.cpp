@@ -48,7 +48,8 @@
 
 #ifndef WOQ_ISA  // ================================ the shared part ================================
 
-#include <torch/extension.h>
+#include "woq_linear.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -226,10 +227,13 @@ MultiplyRows multiply_rows(const std::string& isa, int64_t bits) {
   return bits == 5 ? avx2::multiply_rows<5> : avx2::multiply_rows<4>;
 }
 
+}  // namespace
+
 // The caller (specchat/quantized.py) has checked that the CPU has `isa`'s instructions.
-torch::Tensor woq_linear(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
-                         const torch::Tensor& scale, const torch::Tensor& offset, const c10::optional<torch::Tensor>& bias,
-                         int64_t N, int64_t bits, const std::string& isa) {
+torch::Tensor specchat::woq_linear(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
+                                   const torch::Tensor& scale, const torch::Tensor& offset,
+                                   const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits,
+                                   const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x: contiguous bf16 or float32 [M, K]");
   TORCH_CHECK(x.size(1) % kGroup == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
@@ -241,11 +245,13 @@ torch::Tensor woq_linear(const torch::Tensor& x, const torch::Tensor& low, const
   return linear<at::BFloat16>(x, low, high, scale, offset, bias, N, bits, multiply);
 }
 
+namespace {
+
 // The operator's signature spells the ISA as a string_view; the pybind entry point takes a string.
 torch::Tensor woq_linear_op(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
                             const torch::Tensor& scale, const torch::Tensor& offset,
                             const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits, c10::string_view isa) {
-  return woq_linear(x, low, high, scale, offset, bias, N, bits, std::string(isa));
+  return specchat::woq_linear(x, low, high, scale, offset, bias, N, bits, std::string(isa));
 }
 
 }  // namespace
@@ -260,8 +266,9 @@ TORCH_LIBRARY(specchat, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("woq_linear", &woq_linear, "weight-only 4/5-bit quantized linear, int8 products, on one instruction set");
+  m.def("woq_linear", &specchat::woq_linear, "weight-only 4/5-bit quantized linear, int8 products, on one instruction set");
   m.def("isas", &isas, "the instruction sets this build has a path for, best first");
+  specchat::bind_decoder(m);  // decoder.cpp: the layers around these products, one call per forward
 }
 
 #else  // ====================== one instruction set: WOQ_ISA, compiled for WOQ_TARGET ======================
