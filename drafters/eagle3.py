@@ -163,8 +163,7 @@ class Eagle3Layer(DecoderLayer):
     def forward(self, embedded, hidden, cos, sin, mask, keys) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embedded), normed], dim=-1)
-        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, mask, keys)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.block(x, normed if self.norm_before_residual else hidden, cos, sin, mask, keys)
 
 
 class Eagle3Head(DraftHead):

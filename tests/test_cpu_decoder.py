@@ -90,3 +90,33 @@ def test_a_forward_over_several_tokens_gets_each_row_as_one_token_would(target):
     for index, token in enumerate(prompt):
         step = target.forward(torch.tensor([[token]]), cache, mask=causal_mask(index, 1, "cpu")).logits
         assert torch.equal(step[0], whole[index])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_quantized_head_s_layer_runs_in_one_call_and_computes_what_its_torch_code_does(target, kind):
+    """A draft step through `FusedBlock` against the layer's own torch code, on the head's growing
+    cache: a context pass and then tree nodes that see some of the entries before them."""
+    from conftest import random_head
+    from drafters.cache import HeadCache
+    from specchat.decode.quantized import quantize_linears
+
+    head = random_head(kind, target).to(target.dtype)
+    quantize_linears(head, 5)
+    cpu_decoder.fuse_head(head)
+    layer = head.midlayer if kind == "eagle3" else head.layers[0]
+    assert isinstance(layer.fast_block, cpu_decoder.FusedBlock)
+    features = torch.randn(6, 3 * 64 if kind == "eagle3" else 64, dtype=target.dtype)
+    tree_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)[None, None]
+
+    def steps(fused: bool):
+        kept, layer.fast_block = layer.fast_block, layer.fast_block if fused else None
+        try:
+            cache = HeadCache()
+            context = head(features, torch.arange(6) + 30, torch.arange(6), causal_mask(0, 6, "cpu"), cache)
+            tree = head(context[-2:], torch.tensor([50, 51]), torch.tensor([6, 6]), tree_mask, cache)
+            return torch.cat([context, tree])
+        finally:
+            layer.fast_block = kept
+
+    tolerance = dict(rtol=0.02, atol=0.02) if target.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps(True), steps(False), **tolerance)

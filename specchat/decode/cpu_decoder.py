@@ -1,5 +1,6 @@
 """specchat's forward in one C++ call per forward, for targets whose linear layers are specchat's
-quantized ones on a CPU (`--quantize int5|int4`, the default there).
+quantized ones on a CPU (`--quantize int5|int4`, the default there), and a draft head's layer in
+one call per draft step (`fuse_head`).
 
 Between its products a decoding step of the 0.5B spends about as long again in small torch calls
 (norms, rotary, the cache write, attention's steps, SwiGLU, residuals: ~40 per layer); the
@@ -14,8 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from drafters.cache import GrowingKV, HeadCache
+from drafters.layers import DecoderLayer
 from specchat.decode import woq_kernel
-from specchat.decode.quantized import GatedMLP, QuantizedLinear
+from specchat.decode.quantized import GatedMLP, QuantizedLinear, SharedProjection
 
 HEAD_SIZES = (16, 32, 64, 128)  # the attention loops decoder.cpp is compiled for
 MOST_HEADS_PER_KV_HEAD = 16
@@ -68,3 +71,53 @@ def _weight(norm: nn.Module) -> torch.Tensor:
 
 def _epsilon(norm: nn.Module) -> float:
     return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+
+
+class FusedBlock:
+    """A draft head's `DecoderLayer.block` in one call (its `fast_block`): attention over the head's
+    growing cache, residual, MLP. Other key stores (the fixed envelope's, training's) get the
+    layer's own torch code."""
+
+    def __init__(self, layer: DecoderLayer):
+        kernel, attention, mlp = woq_kernel.kernel(), layer.self_attn, layer.mlp
+        gate_up = QuantizedLinear.stacked([mlp.gate_proj, mlp.up_proj])
+        shape = kernel.Shape(attention.heads, attention.kv_heads, attention.head_dim,
+                             _epsilon(layer.post_attention_layernorm), attention.head_dim ** -0.5,
+                             woq_kernel.kernel_isa())
+        self.block = kernel.Block(shape, kernel.Layer(packed(attention.q_proj.stacked), packed(attention.o_proj),
+                                                       packed(gate_up), packed(mlp.down_proj),
+                                                       _weight(layer.post_attention_layernorm)))
+        # the shape of the layer's cache entries (GrowingKV.reserve takes it from a tensor)
+        self.entries = torch.empty((1, attention.kv_heads, 0, attention.head_dim),
+                                   dtype=layer.post_attention_layernorm.weight.dtype)
+
+    def __call__(self, layer: DecoderLayer, attention_input, residual, cos, sin, mask, keys) -> torch.Tensor:
+        if not isinstance(keys, HeadCache) or mask is None or mask.dtype != torch.bool:
+            return layer.torch_block(attention_input, residual, cos, sin, mask, keys)
+        m = attention_input.shape[1]
+        if not keys.layers:  # a head's one layer attends as layer 0 (`drafters.layers.Attention`)
+            keys.layers.append(GrowingKV())
+        store = keys.layers[0]
+        width = store.length + m  # the mask's columns: every position held, then the new ones
+        store.reserve(self.entries, self.entries, width)
+        key_buffer, value_buffer = store.buffers
+        out = self.block.forward(attention_input[0], residual[0], cos, sin, key_buffer[0], value_buffer[0], 0, width,
+                                 mask[0, 0].contiguous())
+        store.extend(m)
+        return out[None]
+
+
+def fuse_head(head: nn.Module) -> None:
+    """Give each of a head's decoder layers whose products are all specchat's quantized ones (their
+    q, k and v stacked, `quantized.share_projections`) a `FusedBlock`."""
+    for module in head.modules():
+        if isinstance(module, DecoderLayer) and _fusable(module):
+            module.fast_block = FusedBlock(module)
+
+
+def _fusable(layer: DecoderLayer) -> bool:
+    attention, mlp = layer.self_attn, layer.mlp
+    return (isinstance(attention.q_proj, SharedProjection) and isinstance(attention.o_proj, QuantizedLinear)
+            and all(isinstance(part, QuantizedLinear) for part in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            and attention.head_dim in HEAD_SIZES and attention.heads // attention.kv_heads <= MOST_HEADS_PER_KV_HEAD
+            and attention.o_proj.low.device.type == "cpu")

@@ -335,6 +335,29 @@ struct Decoder {
   }
 };
 
+// One layer on its own, from its attention input on (a draft head's layer: its prologue is the head's).
+struct Block {
+  Shape shape;
+  Layer layer;
+
+  // attention_input [m, A] and residual [m, H] at the positions cos/sin [m, d] give; the new keys and
+  // values go to keys/values [kv_heads, capacity, d] at prefix + width - m.., and row i sees [0, prefix)
+  // and the positions of [prefix, prefix + width) that block [m, width] marks (None: causally).
+  torch::Tensor forward(const torch::Tensor& attention_input, const torch::Tensor& residual, const torch::Tensor& cos,
+                        const torch::Tensor& sin, const torch::Tensor& keys, const torch::Tensor& values,
+                        int64_t prefix, int64_t width, const c10::optional<torch::Tensor>& block) const {
+    const int64_t m = attention_input.size(0);
+    TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() &&
+                keys.scalar_type() == attention_input.scalar_type(), "keys, values: [kv_heads, capacity, d]");
+    const Span span = span_of(prefix, width, block, m);
+    return dispatch(attention_input, shape.head_dim, [&](auto zero, auto dim) {
+      using T = decltype(zero);
+      return layer.step<T, decltype(dim)::value>(shape, attention_input.contiguous(), residual.contiguous(),
+                                                  cos.contiguous(), sin.contiguous(), keys, values, span);
+    });
+  }
+};
+
 }  // namespace
 
 void bind_decoder(pybind11::module& m) {
@@ -357,6 +380,11 @@ void bind_decoder(pybind11::module& m) {
            py::arg("layers"), py::arg("input_norms"), py::arg("final_norm"))
       .def("forward", &Decoder::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
            py::arg("values"), py::arg("prefix"), py::arg("block"), py::arg("features"),
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<Block>(m, "Block")
+      .def(py::init<Shape, Layer>(), py::arg("shape"), py::arg("layer"))
+      .def("forward", &Block::forward, py::arg("attention_input"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
+           py::arg("keys"), py::arg("values"), py::arg("prefix"), py::arg("width"), py::arg("block"),
            py::call_guard<py::gil_scoped_release>());
 }
 
