@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -173,6 +174,22 @@ struct Shape {
   std::string isa;
 };
 
+// Where a forward's time went, when asked (`specchat bench --profile`): the kernel's products and
+// attention, in seconds; the rest of a forward is what its caller's clock adds.
+struct Timings {
+  double products = 0.0, attention = 0.0;
+};
+
+// Runs `work`, adding its wall time to `*total` when timing (a null total: not timing).
+template <typename F>
+auto timed(double* total, const F& work) {
+  if (total == nullptr) return work();
+  const auto start = std::chrono::steady_clock::now();
+  auto result = work();
+  *total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
 // One Llama-family decoder layer from its attention input on: the norms before it are the caller's
 // (a target layer's input norm; a draft head's own prologue).
 struct Layer {
@@ -185,12 +202,13 @@ struct Layer {
   template <typename T, int D>
   torch::Tensor step(const Shape& shape, const torch::Tensor& attention_input, const torch::Tensor& residual,
                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
-                     const torch::Tensor& values, const Span& span) const {
+                     const torch::Tensor& values, const Span& span, Timings* timings) const {
+    double* products = timings ? &timings->products : nullptr;
     const int64_t n = attention_input.size(0), heads = shape.heads, kv_heads = shape.kv_heads, G = heads / kv_heads;
     const int64_t width = (heads + 2 * kv_heads) * D, capacity = keys.size(1), first = span.prefix + span.width - n;
     TORCH_CHECK(first >= 0 && span.prefix + span.width <= capacity, "new entries beyond the cache's room");
     TORCH_CHECK(G <= 16 && heads % kv_heads == 0, "at most 16 query heads per KV head");
-    torch::Tensor projected = qkv(attention_input, shape.isa);  // [n, (heads + 2 kv_heads) * D]
+    torch::Tensor projected = timed(products, [&] { return qkv(attention_input, shape.isa); });  // [n, (h + 2 kv) * D]
     T* rows = projected.data_ptr<T>();
     const T* cos_ptr = cos.data_ptr<T>();
     const T* sin_ptr = sin.data_ptr<T>();
@@ -210,21 +228,26 @@ struct Layer {
     }
     torch::Tensor attended = torch::empty({n, heads * D}, attention_input.options());
     T* attended_ptr = attended.data_ptr<T>();
-    at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<int64_t> marked;
-      std::vector<float> scores;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / kv_heads, g = task % kv_heads;
-        attend_group<T, D>(rows + i * width + g * G * D, G, key_ptr + g * capacity * D, value_ptr + g * capacity * D,
-                           span, i, n, shape.scaling, attended_ptr + (i * heads + g * G) * D, marked, scores);
-      }
-    });
-    torch::Tensor h = o(attended, shape.isa);
+    const auto attend_all = [&] {
+      at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> marked;
+        std::vector<float> scores;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t i = task / kv_heads, g = task % kv_heads;
+          attend_group<T, D>(rows + i * width + g * G * D, G, key_ptr + g * capacity * D,
+                             value_ptr + g * capacity * D, span, i, n, shape.scaling,
+                             attended_ptr + (i * heads + g * G) * D, marked, scores);
+        }
+      });
+      return 0;
+    };
+    timed(timings ? &timings->attention : nullptr, attend_all);
+    torch::Tensor h = timed(products, [&] { return o(attended, shape.isa); });
     add_into<T>(h, residual);
     const int64_t hidden = h.size(1);
     torch::Tensor normed = torch::empty_like(h);
     rms_norm(h.data_ptr<T>(), post_norm.data_ptr<T>(), normed.data_ptr<T>(), n, hidden, shape.eps);
-    torch::Tensor gated = gate_up(normed, shape.isa);  // [n, 2I]: gate, then up
+    torch::Tensor gated = timed(products, [&] { return gate_up(normed, shape.isa); });  // [n, 2I]: gate, then up
     const int64_t inner = gated.size(1) / 2;
     torch::Tensor act = torch::empty({n, inner}, h.options());
     const T* gate_ptr = gated.data_ptr<T>();
@@ -232,7 +255,7 @@ struct Layer {
     for_rows(n, inner, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) silu_times(gate_ptr + i * 2 * inner, act_ptr + i * inner, inner);
     });
-    torch::Tensor out = down(act, shape.isa);
+    torch::Tensor out = timed(products, [&] { return down(act, shape.isa); });
     add_into<T>(out, h);
     return out;
   }
@@ -298,6 +321,15 @@ struct Decoder {
   std::vector<Layer> layers;
   std::vector<torch::Tensor> input_norms;
   torch::Tensor final_norm;
+  bool profiling = false;  // time the products and attention of each forward (`take_timings`)
+  mutable Timings timings;
+
+  // The products' and attention's seconds since the last call.
+  std::pair<double, double> take_timings() const {
+    const Timings taken = timings;
+    timings = Timings{};
+    return {taken.products, taken.attention};
+  }
 
   // x [n, H] (the embedded tokens) at the positions cos/sin [n, d] give, on top of the cache keys/values
   // [layers, kv_heads, capacity, d], whose first `prefix` positions every row sees; the new rows'
@@ -323,7 +355,8 @@ struct Decoder {
       for (int64_t l = 0; l < count; ++l) {
         hidden[l] = x;  // (each step returns a new tensor: this one stays layer l's input)
         rms_norm(x.data_ptr<T>(), input_norms[l].data_ptr<T>(), normed.data_ptr<T>(), n, x.size(1), shape.eps);
-        x = layers[l].step<T, D>(shape, normed, x, cosines, sines, keys[l], values[l], span);
+        x = layers[l].step<T, D>(shape, normed, x, cosines, sines, keys[l], values[l], span,
+                                 profiling ? &timings : nullptr);
       }
       hidden[count] = torch::empty_like(x);
       rms_norm(x.data_ptr<T>(), final_norm.data_ptr<T>(), hidden[count].data_ptr<T>(), n, x.size(1), shape.eps);
@@ -353,7 +386,7 @@ struct Block {
     return dispatch(attention_input, shape.head_dim, [&](auto zero, auto dim) {
       using T = decltype(zero);
       return layer.step<T, decltype(dim)::value>(shape, attention_input.contiguous(), residual.contiguous(),
-                                                  cos.contiguous(), sin.contiguous(), keys, values, span);
+                                                  cos.contiguous(), sin.contiguous(), keys, values, span, nullptr);
     });
   }
 };
@@ -380,7 +413,9 @@ void bind_decoder(pybind11::module& m) {
            py::arg("layers"), py::arg("input_norms"), py::arg("final_norm"))
       .def("forward", &Decoder::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
            py::arg("values"), py::arg("prefix"), py::arg("block"), py::arg("features"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def_readwrite("profiling", &Decoder::profiling)
+      .def("take_timings", &Decoder::take_timings);
   py::class_<Block>(m, "Block")
       .def(py::init<Shape, Layer>(), py::arg("shape"), py::arg("layer"))
       .def("forward", &Block::forward, py::arg("attention_input"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
