@@ -295,7 +295,7 @@ class Engine:
         self.cache.compact(cached, torch.tensor(keep))
         committed = [root] + [tree.tokens[node] for node in acceptance.path]
         self.context_ids.extend(committed)
-        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus)
+        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus, forward_seconds=verified - forward_started)
         self.proposer.observe(committed, None if out.features is None else out.features[keep], cycle)
         self._sync()
         return StepResult(
