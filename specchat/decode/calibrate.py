@@ -37,9 +37,11 @@ from specchat.decode.options import KERNEL_BITS
 
 log = logging.getLogger(__name__)
 
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48)  # the small ones: where each token costs much (AVX2)
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the small ones: where each token costs much (AVX2)
 CONTEXT = 256  # tokens already cached while timing (a typical chat turn)
-REPEATS = 5
+# Rounds kept (the fastest of them): few, since it is timed on a user's first start and live
+# verify forwards correct it afterwards (`Curve.observe`); 3 rounds took 4 s on a 2-core Zen 3.
+REPEATS = 3
 # Expected tokens per cycle with a verified tree of n tokens, tau(n) = 1 + TAU_PER_DOUBLING * log2(n),
 # and drafting's cost per cycle as a share of one plain forward: both measured with the bundled
 # EAGLE-3 head under deagle on a 2-core AVX-512 CPU (tau 1.58 / 1.70 / 1.85 at 4 / 8 / 16 tokens,
@@ -47,8 +49,8 @@ REPEATS = 5
 TAU_PER_DOUBLING = 0.22
 DRAFT_SHARE = 1 / 3
 BUSY_SHARE = 0.15  # other processes' share of the CPU while measuring above which the curve is not kept
-# Live verify forwards (the median of the latest LIVE_WINDOW at one size, once LIVE_EVIDENCE are in)
-# below TOO_CHEAP or above TOO_DEAR times the curve rescale it.
+# Live verify forwards (the median ratio to the curve of the latest LIVE_WINDOW, once LIVE_EVIDENCE are
+# in) below TOO_CHEAP or above TOO_DEAR times the curve rescale it.
 LIVE_WINDOW, LIVE_EVIDENCE = 5, 3
 TOO_CHEAP, TOO_DEAR = 0.6, 1.6
 
@@ -59,20 +61,19 @@ class Curve:
     # Called with the curve when live forwards showed it too dear and it was rescaled (`cached_curve`
     # keeps the rescaled one); None: nowhere to keep it.
     on_rescaled: Callable[[Curve], None] | None = field(default=None, repr=False, compare=False)
-    live: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
+    live: list[float] = field(default_factory=list, repr=False, compare=False)  # latest live times / the curve's
 
     def observe(self, n: int, milliseconds: float) -> None:
         """A live forward of n tokens (a verify step) took `milliseconds`; a curve the latest ones
-        contradict is rescaled by their ratio to it (see the module docstring)."""
-        recent = self.live.setdefault(n, [])
-        recent.append(milliseconds)
-        del recent[:-LIVE_WINDOW]
-        if len(recent) < LIVE_EVIDENCE:
+        contradict is rescaled by their median ratio to it (see the module docstring)."""
+        self.live.append(milliseconds / self.cost(n))
+        del self.live[:-LIVE_WINDOW]
+        if len(self.live) < LIVE_EVIDENCE:
             return
-        ratio = statistics.median(recent) / self.cost(n)
+        ratio = statistics.median(self.live)
         if TOO_CHEAP <= ratio <= TOO_DEAR:
             return
-        log.debug(f"live verify forwards of {n} tokens take {ratio:.2f}x the cost curve's: rescaled")
+        log.debug(f"live verify forwards take {ratio:.2f}x the cost curve's: rescaled")
         self.milliseconds = {size: round(ms * ratio, 2) for size, ms in self.milliseconds.items()}
         self.live.clear()
         if ratio < TOO_CHEAP and self.on_rescaled is not None:

@@ -51,8 +51,8 @@ def unfused_reason(forward) -> str | None:
 def build(forward):
     """The extension's `Decoder` over `forward`'s layers (their tensors shared)."""
     kernel = woq_kernel.kernel()
-    shape = kernel.Shape(forward.heads, forward.kv_heads, forward.head_dim, _epsilon(forward.norm), forward.scaling,
-                         woq_kernel.kernel_isa())
+    shape = (forward.heads, forward.kv_heads, forward.head_dim, _epsilon(forward.norm), forward.scaling,
+             woq_kernel.kernel_isa())
     layers = []
     for layer, projections in zip(forward.layers, forward.projections):
         attention = layer.self_attn
@@ -61,7 +61,7 @@ def build(forward):
             packed(projections.stacked), packed(attention.o_proj), packed(layer.mlp.gate_up),
             packed(layer.mlp.down_proj), _weight(layer.post_attention_layernorm),
             _weight(attention.q_norm) if heads_normed else None, _weight(attention.k_norm) if heads_normed else None))
-    return kernel.Decoder(shape, layers, [_weight(layer.input_layernorm) for layer in forward.layers],
+    return kernel.Decoder(*shape, layers, [_weight(layer.input_layernorm) for layer in forward.layers],
                           _weight(forward.norm))
 
 
@@ -81,12 +81,12 @@ class FusedBlock:
     def __init__(self, layer: DecoderLayer):
         kernel, attention, mlp = woq_kernel.kernel(), layer.self_attn, layer.mlp
         gate_up = QuantizedLinear.stacked([mlp.gate_proj, mlp.up_proj])
-        shape = kernel.Shape(attention.heads, attention.kv_heads, attention.head_dim,
-                             _epsilon(layer.post_attention_layernorm), attention.head_dim ** -0.5,
-                             woq_kernel.kernel_isa())
-        self.block = kernel.Block(shape, kernel.Layer(packed(attention.q_proj.stacked), packed(attention.o_proj),
-                                                       packed(gate_up), packed(mlp.down_proj),
-                                                       _weight(layer.post_attention_layernorm)))
+        self.block = kernel.Block(attention.heads, attention.kv_heads, attention.head_dim,
+                                  _epsilon(layer.post_attention_layernorm), attention.head_dim ** -0.5,
+                                  woq_kernel.kernel_isa(),
+                                  kernel.Layer(packed(attention.q_proj.stacked), packed(attention.o_proj),
+                                               packed(gate_up), packed(mlp.down_proj),
+                                               _weight(layer.post_attention_layernorm), None, None))
         # the shape of the layer's cache entries (GrowingKV.reserve takes it from a tensor)
         self.entries = torch.empty((1, attention.kv_heads, 0, attention.head_dim),
                                    dtype=layer.post_attention_layernorm.weight.dtype)

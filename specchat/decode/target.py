@@ -199,7 +199,7 @@ class Target:
         """
         fused = self.own_forward.fused if self.own_forward is not None else None
         if fused is not None:
-            fused.profiling = self.profiling
+            fused.set_profiling(self.profiling)
         if self.own_forward is not None:
             final, parts = self.own_forward(input_ids, cache, positions, mask, tuple(feature_layers or ()))
         else:

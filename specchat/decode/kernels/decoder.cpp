@@ -22,8 +22,11 @@
 #include "woq_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
-#include <pybind11/stl.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
 
 #include <chrono>
 #include <cmath>
@@ -159,18 +162,23 @@ void attend_group(const T* q, int64_t G, const T* keys, const T* values, const S
 }
 
 // The quantized linear layers' packed weights (specchat/decode/quantized.py's QuantizedLinear).
-struct Linear {
-  torch::Tensor low, high, scale, offset;
-  c10::optional<torch::Tensor> bias;
+struct Linear : torch::CustomClassHolder {
+  at::Tensor low, high, scale, offset;
+  c10::optional<at::Tensor> bias;
   int64_t N, bits;
-  torch::Tensor operator()(const torch::Tensor& x, const std::string& isa) const {
+  Linear(at::Tensor low, at::Tensor high, at::Tensor scale, at::Tensor offset, c10::optional<at::Tensor> bias,
+         int64_t N, int64_t bits)
+      : low(std::move(low)), high(std::move(high)), scale(std::move(scale)), offset(std::move(offset)),
+        bias(std::move(bias)), N(N), bits(bits) {}
+  at::Tensor operator()(const at::Tensor& x, const std::string& isa) const {
     return woq_linear(x, low, high, scale, offset, bias, N, bits, isa);
   }
 };
 
+// The attention's shape and what every layer shares.
 struct Shape {
   int64_t heads, kv_heads, head_dim;
-  float eps, scaling;
+  double eps, scaling;
   std::string isa;
 };
 
@@ -192,23 +200,29 @@ auto timed(double* total, const F& work) {
 
 // One Llama-family decoder layer from its attention input on: the norms before it are the caller's
 // (a target layer's input norm; a draft head's own prologue).
-struct Layer {
-  Linear qkv, o, gate_up, down;  // q, k and v stacked; gate and up stacked
-  torch::Tensor post_norm;
-  c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: each head's query and key normed before rotating
+struct Layer : torch::CustomClassHolder {
+  c10::intrusive_ptr<Linear> qkv, o, gate_up, down;  // q, k and v stacked; gate and up stacked
+  at::Tensor post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3: each head's query and key normed before rotating
+
+  Layer(c10::intrusive_ptr<Linear> qkv, c10::intrusive_ptr<Linear> o, c10::intrusive_ptr<Linear> gate_up,
+        c10::intrusive_ptr<Linear> down, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+        c10::optional<at::Tensor> k_norm)
+      : qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)), down(std::move(down)),
+        post_norm(std::move(post_norm)), q_norm(std::move(q_norm)), k_norm(std::move(k_norm)) {}
 
   // residual + o(attention(qkv(attention_input))), then + down(act(gate) * up) of its norm: [n, H].
   // New keys and values go to positions prefix + width - n .. prefix + width of keys/values [kv_heads, capacity, d].
   template <typename T, int D>
-  torch::Tensor step(const Shape& shape, const torch::Tensor& attention_input, const torch::Tensor& residual,
-                     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
-                     const torch::Tensor& values, const Span& span, Timings* timings) const {
+  at::Tensor step(const Shape& shape, const at::Tensor& attention_input, const at::Tensor& residual,
+                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                     const at::Tensor& values, const Span& span, Timings* timings) const {
     double* products = timings ? &timings->products : nullptr;
     const int64_t n = attention_input.size(0), heads = shape.heads, kv_heads = shape.kv_heads, G = heads / kv_heads;
     const int64_t width = (heads + 2 * kv_heads) * D, capacity = keys.size(1), first = span.prefix + span.width - n;
     TORCH_CHECK(first >= 0 && span.prefix + span.width <= capacity, "new entries beyond the cache's room");
     TORCH_CHECK(G <= 16 && heads % kv_heads == 0, "at most 16 query heads per KV head");
-    torch::Tensor projected = timed(products, [&] { return qkv(attention_input, shape.isa); });  // [n, (h + 2 kv) * D]
+    at::Tensor projected = timed(products, [&] { return (*qkv)(attention_input, shape.isa); });  // [n, (h + 2 kv) * D]
     T* rows = projected.data_ptr<T>();
     const T* cos_ptr = cos.data_ptr<T>();
     const T* sin_ptr = sin.data_ptr<T>();
@@ -226,7 +240,7 @@ struct Layer {
         std::copy_n(row + (heads + kv_heads + g) * D, D, value_ptr + (g * capacity + first + i) * D);
       }
     }
-    torch::Tensor attended = torch::empty({n, heads * D}, attention_input.options());
+    at::Tensor attended = at::empty({n, heads * D}, attention_input.options());
     T* attended_ptr = attended.data_ptr<T>();
     const auto attend_all = [&] {
       at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -242,27 +256,27 @@ struct Layer {
       return 0;
     };
     timed(timings ? &timings->attention : nullptr, attend_all);
-    torch::Tensor h = timed(products, [&] { return o(attended, shape.isa); });
+    at::Tensor h = timed(products, [&] { return (*o)(attended, shape.isa); });
     add_into<T>(h, residual);
     const int64_t hidden = h.size(1);
-    torch::Tensor normed = torch::empty_like(h);
+    at::Tensor normed = at::empty_like(h);
     rms_norm(h.data_ptr<T>(), post_norm.data_ptr<T>(), normed.data_ptr<T>(), n, hidden, shape.eps);
-    torch::Tensor gated = timed(products, [&] { return gate_up(normed, shape.isa); });  // [n, 2I]: gate, then up
+    at::Tensor gated = timed(products, [&] { return (*gate_up)(normed, shape.isa); });  // [n, 2I]: gate, then up
     const int64_t inner = gated.size(1) / 2;
-    torch::Tensor act = torch::empty({n, inner}, h.options());
+    at::Tensor act = at::empty({n, inner}, h.options());
     const T* gate_ptr = gated.data_ptr<T>();
     T* act_ptr = act.data_ptr<T>();
     for_rows(n, inner, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) silu_times(gate_ptr + i * 2 * inner, act_ptr + i * inner, inner);
     });
-    torch::Tensor out = timed(products, [&] { return down(act, shape.isa); });
+    at::Tensor out = timed(products, [&] { return (*down)(act, shape.isa); });
     add_into<T>(out, h);
     return out;
   }
 
   // y += x, rounded to T (a residual sum).
   template <typename T>
-  static void add_into(torch::Tensor& y, const torch::Tensor& x) {
+  static void add_into(at::Tensor& y, const at::Tensor& x) {
     T* out = y.data_ptr<T>();
     const T* in = x.data_ptr<T>();
     for (int64_t k = 0, size = y.numel(); k < size; ++k) out[k] = narrow<T>(f32(out[k]) + f32(in[k]));
@@ -300,13 +314,13 @@ auto dispatch_head_size(int64_t head_dim, const F& body) {
 }
 
 template <typename F>
-auto dispatch(const torch::Tensor& x, int64_t head_dim, const F& body) {
+auto dispatch(const at::Tensor& x, int64_t head_dim, const F& body) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "activations: float32 or bf16");
   if (x.scalar_type() == at::kFloat) return dispatch_head_size<float>(head_dim, body);
   return dispatch_head_size<c10::BFloat16>(head_dim, body);
 }
 
-Span span_of(int64_t prefix, int64_t width, const c10::optional<torch::Tensor>& block, int64_t n) {
+Span span_of(int64_t prefix, int64_t width, const c10::optional<at::Tensor>& block, int64_t n) {
   if (block) {
     TORCH_CHECK(block->scalar_type() == at::kBool && block->is_contiguous() && block->dim() == 2 &&
                 block->size(0) == n && block->size(1) == width, "block: contiguous bool [n, width]");
@@ -316,16 +330,21 @@ Span span_of(int64_t prefix, int64_t width, const c10::optional<torch::Tensor>& 
 }
 
 // A whole decoder: the layers with their input norms, and the final norm.
-struct Decoder {
+struct Decoder : torch::CustomClassHolder {
   Shape shape;
-  std::vector<Layer> layers;
-  std::vector<torch::Tensor> input_norms;
-  torch::Tensor final_norm;
+  std::vector<c10::intrusive_ptr<Layer>> layers;
+  std::vector<at::Tensor> input_norms;
+  at::Tensor final_norm;
   bool profiling = false;  // time the products and attention of each forward (`take_timings`)
-  mutable Timings timings;
+  Timings timings;
+
+  Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
+          std::vector<c10::intrusive_ptr<Layer>> layers, std::vector<at::Tensor> input_norms, at::Tensor final_norm)
+      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, layers(std::move(layers)),
+        input_norms(std::move(input_norms)), final_norm(std::move(final_norm)) {}
 
   // The products' and attention's seconds since the last call.
-  std::pair<double, double> take_timings() const {
+  std::tuple<double, double> take_timings() {
     const Timings taken = timings;
     timings = Timings{};
     return {taken.products, taken.attention};
@@ -336,91 +355,83 @@ struct Decoder {
   // entries go to prefix .. prefix + n, and `block` [n, n] (None: causal) says which of them each row
   // sees. Returns the final normed state and the hidden states `features` names (i: layer i's input;
   // the number of layers: the final normed state).
-  std::pair<torch::Tensor, std::vector<torch::Tensor>> forward(
-      torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
-      const torch::Tensor& values, int64_t prefix, const c10::optional<torch::Tensor>& block,
-      const std::vector<int64_t>& features) const {
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                                          const at::Tensor& keys, const at::Tensor& values,
+                                                          int64_t prefix, const c10::optional<at::Tensor>& block,
+                                                          const std::vector<int64_t>& features) {
     const int64_t n = x.size(0), count = static_cast<int64_t>(layers.size());
     TORCH_CHECK(x.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == n, "x [n, H], cos and sin [n, d]");
     TORCH_CHECK(keys.dim() == 4 && keys.size(0) == count && keys.scalar_type() == x.scalar_type(),
                 "keys, values: [layers, kv_heads, capacity, d] in x's dtype");
     const Span span = span_of(prefix, n, block, n);
     x = x.contiguous();
-    std::vector<torch::Tensor> hidden(count + 1);
+    std::vector<at::Tensor> hidden(count + 1);
     dispatch(x, shape.head_dim, [&](auto zero, auto dim) {
       using T = decltype(zero);
       constexpr int D = decltype(dim)::value;
-      const torch::Tensor cosines = cos.contiguous(), sines = sin.contiguous();
-      torch::Tensor normed = torch::empty_like(x);
+      const at::Tensor cosines = cos.contiguous(), sines = sin.contiguous();
+      at::Tensor normed = at::empty_like(x);
       for (int64_t l = 0; l < count; ++l) {
         hidden[l] = x;  // (each step returns a new tensor: this one stays layer l's input)
         rms_norm(x.data_ptr<T>(), input_norms[l].data_ptr<T>(), normed.data_ptr<T>(), n, x.size(1), shape.eps);
-        x = layers[l].step<T, D>(shape, normed, x, cosines, sines, keys[l], values[l], span,
-                                 profiling ? &timings : nullptr);
+        x = layers[l]->step<T, D>(shape, normed, x, cosines, sines, keys[l], values[l], span,
+                                  profiling ? &timings : nullptr);
       }
-      hidden[count] = torch::empty_like(x);
+      hidden[count] = at::empty_like(x);
       rms_norm(x.data_ptr<T>(), final_norm.data_ptr<T>(), hidden[count].data_ptr<T>(), n, x.size(1), shape.eps);
       return 0;
     });
-    std::vector<torch::Tensor> taken;
+    std::vector<at::Tensor> taken;
     for (const int64_t index : features) taken.push_back(hidden.at(index));
     return {hidden[count], taken};
   }
 };
 
 // One layer on its own, from its attention input on (a draft head's layer: its prologue is the head's).
-struct Block {
+struct Block : torch::CustomClassHolder {
   Shape shape;
-  Layer layer;
+  c10::intrusive_ptr<Layer> layer;
+
+  Block(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
+        c10::intrusive_ptr<Layer> layer)
+      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, layer(std::move(layer)) {}
 
   // attention_input [m, A] and residual [m, H] at the positions cos/sin [m, d] give; the new keys and
   // values go to keys/values [kv_heads, capacity, d] at prefix + width - m.., and row i sees [0, prefix)
   // and the positions of [prefix, prefix + width) that block [m, width] marks (None: causally).
-  torch::Tensor forward(const torch::Tensor& attention_input, const torch::Tensor& residual, const torch::Tensor& cos,
-                        const torch::Tensor& sin, const torch::Tensor& keys, const torch::Tensor& values,
-                        int64_t prefix, int64_t width, const c10::optional<torch::Tensor>& block) const {
+  at::Tensor forward(const at::Tensor& attention_input, const at::Tensor& residual, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t prefix,
+                     int64_t width, const c10::optional<at::Tensor>& block) {
     const int64_t m = attention_input.size(0);
     TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() &&
                 keys.scalar_type() == attention_input.scalar_type(), "keys, values: [kv_heads, capacity, d]");
     const Span span = span_of(prefix, width, block, m);
     return dispatch(attention_input, shape.head_dim, [&](auto zero, auto dim) {
       using T = decltype(zero);
-      return layer.step<T, decltype(dim)::value>(shape, attention_input.contiguous(), residual.contiguous(),
-                                                  cos.contiguous(), sin.contiguous(), keys, values, span, nullptr);
+      return layer->step<T, decltype(dim)::value>(shape, attention_input.contiguous(), residual.contiguous(),
+                                                   cos.contiguous(), sin.contiguous(), keys, values, span, nullptr);
     });
   }
 };
 
 }  // namespace
 
-void bind_decoder(pybind11::module& m) {
-  namespace py = pybind11;
-  py::class_<Linear>(m, "Linear")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t,
-                    int64_t>(),
-           py::arg("low"), py::arg("high"), py::arg("scale"), py::arg("offset"), py::arg("bias"), py::arg("N"),
-           py::arg("bits"));
-  py::class_<Shape>(m, "Shape")
-      .def(py::init<int64_t, int64_t, int64_t, float, float, std::string>(), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("scaling"), py::arg("isa"));
-  py::class_<Layer>(m, "Layer")
-      .def(py::init<Linear, Linear, Linear, Linear, torch::Tensor, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>>(),
-           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"),
-           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
-  py::class_<Decoder>(m, "Decoder")
-      .def(py::init<Shape, std::vector<Layer>, std::vector<torch::Tensor>, torch::Tensor>(), py::arg("shape"),
-           py::arg("layers"), py::arg("input_norms"), py::arg("final_norm"))
-      .def("forward", &Decoder::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
-           py::arg("values"), py::arg("prefix"), py::arg("block"), py::arg("features"),
-           py::call_guard<py::gil_scoped_release>())
-      .def_readwrite("profiling", &Decoder::profiling)
+// The classes as torch.classes.specchat.* (specchat/decode/cpu_decoder.py builds them from a model's layers).
+TORCH_LIBRARY_FRAGMENT(specchat, m) {
+  m.class_<Linear>("Linear").def(
+      torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>());
+  m.class_<Layer>("Layer").def(
+      torch::init<c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>,
+                  c10::intrusive_ptr<Linear>, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>());
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, std::vector<c10::intrusive_ptr<Layer>>,
+                       std::vector<at::Tensor>, at::Tensor>())
+      .def("forward", &Decoder::forward)
+      .def("set_profiling", [](const c10::intrusive_ptr<Decoder>& self, bool on) { self->profiling = on; })
       .def("take_timings", &Decoder::take_timings);
-  py::class_<Block>(m, "Block")
-      .def(py::init<Shape, Layer>(), py::arg("shape"), py::arg("layer"))
-      .def("forward", &Block::forward, py::arg("attention_input"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
-           py::arg("keys"), py::arg("values"), py::arg("prefix"), py::arg("width"), py::arg("block"),
-           py::call_guard<py::gil_scoped_release>());
+  m.class_<Block>("Block")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, c10::intrusive_ptr<Layer>>())
+      .def("forward", &Block::forward);
 }
 
 }  // namespace specchat

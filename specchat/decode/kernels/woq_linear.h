@@ -1,19 +1,18 @@
-// What the quantized kernel (woq_linear.cpp) offers the rest of the extension: the product itself,
-// and the decoder layers written around it (decoder.cpp), bound into the same Python module.
+// What the quantized kernel (woq_linear.cpp) offers the rest of the extension (decoder.cpp, the
+// layers written around it). Only ATen's core headers: torch/extension.h (the whole C++ frontend
+// and pybind11) takes 55 s to compile on a 2-core Zen 3, these ~10 s, and the extension is compiled
+// on a user's first start (its classes and functions reach Python through torch.ops and torch.classes).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 
 namespace specchat {
 
 // y = x @ dequant(W).T (+ bias) for x [M, K] bf16 or float32, on the instruction set `isa`.
-torch::Tensor woq_linear(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
-                         const torch::Tensor& scale, const torch::Tensor& offset, const c10::optional<torch::Tensor>& bias,
-                         int64_t N, int64_t bits, const std::string& isa);
-
-// decoder.cpp's classes, added to the module woq_linear.cpp defines.
-void bind_decoder(pybind11::module& m);
+at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scale,
+                      const at::Tensor& offset, const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits,
+                      const std::string& isa);
 
 }  // namespace specchat
