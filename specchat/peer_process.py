@@ -25,12 +25,11 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from specchat.chat import ChatFormat, Conversation, Turn
+from specchat.chat import ChatFormat, Turn
 from specchat.decode.engine import GenerationSettings
 from specchat.decode.machine import cache_dir
 from specchat.errors import SpecchatError
-from specchat.inputs import PromptRecord
-from specchat.peers import PeerUnavailable
+from specchat.peers import ConversationRunner, PeerUnavailable
 from specchat.stats import Stats
 
 WORKER = Path(__file__).with_name("peer_worker.py")
@@ -131,20 +130,16 @@ class Worker:
                 self.process.wait()
 
 
-class WorkerRunner:
-    """A bench runner (the interface of `specchat.bench.SessionRunner`) answering through a worker."""
+class WorkerRunner(ConversationRunner):
+    """A bench runner answering through a worker."""
 
     def __init__(self, worker: Worker, chat_format: ChatFormat, settings: GenerationSettings, seed: int | None):
+        super().__init__()
         self.worker, self.chat_format, self.settings = worker, chat_format, settings
         self.seed = 0 if seed is None else seed
-        self.conversation: Conversation | None = None
 
     def close(self) -> None:
         self.worker.close()
-
-    def start(self, record: PromptRecord, system: str | None) -> None:
-        self.conversation = Conversation(system=record.system if record.system is not None else system)
-        self.conversation.messages.extend(record.history)
 
     def turn(self, prompt: str) -> Turn:
         self.conversation.add_user(prompt)
@@ -153,12 +148,6 @@ class WorkerRunner:
             "op": "generate", "prompt": self.chat_format.prompt_ids(self.conversation),
             "max_new_tokens": self.settings.max_new_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": self.seed, "stop": sorted(self.settings.stop_ids)})
-        tokens = reply["tokens"]
-        decoder = self.chat_format.decoder()
-        decoder.push(tokens)
-        decoder.flush()
-        self.conversation.add_assistant(decoder.text)
-        stats = Stats(new_tokens=len(tokens), seconds=reply["seconds"], prefill_seconds=reply["first_token_seconds"],
-                      target_forwards=reply["forwards"], draft_tokens=reply["draft_tokens"],
-                      accepted_tokens=reply["accepted_tokens"])
-        return Turn(text=decoder.text, tokens=tokens, stats=stats, finished=True)
+        return self.answered(reply["tokens"], Stats(
+            new_tokens=len(reply["tokens"]), seconds=reply["seconds"], prefill_seconds=reply["first_token_seconds"],
+            target_forwards=reply["forwards"], draft_tokens=reply["draft_tokens"], accepted_tokens=reply["accepted_tokens"]))

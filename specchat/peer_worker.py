@@ -6,7 +6,8 @@ environment of their own) and talks to it in JSON lines: one request per line on
 input, one reply per line on its standard output, in order.
 
     {"op": "load", "runtime": "OpenVINO GenAI" | "vLLM", "model": DIR, "draft": DIR | null,
-     "lookup": bool, "draft_tokens": K, "threads": N, "max_context": N}
+     "lookup": N (prompt lookup of n-grams up to N; 0: none), "draft_tokens": K, "threads": N,
+     "max_context": N, "eager": bool (vLLM: no torch.compile warm-up, minutes on 2 cores)}
       -> {"ok": true, "about": {what runs: versions, precision, ...}}
     {"op": "generate", "prompt": [token ids], "max_new_tokens": N, "temperature": T, "top_p": P,
      "top_k": K, "seed": S, "stop": [token ids]}
@@ -17,8 +18,8 @@ input, one reply per line on its standard output, in order.
 `tokens` end with the stop token where one ended the answer, as specchat's own runs count them;
 `seconds` is the generation's wall time and `first_token_seconds` the time to its first token (the
 prefill). `forwards`: the target's forwards (the prefill, then one per plain or speculative
-step), `draft_tokens` the draft tokens they verified, `accepted_tokens` those accepted (0 without
-speculation).
+step), `draft_tokens` the draft tokens they verified (0 where the runtime does not count them:
+OpenVINO's prompt lookup), `accepted_tokens` those accepted (0 without speculation).
 Temperature 0 is greedy. The runtimes' own output (logs, progress bars) goes to standard error,
 so that standard output carries the protocol alone.
 """
@@ -50,11 +51,12 @@ class OpenVINO:
             extra["draft_model"] = openvino_genai.draft_model(request["draft"], device, **self.properties)
         if request.get("lookup"):
             extra["prompt_lookup"] = True
+        self.lookup_ngram = request.get("lookup") or 0  # the longest n-gram it matches
         self.speculative = bool(extra)
         self.draft_tokens = request.get("draft_tokens") or 0
         self.pipe = openvino_genai.LLMPipeline(request["model"], device, **self.properties, **extra)
         self.about = {"runtime": "OpenVINO GenAI", "version": openvino_genai.__version__,
-                      "inference_precision": str(precision), "threads": request["threads"]}
+                      "inference_precision": precision.get_type_name(), "threads": request["threads"]}
 
     def generate(self, request: dict) -> dict:
         import numpy
@@ -72,21 +74,21 @@ class OpenVINO:
             config.rng_seed = request["seed"]
         if self.speculative:
             config.num_assistant_tokens = self.draft_tokens
-        clock = FirstToken()
-
-        def streamer(token):  # the callback form: the new text of each step (the first marks the prefill)
-            clock.tick()
-            return self.genai.StreamingStatus.RUNNING
-
-        prompt = self.openvino.Tensor(numpy.array([request["prompt"]], dtype=numpy.int64))
-        result = self.pipe.generate(prompt, config, streamer)
-        seconds = time.perf_counter() - clock.start
+        if self.lookup_ngram:
+            config.max_ngram_size = self.lookup_ngram
+        start = time.perf_counter()
+        # No streamer (its EAGLE-3 path streams greedy decoding only): the time to the first token is its own metric.
+        result = self.pipe.generate(self.openvino.Tensor(numpy.array([request["prompt"]], dtype=numpy.int64)), config)
+        seconds = time.perf_counter() - start
         tokens = [int(t) for t in result.tokens[0]]
-        accepted = int(result.extended_perf_metrics.get_num_accepted_tokens()) if self.speculative else 0
-        forwards = len(tokens) - accepted  # each forward gives its accepted draft tokens and one more
-        stats = {"forwards": forwards, "draft_tokens": (forwards - 1) * self.draft_tokens, "accepted_tokens": accepted}
+        # One entry per generation step (the prefill's included); prompt lookup gives no extended metrics.
+        forwards = len(result.perf_metrics.raw_metrics.m_batch_sizes)
+        accepted = len(tokens) - forwards  # each step gives its accepted draft tokens and one more
+        # A chain drafts its length at each step after the prefill; prompt lookup only where it matches, uncounted.
+        drafted = (forwards - 1) * self.draft_tokens if self.speculative and not self.lookup_ngram else 0
+        stats = {"forwards": forwards, "draft_tokens": drafted, "accepted_tokens": accepted}
         return {"tokens": with_stop(tokens, request), "seconds": seconds,
-                "first_token_seconds": clock.first or seconds, **stats}
+                "first_token_seconds": result.perf_metrics.get_ttft().mean / 1000, **stats}
 
 
 class VLLM:
@@ -94,6 +96,7 @@ class VLLM:
     speculation with a head in the speculators layout (`draft`)."""
 
     def __init__(self, request: dict):
+        import torch
         import vllm
         from vllm import LLM
 
@@ -101,12 +104,17 @@ class VLLM:
         if request.get("draft"):
             speculative = {"method": "eagle3", "model": request["draft"],
                            "num_speculative_tokens": request["draft_tokens"]}
+        # Its default dtype is the checkpoint's (bf16 here); without AVX512-BF16 its oneDNN bf16 linear
+        # fails and torch's bf16 fallback decoded 0.4 tok/s (2 AVX2 cores): float32 there.
+        dtype = "auto" if torch.cpu._is_avx512_bf16_supported() else "float32"
         self.llm = LLM(model=request["model"], speculative_config=speculative, max_model_len=request["max_context"],
-                       max_num_seqs=1, seed=0, disable_log_stats=False, enable_prefix_caching=False)
+                       max_num_seqs=1, seed=0, dtype=dtype, enforce_eager=request.get("eager", False),
+                       disable_log_stats=False, enable_prefix_caching=False)
         self.engine = self.llm.llm_engine
         self.requests = 0
         self.about = {"runtime": "vLLM", "version": vllm.__version__,
-                      "dtype": str(self.llm.llm_engine.model_config.dtype), "threads": request["threads"]}
+                      "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
+                      "threads": request["threads"]}
 
     def counters(self) -> dict:
         """vLLM's speculative-decoding counters so far (its Prometheus metrics, as `LLM.get_metrics` gives them)."""

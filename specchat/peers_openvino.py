@@ -40,19 +40,32 @@ from specchat import methods
 from specchat.decode.target import ModelSpec, Target
 from specchat.errors import SpecchatError
 from specchat.methods import builds
-from specchat.peer_process import PeerFailed, Worker, WorkerRunner, exported_once, find_python, run_tool
+from specchat.peers import PeerUnavailable
+from specchat.peer_process import Worker, WorkerRunner, exported_once, find_python, run_tool
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder
 
 OPENVINO_PYTHON = "SPECCHAT_OPENVINO_PYTHON"
+VERSION = "2026.4.1"  # the OpenVINO GenAI INSTALL pins, whose traps this module works around
 RUNTIME = "OpenVINO GenAI"  # the worker's name for it (`specchat.peer_worker.RUNTIMES`)
-INSTALL = ("python3 -m venv V && V/bin/pip install torch==2.13.0 && V/bin/pip install openvino-genai==2026.4.1.0 "
+INSTALL = (f"python3 -m venv V && V/bin/pip install torch==2.13.0 && V/bin/pip install openvino-genai=={VERSION}.0 "
            "'optimum-intel[openvino]==2.2.0' && V/bin/pip install torch==2.13.0 && V/bin/pip uninstall -y torchvision")
-LOOKUP_TOKENS = 5  # GenAI's prompt lookup: tokens proposed per step (its samples use 5)
+LOOKUP_TOKENS, LOOKUP_NGRAM = 5, 3  # GenAI's prompt lookup: tokens proposed per step, longest n-gram matched (its samples')
 EAGLE3_CHAIN = 3  # draft tokens per step for openvino-eagle3 (3-5 decoded fastest on these CPUs)
 # What optimum-cli needs beside a head's weights and config: the target's tokenizer (GenAI loads it with the IR).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
+# optimum-intel 2.2 loads an EAGLE-3 head through its own model_patcher.py as "remote code", and
+# transformers then demands every package that file imports anywhere (diffusers, einops), which
+# the export does not use; installing diffusers breaks optimum-cli otherwise (it pins another
+# huggingface-hub and is then taken for the model's library). So the head's export skips the check.
+OPTIMUM_CLI = (
+    "import sys\n"
+    "from transformers import dynamic_module_utils as modules\n"
+    "modules.check_imports = modules.get_relative_imports\n"
+    "from optimum.commands.optimum_cli import main\n"
+    "sys.argv[0] = 'optimum-cli'\n"
+    "main()\n")
 # Run by the environment's Python: the draft IR's rt_info `hidden_layers_list`, which GenAI reads.
 SET_HIDDEN_LAYERS = (
     "import json, sys, openvino as ov\n"
@@ -65,9 +78,12 @@ def python() -> str:
     return find_python(OPENVINO_PYTHON, "openvino-genai", "OpenVINO GenAI and optimum-intel", INSTALL)
 
 
-def optimum_cli(python_path: str) -> list[str]:
-    """`optimum-cli export openvino` of the environment of `python_path`."""
-    return [python_path, "-m", "optimum.commands.optimum_cli", *"export openvino".split()]
+def optimum_cli(python_path: str, checks_imports: bool = True) -> list[str]:
+    """`optimum-cli export openvino` of the environment of `python_path` (without the remote-code
+    import check: OPTIMUM_CLI)."""
+    if checks_imports:
+        return [python_path, "-m", "optimum.commands.optimum_cli", *"export openvino".split()]
+    return [python_path, "-I", "-c", OPTIMUM_CLI, *"export openvino".split()]
 
 
 def export_target(python_path: str, folder: Path, weights: str) -> Path:
@@ -102,7 +118,7 @@ def export_head(head: Path, output: Path, verifier: Verifier, feature_layers: tu
             if (target_folder / name).is_file():
                 shutil.copyfile(target_folder / name, staged / name)
         log = cache_dir() / "peers" / "export-openvino-head.log"
-        run_tool([*optimum_cli(python_path), "--model", str(staged), "--task",
+        run_tool([*optimum_cli(python_path, checks_imports=False), "--model", str(staged), "--task",
                   "text-generation-with-past", "--trust-remote-code", str(output)], log, "optimum-cli's head export",
                  env={"HF_HUB_OFFLINE": "1"})
         model = output / "openvino_model.xml"
@@ -137,7 +153,8 @@ def _runner(settings: Settings, target: Target, chat_format: ChatFormat, generat
         source = resolve_folder(head)
         draft = exported_once("openvino-head", [source, folder], lambda output: export_head(
             source, output, exports.target_of(source), exports.feature_layers(source), folder, python_path))
-    load = {"runtime": RUNTIME, "model": str(model), "draft": draft and str(draft), "lookup": lookup,
+    load = {"runtime": RUNTIME, "model": str(model), "draft": draft and str(draft),
+            "lookup": LOOKUP_NGRAM if lookup else 0,
             "draft_tokens": EAGLE3_CHAIN if head else LOOKUP_TOKENS, "threads": torch.get_num_threads(),
             "max_context": target.max_context}
     worker = Worker(python_path, load, settings.method, {})
@@ -161,4 +178,8 @@ def openvino_lookup(settings, target, chat_format, generation, load_model):
 
 @builds(methods.OPENVINO_EAGLE3)
 def openvino_eagle3(settings, target, chat_format, generation, load_model):
+    if not generation.sampling.greedy:
+        raise PeerUnavailable(f"OpenVINO GenAI {VERSION}'s EAGLE-3 decoding fails when it samples (its check "
+                              f"content_length <= prompt_ids.size() + m_generated_ids.size() in sequence_group.cpp): "
+                              f"greedy only")
     return _runner(settings, target, chat_format, generation, "int4", head=settings.draft)

@@ -53,10 +53,11 @@ def exported_head(head: str) -> Path:
 
 
 def open_worker(model: Path, head: str | None, threads: int, max_context: int, name: str,
-                python_path: str | None = None) -> Worker:
-    """A vLLM worker on the Hugging Face folder `model`, drafting with `head` (None: plain decoding)."""
+                python_path: str | None = None, eager: bool = False) -> Worker:
+    """A vLLM worker on the Hugging Face folder `model`, drafting with `head` (None: plain decoding);
+    `eager`: without its torch.compile warm-up (minutes on two cores; for checks, not timings)."""
     load = {"runtime": RUNTIME, "model": str(model), "draft": head and str(exported_head(head)),
-            "draft_tokens": EAGLE3_CHAIN, "threads": threads, "max_context": max_context}
+            "draft_tokens": EAGLE3_CHAIN, "threads": threads, "max_context": max_context, "eager": eager}
     return Worker(python_path or python(), load, name, environment(threads))
 
 
