@@ -75,11 +75,13 @@ def short_prompts(chat_format) -> list[list[int]]:
 
 
 def long_prompt(chat_format) -> list[int]:
-    """The project's own text, past 8,192 tokens, then a question about it."""
+    """The project's own code, past 8,192 tokens, then a coding task: the answer starts beyond
+    position 8,192, and code is what the head drafts best (a broken rotary table accepts nothing)."""
     text, files = "", sorted((REPO / "specchat").glob("*.py"))
+    task = "\n\nNow write a Python function that returns the n-th Fibonacci number, with a docstring."
     for path in files:
         text += f"\n\n# file {path.name}\n{path.read_text()}"
-        ids = prompt_ids(chat_format, text + "\n\nWhat does the file bench.py above do? Answer in two sentences.")
+        ids = prompt_ids(chat_format, text + task)
         if len(ids) > 8800:
             return ids
     raise AssertionError("not enough text for a long prompt")
