@@ -1,11 +1,11 @@
 """Decoding methods by name: what each drafts with, what it needs, which draft it takes by default.
 
 The one registry the rest reads: the choices of `--method` (settings), the command line's help,
-`bench` (which methods exist and which are other tools' peers), `/method`, and the draft a method
-uses when none is given. It imports nothing heavy, so the command line uses it before torch
-loads; each entry holds its builder once the module that writes it is imported (`builds`):
-`specchat.proposers` for specchat's methods, `specchat.peers` for other tools' implementations,
-which only `bench` runs. The assembly layer (`specchat.app`) imports both.
+`bench` (which methods exist and which are other tools' peers), `/method`, the draft a method
+uses when none is given, and the rule that a method needing a draft has one (`checked_draft`). It
+imports nothing heavy, so the command line uses it before torch loads. What builds each method is
+a table next to the builders: `specchat.proposers.BUILDERS` for specchat's methods,
+`specchat.peers.RUNNERS` for other tools' implementations, which only `bench` runs.
 
 eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
 Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.verify`).
@@ -14,7 +14,6 @@ Jakiro head. Every specchat method is verified by the same exact rules (`speccha
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specchat.embedded import DEFAULT_MODEL
@@ -38,21 +37,6 @@ class Method:
     bundled: dict[str, str] = field(default_factory=dict)  # target model -> its draft when none is given
     peer: bool = False  # another tool's implementation on the same target, run only by `bench`
     static_tree: bool = False  # it can draft a --static-tree
-    # What builds it, attached where the builder is written (`builds`): for specchat's methods
-    # build(settings, target, load_model) -> the engine's Proposer (None: plain decoding), in
-    # `specchat.proposers`; for a peer build(settings, target, chat_format, generation, load_model)
-    # -> (a bench runner, what it loaded), in `specchat.peers`.
-    build: Callable | None = field(default=None, repr=False)
-
-
-def builds(*entries: Method):
-    """Decorator: the function builds these methods (each entry then holds it as `build`)."""
-    def attach(builder: Callable) -> Callable:
-        for entry in entries:
-            entry.build = builder
-        return builder
-
-    return attach
 
 
 VANILLA = Method(PLAIN, "plain decoding")
@@ -78,6 +62,14 @@ CHAT_METHODS = tuple(name for name, method in METHODS.items() if not method.peer
 
 class MethodError(UsageError):
     """A method cannot run with the given settings (unknown, or it needs a draft it was not given)."""
+
+
+class MissingDraft(MethodError):
+    """A method that needs a draft has none: none given, none bundled for the model."""
+
+    def __init__(self, entry: Method):
+        super().__init__(f"--method {entry.name} needs --draft: {entry.draft}")
+        self.method, self.draft = entry.name, entry.draft
 
 
 def method(name: str) -> Method:
@@ -106,6 +98,16 @@ def effective_draft(settings) -> str | None:
     if not needs_draft(settings.method):
         return settings.draft
     return settings.draft or default_draft(settings.method, settings.model)
+
+
+def checked_draft(settings) -> str | None:
+    """The draft `settings.method` runs with (`effective_draft`), refused (`MissingDraft`) where the
+    method needs one and has none: the rule, checked where settings are (`specchat.app.check` before
+    any model loads, a mid-chat change in `specchat.live`, each method of a bench)."""
+    draft = effective_draft(settings)
+    if needs_draft(settings.method) and not draft:
+        raise MissingDraft(METHODS[settings.method])
+    return draft
 
 
 def plain_unless_drafted(settings, given: dict) -> tuple[object, str | None]:

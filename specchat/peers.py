@@ -8,7 +8,7 @@
   to beat. Prompts are the same token ids (the model's own chat template), sampling is the plain
   distribution (temperature only: no top-k 40, min-p or repetition penalty of its defaults).
 
-Each builder (attached to its entry of `specchat.methods`) returns a runner with the interface of
+Each builder (`RUNNERS`, by entry of `specchat.methods`) returns a runner with the interface of
 `specchat.bench.SessionRunner` and whatever it loaded, to be let go when the method is done.
 Target forwards are counted (a forward hook, or llama.cpp's evaluation calls), so τ means the
 same as for specchat's methods; the time to the first token is the prefill.
@@ -23,11 +23,10 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from specchat.chat import ChatFormat, Conversation, Turn
-from specchat.decode.engine import GenerationSettings
+from specchat.decode.engine.engine import GenerationSettings
 from specchat.errors import SpecchatError
 from specchat.inputs import PromptRecord
 from specchat import methods
-from specchat.methods import builds
 from specchat.settings import Settings
 from specchat.stats import Stats
 from specchat.decode.target import Target
@@ -111,14 +110,12 @@ class GenerateRunner:
         return Turn(text=decoder.text, tokens=new, stats=stats, finished=True)
 
 
-@builds(methods.HF_ASSISTED)
 def hf_assisted(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                 load_model) -> tuple[GenerateRunner, Target]:
     assistant = load_model(settings.draft)
     return GenerateRunner(target, chat_format, generation, {"assistant_model": assistant.model}, settings.seed), assistant
 
 
-@builds(methods.HF_PLD)
 def hf_prompt_lookup(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                      load_model) -> tuple[GenerateRunner, None]:
     kwargs = {"prompt_lookup_num_tokens": HF_PLD_TOKENS}
@@ -195,14 +192,17 @@ def _llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, gener
     return LlamaCppRunner(gguf, chat_format, generation, settings.seed, torch.get_num_threads(), context, lookup), None
 
 
-@builds(methods.LLAMACPP)
 def llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
              load_model) -> tuple[LlamaCppRunner, None]:
     return _llamacpp(settings, target, chat_format, generation, lookup=False)
 
 
-@builds(methods.LLAMACPP_LOOKUP)
 def llamacpp_lookup(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                     load_model) -> tuple[LlamaCppRunner, None]:
     return _llamacpp(settings, target, chat_format, generation, lookup=True)
 
+
+
+# What runs each of the other tools' methods (specchat's own: `specchat.proposers.BUILDERS`).
+RUNNERS = {methods.HF_ASSISTED: hf_assisted, methods.HF_PLD: hf_prompt_lookup, methods.LLAMACPP: llamacpp,
+           methods.LLAMACPP_LOOKUP: llamacpp_lookup}

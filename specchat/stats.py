@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from specchat.decode.tree import Source
+from specchat.decode.drafting.tree import Source
 
 
 @dataclass

@@ -5,8 +5,8 @@ import torch
 
 from conftest import load_tiny_target
 from specchat.chat import ChatFormat, Conversation
-from specchat.decode.engine import ContextLengthError, Engine, GenerationSettings
-from specchat.decode.sampling import SamplingParams, make_generator
+from specchat.decode.engine.engine import ContextLengthError, Engine, GenerationSettings
+from specchat.decode.acceptance.sampling import SamplingParams, make_generator
 
 
 def reference_greedy(model, prompt, n):

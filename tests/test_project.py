@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -124,6 +126,34 @@ def test_each_method_name_is_written_once_outside_the_registry():
             continue
         literals = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         assert not literals & names, f"{name} names methods {sorted(literals & names)}; read them from specchat.methods"
+
+
+def test_every_method_is_built_by_one_entry_of_the_builder_tables():
+    """The tables are explicit (no builder registers itself by being imported): specchat's methods in
+    `proposers.BUILDERS`, other tools' in `peers.RUNNERS`, each method in exactly one."""
+    from specchat.methods import METHODS
+    from specchat.peers import RUNNERS
+    from specchat.proposers import BUILDERS
+
+    assert set(BUILDERS).isdisjoint(RUNNERS) and set(BUILDERS) | set(RUNNERS) == set(METHODS.values())
+    assert all(entry.peer for entry in RUNNERS) and not any(entry.peer for entry in BUILDERS)
+
+
+def test_no_module_is_imported_for_its_side_effects_alone():
+    """An import whose name goes unused (flake8's F401, silenced) is one made for what importing does."""
+    for path in [*(ROOT / "specchat").rglob("*.py"), *(ROOT / "drafters").rglob("*.py")]:
+        silenced = [number for number, line in enumerate(path.read_text().splitlines(), start=1)
+                    if "import" in line and "F401" in line]
+        assert not silenced, f"{path.relative_to(ROOT)} lines {silenced} import a module only for its side effects"
+
+
+def test_the_top_level_is_the_design_cards():
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: what is tracked is not known")
+    tracked = listed.stdout.split()
+    assert {name.split("/")[0] for name in tracked if not name.startswith(".")} <= {
+        "pyproject.toml", "specchat", "drafters", "profiles", "tests", "man", "README.md", "docs"}
 
 
 def test_the_command_line_starts_without_torch():

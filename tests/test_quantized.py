@@ -7,10 +7,10 @@ import torch
 from conftest import load_tiny_target, random_head
 from specchat.decode import quantized
 from specchat.decode import woq_kernel
-from specchat.decode.head_proposer import TreeProposer
-from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.speedup import divergence
+from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
+from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.speedup import divergence
 from specchat.decode.target import ModelSpec
 from specchat.errors import ModelLoadError
 from specchat.sources import load_target
@@ -243,7 +243,7 @@ def test_speculation_on_the_quantized_model_gives_its_plain_greedy_output(qwen_d
     prompt = [258, 10, 20, 30, 40, 50, 198]
     plain = [t for s in Engine(target).generate(prompt, settings) for t in s.tokens]
     head = random_head("eagle", target)  # drafts through the target's quantized LM head
-    proposer = TreeProposer(head.to(torch.bfloat16), target.num_layers, DynamicTree(DynamicTreeParams(8, 4, 3)))
+    proposer = HeadProposer(head.to(torch.bfloat16), target, DynamicTree(DynamicTreeParams(8, 4, 3)))
     drafted = [t for s in Engine(target, proposer).generate(prompt, settings) for t in s.tokens]
     assert drafted == plain
 

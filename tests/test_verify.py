@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import CHI2_CRITICAL, CHI2_LEVEL, assert_follows, chi_square
-from specchat.decode.sampling import SamplingParams, target_probs
-from specchat.decode.tree import DraftTree
-from specchat.decode.verify import accept
+from specchat.decode.acceptance.sampling import SamplingParams, target_probs
+from specchat.decode.drafting.tree import DraftTree
+from specchat.decode.acceptance.verify import accept
 
 
 def test_greedy_follows_the_argmax_down_the_tree():

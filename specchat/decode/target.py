@@ -15,9 +15,9 @@ import torch
 
 from specchat.decode import woq_kernel
 from specchat.decode.cache import KVCache, causal_mask
-from specchat.decode.envelope import Envelope
+from specchat.decode.engine.envelope import Envelope
 from specchat.decode.forward import DecoderForward, LayerKV, unsupported_reason
-from specchat.decode.graphs import capture_failure
+from specchat.decode.engine.graphs import capture_failure
 from specchat.decode.machine import synchronize
 from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, KERNEL_BITS
 from specchat.errors import ModelLoadError
@@ -40,7 +40,7 @@ class ModelSpec:
 
 
 def fixed_steps(choice: str, device: torch.device) -> bool:
-    """Whether `--cuda-graphs choice` decodes on the fixed envelope (`specchat.decode.envelope`),
+    """Whether `--cuda-graphs choice` decodes on the fixed envelope (`specchat.decode.engine.envelope`),
     whose steps are captured as CUDA graphs on `device`. auto: on CUDA, where a small model's eager
     step is launch-bound (the 0.5B: ~40 ms per token on an H100, docs/bench-gpu); on a CPU, `on`
     runs the same fixed-shape steps eagerly (for tests: a CPU has no graphs and pays for padding)."""
@@ -116,14 +116,14 @@ class Target:
         self.compiled = self.own_forward is not None and self.own_forward.compiled
         if self.compiled:
             self.runtime += ", compiled forward"
-        # The fixed envelope (specchat.decode.fixed_engine), captured as CUDA graphs where there is CUDA.
+        # The fixed layout (specchat.decode.engine.fixed), captured as CUDA graphs where there is CUDA.
         self.envelope = self._envelope() if fixed else None
         self.captures = fixed and self.device.type == "cuda"
         if self.envelope is not None:
             self.runtime += ", CUDA graphs" if self.captures else ", fixed-shape steps (eager)"
             self.max_context = self.envelope.max_context  # its cache holds no more (GPU memory may bound it)
         self.compile_seconds = 0.0  # spent compiling at load (`warm_up`), reported apart from decoding
-        self.capture_seconds = 0.0  # spent capturing steps as CUDA graphs (`specchat.decode.graphs`), likewise
+        self.capture_seconds = 0.0  # spent capturing steps as CUDA graphs (`specchat.decode.engine.graphs`), likewise
 
     def _envelope(self) -> Envelope:
         """Room in the cache for the model's context, or for what a share of the GPU's free memory holds."""

@@ -1,5 +1,4 @@
-"""Verifying a draft tree: the target forward's inputs, and which draft tokens the target accepts,
-without changing what the target would say.
+"""Which drafted tokens the target accepts, without changing what the target would say.
 
 Notation as in the papers: p is the target's processed distribution (temperature, top-k, top-p
 applied; a point mass on the argmax when greedy), q the draft's.
@@ -16,7 +15,11 @@ Sampled chains (a draft model at temperature > 0) use the standard rule instead 
 al. 2023, Algorithm 1; Chen et al. 2023): accept x with probability min(1, p(x) / q(x)), and on
 rejection draw from norm(max(0, p - q)).
 
-On the fixed envelope (`accept_fixed`) the same rules run on the device without a host read. For
+The rules run in two forms, one per layout. The growing layout's (`accept`) walks the tree on the
+host, reading each row it visits (greedy: every row's choice in one read), which costs a CPU
+cycle no tensor operation beyond them. The fixed layout's (`accept_fixed`) runs on the device
+without a host read, at a fixed shape: padding nodes (`DraftTree.valid`) are never accepted and
+acceptance stops at the reply's room (`limit`), so a tree never changes shape near the end. For
 point-mass drafts the recursive rule has an equivalent form that needs no loop over siblings:
 draw the target's own token y ~ p at every row at once, then follow, from the root, the first
 child whose token is the row's y. With distinct sibling tokens, child x is accepted with
@@ -32,28 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.decode.envelope import FixedTree, pick
-from specchat.decode.sampling import SamplingParams, argmax, draw_rows, sample, sample_rows, target_probs
-from specchat.decode.tree import DraftTree
-
-
-def verify_inputs(tree: DraftTree, root: int, cached: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input ids [1, n+1], positions [1, n+1] and mask [1, 1, n+1, cached+n+1] for one target forward.
-
-    Row 0 is the root, row i + 1 node i; each attends to the whole cached context, to the root,
-    to its ancestors and to itself (tree attention), at the position its depth gives it.
-    """
-    n = len(tree)
-    ids = torch.tensor([[root] + tree.tokens], device=device)
-    positions = torch.tensor([[0] + tree.depths], device=device) + cached
-    rows = [[True] + [False] * n]  # the root sees only itself among the new tokens
-    for line in tree.ancestors():
-        row = [True] + [False] * n
-        for node in line:
-            row[node + 1] = True
-        rows.append(row)
-    mask = torch.cat([torch.ones(n + 1, cached, dtype=torch.bool), torch.tensor(rows)], dim=1)
-    return ids, positions, mask.to(device)[None, None]
+from specchat.decode.acceptance.sampling import SamplingParams, argmax, draw_rows, sample, sample_rows, target_probs
+from specchat.decode.drafting.tree import DraftTree
+from specchat.decode.engine.envelope import pick
 
 
 @dataclass
@@ -67,7 +51,7 @@ def _uniform(rng: torch.Generator | None) -> float:
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator | None) -> Acceptance:
-    """Walk the tree with the target's logits; row 0 belongs to the root, row i + 1 to node i."""
+    """Walk the tree (host lists) with the target's logits; row 0 belongs to the root, row i + 1 to node i."""
     if tree.q is not None:
         return accept_sampled_chain(tree, logits, sampling, rng)
     logits = logits.float()  # once for all rows: argmax over bf16 is 5x slower
@@ -133,17 +117,17 @@ class FixedAcceptance:
         return torch.cat([self.path.new_zeros(1), self.path + 1])
 
 
-def accept_fixed(tree: FixedTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor,
+def accept_fixed(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor,
                  ancestors: torch.Tensor | None = None) -> FixedAcceptance:
-    """`accept` on the device for a fixed tree: no host read, no shape that depends on the draft.
-    Nodes deeper than `limit` (a 0-d tensor) are never accepted. `ancestors`: `tree.ancestors()`,
-    if the caller has it already (the verify step's mask is made of it)."""
+    """`accept` on the device for a tree of device tensors: no host read, no shape that depends on the
+    draft. Nodes deeper than `limit` (a 0-d tensor) are never accepted. `ancestors`:
+    `ancestor_mask(tree)`, if the caller has it already (the verify step's mask is made of it)."""
     if tree.q is not None:
         return accept_fixed_chain(tree, logits, sampling, rng, limit)
     drawn = draw_rows(logits, sampling, rng)  # the target's token at every row (module docstring)
     matched = tree.valid & (tree.depths <= limit) & (tree.tokens == drawn[tree.parents + 1])
-    matched &= ~(tree.earlier_siblings() & matched[None, :]).any(-1)  # the first matching child only
-    ancestors = tree.ancestors() if ancestors is None else ancestors
+    matched &= ~(earlier_siblings(tree) & matched[None, :]).any(-1)  # the first matching child only
+    ancestors = ancestor_mask(tree) if ancestors is None else ancestors
     on_path = matched & ~(ancestors & ~matched[None, :]).any(-1)  # it and all its ancestors matched
     reached = torch.where(on_path, tree.depths, 0)
     count, last = reached.max(), reached.argmax()
@@ -154,7 +138,7 @@ def accept_fixed(tree: FixedTree, logits: torch.Tensor, sampling: SamplingParams
     return FixedAcceptance(count, path, bonus)
 
 
-def accept_fixed_chain(tree: FixedTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor
+def accept_fixed_chain(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng, limit: torch.Tensor
                        ) -> FixedAcceptance:
     """`accept_sampled_chain` on the device. A node the chain could not try (past `limit`, or
     invalid) ends it without a rejection: the bonus is then drawn from p itself."""
@@ -172,3 +156,22 @@ def accept_fixed_chain(tree: FixedTree, logits: torch.Tensor, sampling: Sampling
     drawn = sample_rows(residual[None], rng)[0]
     bonus = torch.where(residual.sum() > 0, drawn, pick(logits, count).float().argmax())  # see _draw_residual
     return FixedAcceptance(count, nodes[: tree.depth], bonus)  # a chain's path: its first nodes
+
+
+def ancestor_mask(tree: DraftTree) -> torch.Tensor:
+    """[n, n] bool of a device tree: row i marks node i and its ancestors (a fixed number of steps, no host read)."""
+    n, device = len(tree), tree.tokens.device
+    marks = torch.eye(n, dtype=torch.bool, device=device)
+    current = tree.parents
+    for _ in range(tree.depth - 1):
+        has_parent = current >= 0
+        marks |= torch.nn.functional.one_hot(current.clamp(min=0), n).bool() & has_parent[:, None]
+        current = torch.where(has_parent, tree.parents[current.clamp(min=0)], current)
+    return marks
+
+
+def earlier_siblings(tree: DraftTree) -> torch.Tensor:
+    """[n, n] bool of a device tree: row i marks the siblings stored before node i (tried before it)."""
+    n, device = len(tree), tree.tokens.device
+    before = torch.ones(n, n, dtype=torch.bool, device=device).tril(diagonal=-1)
+    return before & (tree.parents[:, None] == tree.parents[None, :])

@@ -1,4 +1,4 @@
-"""The generation engine: token ids in, token ids out. It knows nothing of text or terminals.
+"""The generation engine: token ids in, token ids out, on either cache layout. It knows nothing of text or terminals.
 
 Three thin layers, bottom up:
 
@@ -8,11 +8,20 @@ Three thin layers, bottom up:
    end-of-turn token, the token budget or the context limit.
 3. `specchat.chat.ChatSession` adds text, conversations and statistics; the UI consumes only that.
 
-The engine owns the target's KV cache and the list of token ids it holds (`context_ids`), and
-changes both only through explicit trims and compactions. A new reply reuses the longest cached
-prefix of its prompt, so multi-turn chat does not recompute the conversation, and a reply that was
-interrupted (Ctrl-C) leaves nothing half-done behind: the `finally` in `generate` trims every cache
-back to the committed tokens.
+The engine owns the list of token ids the target's KV cache holds (`context_ids`) and changes it
+only through explicit rewinds and what each step commits. How the cache is laid out, how large a
+step's tensors are and when the host reads them is the layout's, chosen by how the target was
+loaded (`Target.envelope`):
+
+- `GrowingLayout` (`growing.py`): exact sizes; the cache grows by each step's rows and is cut back
+  by trimming and compaction. What CPUs run.
+- `FixedLayout` (`fixed.py`): the cache at a fixed capacity, rows padded to buckets, each step
+  captured as a CUDA graph, one host read per cycle. What CUDA runs.
+
+The proposer drafts on the same layout (the `Proposer` protocol below). A new reply reuses the
+longest cached prefix of its prompt, so multi-turn chat does not recompute the conversation, and a
+reply that was interrupted (Ctrl-C) leaves nothing half-done behind: the `finally` in `generate`
+trims every cache back to the committed tokens.
 """
 
 from __future__ import annotations
@@ -24,13 +33,13 @@ from typing import Protocol
 
 import torch
 
-from specchat.errors import ContextLengthError
-from specchat.decode.machine import synchronize
+from specchat.decode.acceptance.sampling import SamplingParams
+from specchat.decode.drafting.tree import Cycle, DraftTree
+from specchat.decode.engine.fixed import FixedLayout
+from specchat.decode.engine.growing import GrowingLayout
 from specchat.decode.options import MAX_NEW_TOKENS
-from specchat.decode.sampling import SamplingParams, argmax, margins, sample, target_probs
-from specchat.decode.target import Target, TargetOutput
-from specchat.decode.tree import Cycle, DraftTree
-from specchat.decode.verify import accept, verify_inputs
+from specchat.decode.target import Target
+from specchat.errors import ContextLengthError
 
 # Long prompts are prefilled in pieces of this many tokens, which bounds the size of the
 # attention mask and scores without changing the result.
@@ -58,14 +67,14 @@ class StepResult:
         tokens: the new token ids, in order (a final end-of-turn token included).
         drafted: per token, True if it was a draft token the target accepted, False if the target
             produced it itself (the prefill token, a bonus token or a correction).
-        seconds: wall time of the step.
+        seconds: wall time of the step (capturing CUDA graphs left out).
         target_forwards: target forward passes spent (one per step; the prefill counts as one).
         draft_seconds / verify_seconds: the drafting and the verification part of `seconds`.
         draft_tokens: draft tokens the target verified in this step (the tree size).
         finish_reason: "stop" (end-of-turn token), "length" (token budget or context full), or
             None while the reply goes on.
         prefill: True for the first step of a reply (prompt processing plus the first token).
-        cycle: the draft tree and what was accepted (`specchat.decode.tree.Cycle`), for traces and /tree.
+        cycle: the draft tree and what was accepted (`specchat.decode.drafting.tree.Cycle`), for traces and /tree.
         margins: per token, the target's top-1 minus top-2 logit where it was chosen: how near a
             tie the choice was, which tells rounding noise from a bug when two runs differ.
     """
@@ -79,44 +88,52 @@ class StepResult:
     draft_tokens: int = 0
     finish_reason: str | None = None
     prefill: bool = False
-    cycle: object | None = None
+    cycle: Cycle | None = None
     margins: list[float] = field(default_factory=list)
 
 
 class Proposer(Protocol):
-    """A source of draft tokens: a draft head, a small draft model, or n-gram lookup.
+    """A source of draft trees (a draft head, a small draft model, n-gram lookup), on the layout of the
+    target it drafts for: its trees' arrays are lists on the growing layout, device tensors on the fixed one.
 
-    The engine tells a proposer which context tokens are committed (`observe`), what the target
-    accepted of its latest tree (`observe`'s `cycle`: the proposer need not work it out from the
-    tokens), and when the context shrinks (`rewind`); the proposer keeps whatever state it needs in
-    step with that.
+    A cycle calls `prepare` (on the host), `draft` (the draft step), `commit` (in the verify step, with
+    what the target accepted) and `committed` (on the host, after the cycle). On the fixed layout
+    `draft` and `commit` run inside captured steps: they may not read the host, nor depend on Python
+    values that change between cycles.
     """
 
-    #: Hidden-state indices of the target the proposer consumes (see `Target.forward`), or None.
-    feature_layers: tuple[int, ...] | None
+    feature_layers: tuple[int, ...] | None  # hidden-state indices of the target it consumes (`Target.forward`)
+    reach: int  # how far past the context its cache entries reach in a draft step (the fixed layout's window)
 
     def rewind(self, length: int) -> int:
-        """Forget everything about context positions >= `length`.
+        """Forget context positions >= `length`; return how many leading positions it can still continue
+        from (the engine re-runs the target from there, so that it sees their features again)."""
 
-        Returns the number of leading positions it can still continue from; the engine re-runs
-        the target from there so the proposer sees those positions' features again.
-        """
+    def observe(self, tokens: list[int], features: torch.Tensor | None) -> None:
+        """Prompt tokens a prefill committed, with the target's features at them."""
 
-    def observe(self, tokens: list[int], features: torch.Tensor | None, cycle: Cycle | None = None) -> None:
-        """Newly committed context tokens (and the target's features at their positions); after a
-        speculative step, `cycle` is the tree it proposed and the nodes the target accepted."""
+    def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
+        """How many nodes the tree from `root` (the newest token, not yet in the context) will hold, at most
+        `max_depth` deep and `max_nodes` large (on the fixed layout a bucket, whatever the room); 0:
+        nothing to verify, a plain step instead, which computes the features the proposer takes."""
 
-    def propose(self, root: int, settings: GenerationSettings, rng: torch.Generator | None,
-                max_depth: int, max_nodes: int) -> DraftTree:
-        """A draft tree growing from `root` (the newest token, not yet in the context), at most
-        `max_depth` deep and `max_nodes` large; `rng` is the run's random stream."""
+    def draft(self, root, length, span: int | None, sampling: SamplingParams, rng) -> DraftTree:
+        """The tree from `root` at context `length` (on the fixed layout device tensors, and the step's
+        attention window `span`); `rng` is the run's random stream."""
+
+    def commit(self, tree: DraftTree, acceptance, root, features: torch.Tensor | None) -> None:
+        """What the target accepted of `tree` (`acceptance.verify`'s record) and its features at the kept
+        rows (the root's and the accepted nodes')."""
+
+    def committed(self, tokens: list[int], cycle: Cycle) -> None:
+        """The tokens the cycle committed, the root first, and the cycle."""
 
     def describe(self) -> str:
         """What it drafts, in a few words (for /show)."""
 
     def forget(self) -> None:
-        """Forget the text seen so far, beyond the context (a lookup's history of the chat): what
-        follows is unrelated (bench questions, which Spec-Bench answers independently)."""
+        """Forget the text seen beyond the context (a lookup's history of the chat): what follows is
+        unrelated (bench questions, which Spec-Bench answers independently)."""
 
 
 class Engine:
@@ -125,12 +142,13 @@ class Engine:
     def __init__(self, target: Target, proposer: Proposer | None = None):
         self.target = target
         self.proposer = proposer
-        self.cache = self._new_cache()
-        self.context_ids: list[int] = []  # exactly the tokens whose keys/values `cache` holds
+        self.layout = GrowingLayout(target) if target.envelope is None else FixedLayout(target)
+        self.context_ids: list[int] = []  # exactly the tokens whose keys/values the cache holds
         self.max_context = target.max_context  # the longest context a reply may reach
 
-    def _new_cache(self):
-        return self.target.new_cache()
+    @property
+    def cache(self):
+        return self.layout.cache
 
     # -- cache bookkeeping -------------------------------------------------------------------
 
@@ -168,8 +186,9 @@ class Engine:
             shared += 1
         return self._rewind(min(shared, len(prompt_ids) - 1))
 
-    def _sync(self) -> None:
-        synchronize(self.target.device)
+    def _seconds(self, start: float, capturing: float) -> float:
+        """Wall time since `start`, less what capturing steps took since the layout had spent `capturing`."""
+        return time.perf_counter() - start - (self.layout.capture_seconds - capturing)
 
     # -- the layers ----------------------------------------------------------------------------
 
@@ -225,38 +244,25 @@ class Engine:
         """Process the uncached part of the prompt and draw the first reply token."""
         start = time.perf_counter()
         kept = self._keep_cached_prefix(prompt_ids)
+        feature_layers = self.proposer.feature_layers if self.proposer is not None else None
         for chunk_start in range(kept, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[chunk_start : chunk_start + PREFILL_CHUNK]
-            out = self._prefill_chunk(chunk, last=chunk_start + PREFILL_CHUNK >= len(prompt_ids))
+            last = chunk_start + PREFILL_CHUNK >= len(prompt_ids)
+            out = self.layout.prefill(chunk, len(self.context_ids), last, feature_layers)
             self.context_ids.extend(chunk)
             if self.proposer is not None:
                 self.proposer.observe(chunk, out.features)
-        return self._first_token(out, settings, rng, start)
-
-    def _prefill_chunk(self, chunk: list[int], last: bool) -> TargetOutput:
-        """One chunk of the prompt through the target, into the cache: its features (for the
-        proposer) and, for the `last` chunk, the logits of the token after it."""
-        feature_layers = self.proposer.feature_layers if self.proposer else None
-        return self.target.forward(torch.tensor([chunk], device=self.target.device), self.cache,
-                                   logits_for="last" if last else "none", feature_layers=feature_layers)
-
-    def _first_token(self, out: TargetOutput, settings: GenerationSettings, rng, start: float) -> StepResult:
-        """The prefill's step: the reply's first token, drawn from the last chunk's logits."""
-        first = self._draw(out.logits[-1], settings.sampling, rng)
-        self._sync()
-        return StepResult(tokens=[first], drafted=[False], seconds=time.perf_counter() - start, prefill=True,
-                          margins=margins(out.logits[-1:]))
+        token, margin = self.layout.first_token(out.logits, settings.sampling, rng)
+        return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start, prefill=True,
+                          margins=[margin])
 
     @torch.inference_mode()
     def decode_step(self, root: int, settings: GenerationSettings, rng) -> StepResult:
         """Plain decoding: append `root` to the context and draw the token after it."""
-        start = time.perf_counter()
-        out = self.target.forward(torch.tensor([[root]], device=self.target.device), self.cache, logits_for="last")
+        start, capturing = time.perf_counter(), self.layout.capture_seconds
+        token, margin, _ = self.layout.plain_step(root, len(self.context_ids), settings.sampling, rng)
         self.context_ids.append(root)
-        token = self._draw(out.logits[-1], settings.sampling, rng)
-        self._sync()
-        return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start,
-                          margins=margins(out.logits[-1:]))
+        return StepResult(tokens=[token], drafted=[False], seconds=self._seconds(start, capturing), margins=[margin])
 
     @torch.inference_mode()
     def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
@@ -265,56 +271,31 @@ class Engine:
         `room` is how many tokens this step may still produce; a path of d accepted draft tokens
         yields d + 1 (the bonus), so the tree is at most room - 1 deep.
         """
-        start = time.perf_counter()
-        cached = len(self.context_ids)
-        if room >= 2:
-            tree = self.proposer.propose(root, settings, rng, max_depth=room - 1,
-                                         max_nodes=self.max_context - cached - 1)
-        else:
-            tree = DraftTree([], [], [], [])
-        self._sync()
-        drafted = time.perf_counter()
-        ids, positions, mask = verify_inputs(tree, root, cached, self.target.device)
-        out = self.target.forward(ids, self.cache, positions=positions, mask=mask, logits_for="all",
-                                  feature_layers=self.proposer.feature_layers)
-        self._sync()
-        verified = time.perf_counter()
-        acceptance = accept(tree, out.logits, settings.sampling, rng)
-        tree.q = None  # verified: the reply's record of this cycle need not hold [n, vocab] distributions
-        # Compact: the root's and the accepted nodes' entries move down next to the committed prefix.
-        keep = [0] + [node + 1 for node in acceptance.path]
-        self.cache.compact(cached, torch.tensor(keep))
-        committed = [root] + [tree.tokens[node] for node in acceptance.path]
+        start, capturing = time.perf_counter(), self.layout.capture_seconds
+        proposer, length = self.proposer, len(self.context_ids)
+        nodes = proposer.prepare(root, room - 1, self.max_context - length - 1)
+        if nodes == 0:  # nothing to verify: a plain step, which gives the proposer its features
+            token, margin, features = self.layout.plain_step(root, length, settings.sampling, rng,
+                                                             proposer.feature_layers)
+            self.context_ids.append(root)
+            cycle = Cycle(root, DraftTree.chain([]), [], token)
+            proposer.commit(cycle.tree, None, root, features)
+            proposer.committed([root], cycle)
+            return StepResult(tokens=[token], drafted=[False], seconds=self._seconds(start, capturing), cycle=cycle,
+                              margins=[margin])
+        cycle, margins, draft_seconds, verify_seconds = self.layout.cycle(proposer, root, length, nodes, room,
+                                                                          settings.sampling, rng, start)
+        committed = [root] + [cycle.tree.tokens[node] for node in cycle.accepted]
         self.context_ids.extend(committed)
-        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus)
-        self.proposer.observe(committed, None if out.features is None else out.features[keep], cycle)
-        self._sync()
+        proposer.committed(committed, cycle)
         return StepResult(
-            tokens=committed[1:] + [acceptance.bonus], drafted=[True] * len(acceptance.path) + [False],
-            seconds=time.perf_counter() - start, draft_seconds=drafted - start, verify_seconds=verified - drafted,
-            draft_tokens=len(tree), cycle=cycle,
-            margins=margins(out.logits[keep]),  # row 0 chose the first token, node i's row the token after it
+            tokens=committed[1:] + [cycle.bonus], drafted=[True] * len(cycle.accepted) + [False],
+            seconds=self._seconds(start, capturing), draft_seconds=draft_seconds, verify_seconds=verify_seconds,
+            draft_tokens=len(cycle.tree), cycle=cycle, margins=margins,
         )
 
     @torch.inference_mode()
     def plain_step_seconds(self, steps: int) -> list[float]:
         """The times of `steps` plain decoding steps at the current context length, on scratch: the
         cache holds what it held before (the speedup estimate's clock)."""
-        committed = self.cache.length
-        token = torch.tensor([[self.context_ids[-1] if self.context_ids else 0]], device=self.target.device)
-        timings = []
-        try:
-            for _ in range(steps):
-                start = time.perf_counter()
-                self.target.forward(token, self.cache, logits_for="last")
-                self._sync()
-                timings.append(time.perf_counter() - start)
-        finally:
-            self.cache.trim(committed)
-        return timings
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, sampling: SamplingParams, rng) -> int:
-        if sampling.greedy:
-            return argmax(logits[None])[0]
-        return sample(target_probs(logits, sampling), rng)
+        return self.layout.plain_step_seconds(steps, self.context_ids)

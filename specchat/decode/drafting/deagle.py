@@ -63,7 +63,7 @@ class DepthVote:
     """The stopping decision for one draft cycle (create one per cycle).
 
     Tensors in, a 0-d boolean tensor out, and no host read: the host's drafter reads the vote and
-    stops (`bool(fired)`), the fixed envelope's keeps drafting to its full depth and drops the
+    stops (`bool(fired)`), the fixed layout's keeps drafting to its full depth and drops the
     levels after the vote (the same tree, at a fixed shape). Tensor methods only, so this module
     still loads without torch."""
 
@@ -109,8 +109,8 @@ class DepthVote:
         votes = low_mass.long() + self.momentum.long() + saturated.long()
         return (votes >= 2) & (depth >= p.min_depth)
 
-    def history(self) -> list[dict]:
-        """Each depth's numbers and votes, for the trace (reads the tensors: the host's drafter only)."""
+    def history(self) -> list[DepthVotes]:
+        """Each depth's numbers and votes, for the trace (reads the tensors: the growing layout's drafter only)."""
         if not self._history:
             return []
         # One read of every depth's numbers (a read per value costs a device sync each on a GPU), gathered
@@ -120,13 +120,39 @@ class DepthVote:
         for row, (_, *values) in enumerate(self._history):
             for column, value in enumerate(values):
                 table[row, column] = value
-        numbers = table.tolist()
-        records = []
-        for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history, numbers):
-            votes = [name for name, on in (("mass", low_mass), ("momentum", momentum), ("saturation", saturated)) if on]
-            records.append({"depth": depth, "mass": round(mass, 4), "rho": round(ratio, 4),
-                            "expected": round(expected, 4), "votes": votes})
-        return records
+        return [DepthVotes(depth, mass, ratio, expected, [name for name, on in (("mass", low_mass), ("momentum", momentum),
+                                                                                 ("saturation", saturated)) if on])
+                for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history,
+                                                                                               table.tolist())]
+
+
+@dataclass(frozen=True)
+class DepthVotes:
+    """One depth's numbers (S_d, rho_d, E_d) and the votes that held there."""
+
+    depth: int
+    mass: float
+    rho: float
+    expected: float
+    votes: list[str]
+
+    def record(self) -> dict:
+        return {"depth": self.depth, "mass": round(self.mass, 4), "rho": round(self.rho, 4),
+                "expected": round(self.expected, 4), "votes": self.votes}
+
+
+@dataclass(frozen=True)
+class DepthTrace:
+    """A cycle's DEAGLE trace: the levels drafted, each depth's votes, and the votes that stopped it
+    (None where it ran to the maximum depth)."""
+
+    stop_depth: int
+    depths: list[DepthVotes]
+    votes: list[str] | None
+
+    def record(self) -> dict:
+        record = {"stop_depth": self.stop_depth, "depth_votes": [depth.record() for depth in self.depths]}
+        return record | ({"votes": self.votes} if self.votes is not None else {})
 
 
 def _finite(value: torch.Tensor) -> torch.Tensor:

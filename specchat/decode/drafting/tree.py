@@ -1,12 +1,12 @@
-"""Draft trees: the data structure, static tree shapes, and the record of one cycle.
+"""Draft trees, one type for both layouts: the data structure, the record of one cycle, EAGLE-1's static trees.
 
 A draft tree grows from the root, the newest token (not yet in the target's cache). Nodes are
 stored parents-before-children, and siblings in decreasing draft probability, which is the order
 in which verification tries them. The target verifies the root and every node in one forward:
 each node attends to the cached context, to its ancestors and to itself (tree attention), at the
-position its depth gives it (`specchat.decode.verify.verify_inputs` builds that forward's inputs).
+position its depth gives it (`specchat.decode.acceptance.verify` builds that forward's inputs).
 
-Plain data, no tensors: the lookup drafter and the method registry use it before torch loads.
+Imports no torch: the lookup drafter and the method registry use it before torch loads.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # only for annotations: a sampled draft carries its distributions q
+if TYPE_CHECKING:  # only for annotations: the fixed layout's arrays, a sampled draft's q, DEAGLE's trace
     import torch
+
+    from specchat.decode.drafting.deagle import DepthTrace
 
 # The EAGLE-1 static tree `mc_sim_7b_63` (also Medusa's): each path lists child ranks from the
 # root, e.g. (0, 1) = the second most likely child of the most likely first token. 25 nodes
@@ -62,7 +64,7 @@ def trim_static_tree(paths, nodes: int, accepted) -> tuple[tuple[int, ...], ...]
 
 class Source(enum.IntEnum):
     """What proposed a node of a hybrid tree: the draft head, a lookup continuation, or both (a lookup
-    chain that spelled a head node's path). The codes are the fixed envelope's too (`FixedTree.sources`)."""
+    chain that spelled a head node's path). Codes, so that the fixed layout's trees hold them as tensors."""
 
     HEAD = 0
     LOOKUP = 1
@@ -71,7 +73,12 @@ class Source(enum.IntEnum):
 
 @dataclass
 class DraftTree:
-    """Draft tokens arranged as a tree (a chain is a tree whose parents are i - 1).
+    """Draft tokens arranged as a tree (a chain is a tree whose parents are i - 1), on either layout.
+
+    The per-node arrays (tokens, parents, depths, probs, sources, evidence) are Python lists on the
+    growing layout and in every record; on the fixed layout, between its draft step and the cycle's
+    one read, they are device tensors of a bucket's size, the nodes past the drafted ones marked
+    invalid (`valid`), and `depth` bounds the nodes' depths (the accepted path's length in the record).
 
     Attributes:
         tokens: target-vocabulary ids of the draft nodes, parents before children.
@@ -80,12 +87,14 @@ class DraftTree:
         probs: the draft's probability of each node given its parent (no temperature).
         q: [n, vocab] distributions the tokens were *sampled* from (a draft model under
             sampling), or None for deterministic drafts (top-k, lookup).
-        info: method-specific facts for the trace only (DEAGLE's stop depth and votes).
-        sources: per node, what proposed it (`Source`); empty: all one drafter's.
-        lookup_evidence: with `sources`, per node the strength of the lookup match that proposed
-            it (tokens of agreeing context; 0 for the head's own nodes).
+        sources: per node, what proposed it (`Source`); empty (None on the device): all one drafter's.
+        evidence: with `sources`, per node the strength of the lookup match that proposed it (tokens of
+            agreeing context; 0 for the head's own nodes).
+        valid: the fixed layout's [n] bool (None: every node is real).
+        depth: the fixed layout's bound on the depths (0: not bounded).
+        trace: what the trace should know beyond the nodes (DEAGLE's votes: `deagle.DepthTrace`), or None.
         lookup_seconds: the cycle's time spent finding lookup continuations.
-        head_trust: the hybrid drafter's trust in the head this cycle (`hybrid.HeadTrust`), if any.
+        head_trust: the hybrid drafter's trust in the head this cycle (`selection.HeadTrust`), if any.
     """
 
     tokens: list[int]
@@ -93,9 +102,11 @@ class DraftTree:
     depths: list[int]
     probs: list[float]
     q: torch.Tensor | None = None
-    info: dict = field(default_factory=dict)
     sources: list[Source] = field(default_factory=list)
-    lookup_evidence: list[int] = field(default_factory=list)
+    evidence: list[int] = field(default_factory=list)
+    valid: torch.Tensor | None = None
+    depth: int = 0
+    trace: DepthTrace | None = None
     lookup_seconds: float = 0.0
     head_trust: float | None = None
 
@@ -128,7 +139,7 @@ class DraftTree:
 
 @dataclass
 class Cycle:
-    """One draft → verify cycle, as written to the trace and drawn by /tree."""
+    """One draft → verify cycle, as written to the trace and drawn by /tree (the tree's arrays are lists)."""
 
     root: int
     tree: DraftTree
@@ -136,23 +147,19 @@ class Cycle:
     bonus: int
 
     def record(self) -> dict:
-        return {
-            "root": self.root, "tokens": self.tree.tokens, "parents": self.tree.parents,
-            "probs": [round(p, 6) for p in self.tree.probs], "depths": self.tree.depths,
-            "accepted": self.accepted, "bonus": self.bonus, **self._lookup_record(), **self.tree.info,
-        }
-
-    def _lookup_record(self) -> dict:
-        tree, record = self.tree, {}
+        tree = self.tree
+        record = {"root": self.root, "tokens": tree.tokens, "parents": tree.parents,
+                  "probs": [round(p, 6) for p in tree.probs], "depths": tree.depths, "accepted": self.accepted,
+                  "bonus": self.bonus}
         if tree.sources:
             record["sources"] = [source.name.lower() for source in tree.sources]
-            if tree.lookup_evidence:
-                record["lookup_evidence"] = tree.lookup_evidence
+            if tree.evidence:
+                record["lookup_evidence"] = tree.evidence
         if tree.lookup_seconds:
             record["lookup_seconds"] = round(tree.lookup_seconds, 6)
         if tree.head_trust is not None:
             record["head_trust"] = round(tree.head_trust, 3)
-        return record
+        return record | (tree.trace.record() if tree.trace is not None else {})
 
 
 def parse_static_tree(spec: str) -> tuple[tuple[int, ...], ...]:

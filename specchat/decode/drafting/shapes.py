@@ -8,11 +8,11 @@
 
 A shape grows a `CandidateTable`: every node the cycle could verify, level by level, each scored
 by the log-probability that its whole path is accepted. It runs the head through `HeadSteps`,
-which the driver provides: the host's (`specchat.decode.head_proposer.TreeProposer`) appends the
+which the layout provides (`specchat.decode.drafting.heads`): the growing layout's appends the
 tree's entries to the head's growing cache and stops when DEAGLE's vote says so; the fixed
-envelope's (`FixedTreeProposer`) writes them at fixed slots and drafts to the full depth, dropping
-the levels after the vote, so that no step waits on the host. The shapes' arithmetic is one and
-the same for both, and so are the trees.
+layout's writes them at fixed slots and drafts to the full depth, dropping the levels after the
+vote, so that no step waits on the host. The shapes' arithmetic is one and the same for both, and
+so are the trees. How large a cycle's tree is, on either layout, is `tree_budget`'s.
 
 The head's cache entries of a cycle's tree: every node a level feeds gets one, in feeding order
 (`first_entry` + row); a fed node attends to the context, to its ancestors' entries and to its own
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from drafters import DraftHead
-from specchat.decode.deagle import DeagleParams, DepthVote
+from specchat.decode.calibrate import Curve
+from specchat.decode.drafting.deagle import DeagleParams, DepthTrace, DepthVote
 
 # EAGLE-2 (Li et al. 2024, arXiv 2406.16858) reference settings: 60 tokens verified per cycle
 # (root included), 6 draft levels (the code's depth=5 counts expansions after the first level),
@@ -37,8 +38,8 @@ PAPER_TOTAL_TOKENS, PAPER_DEPTH, PAPER_TOP_K = 60, 6, 10
 
 
 class HeadSteps(ABC):
-    """The draft head as a shape runs it (see the module docstring). The host's drafter and the
-    fixed envelope's differ in where a node's cache entry goes and in how a vote stops drafting."""
+    """The draft head as a shape runs it (see the module docstring). The layouts differ in where a
+    node's cache entry goes and in how a vote stops drafting."""
 
     def __init__(self, head: DraftHead):
         self.head = head
@@ -77,7 +78,7 @@ class CandidateTable:
     scores: torch.Tensor  # of its whole path
     filled: int = 0  # nodes written; the rest are -inf
     vote: DepthVote | None = None  # DEAGLE's votes this cycle (for the trace)
-    sources: torch.Tensor | None = None  # hybrid tables: `Source` codes per node (`fixed_heads.merge_lookup`)
+    sources: torch.Tensor | None = None  # hybrid tables: `Source` codes per node (`selection.merge_lookup`)
     evidence: torch.Tensor | None = None  # with `sources`: the lookup match's strength per node (0: none)
 
     @classmethod
@@ -108,8 +109,22 @@ class Growth:
     beam_entries: torch.Tensor  # [k, E] the entries each beam node's path holds
     beam_scores: list[torch.Tensor]  # per depth, the path log-probabilities of the beam nodes
     parent_rows: torch.Tensor | None = None  # each beam node's parent's row in the beam before (Jakiro)
-    alive: torch.Tensor | None = None  # 0-d: False once DEAGLE voted to stop (fixed envelope)
+    alive: torch.Tensor | None = None  # 0-d: False once DEAGLE voted to stop (the fixed layout)
     two_ahead: tuple | None = None  # Jakiro: top-k of the two-ahead predictions of the last fed beam
+
+
+def tree_budget(shape: StaticTree | DynamicTree, max_depth: int, max_nodes: int, trust: float = 1.0,
+                curve: Curve | None = None) -> tuple[int, int]:
+    """How many nodes a cycle verifies and how deep the head drafts, on either layout: the shape's
+    budget within the room (`max_depth` levels and `max_nodes` nodes: the growing layout's reply and
+    context room, the fixed layout's largest tree). Where the head is trusted less than it is sure
+    of (`trust` < 1: under sampling, hybrid drafting) and this machine's verify-cost `curve` is
+    known, the smaller tree worth verifying at that trust, drafted one level past it at most."""
+    keep, depth = shape.verified(max_nodes), shape.depth_for(max_depth)
+    trusted = max(1, curve.best_total_tokens(trust) - 1) if trust < 1 else keep
+    if trusted < keep:
+        keep, depth = trusted, min(depth, trusted + 1)
+    return keep, depth
 
 
 @dataclass(frozen=True)
@@ -152,9 +167,9 @@ class StaticTree:
     def describe(self) -> str:
         return f"static, {len(self.paths)} draft tokens"
 
-    def trace(self, table: CandidateTable) -> dict:
-        """What the trace should know of a cycle's tree beyond its nodes (the host's drafter)."""
-        return {}
+    def trace(self, table: CandidateTable) -> DepthTrace | None:
+        """What the trace should know of a cycle's tree beyond its nodes (the growing layout's drafter)."""
+        return None
 
     def verified(self, max_nodes: int) -> int:
         return min(len(self.paths), max_nodes)
@@ -236,8 +251,8 @@ class DynamicTree:
         p = self.params
         return f"total_tokens {p.total_tokens}, depth {p.depth}, tree_top_k {p.top_k}"
 
-    def trace(self, table: CandidateTable) -> dict:
-        return {}
+    def trace(self, table: CandidateTable) -> DepthTrace | None:
+        return None
 
     def verified(self, max_nodes: int) -> int:
         return min(self.params.total_tokens - 1, max_nodes)
@@ -315,15 +330,13 @@ class DeagleTree(DynamicTree):
         table.vote = vote
         return table
 
-    def trace(self, table: CandidateTable) -> dict:
-        """The cycle's depth and votes, for the trace (the host's drafter: reads the votes)."""
+    def trace(self, table: CandidateTable) -> DepthTrace:
+        """The cycle's depth and votes, for the trace (the growing layout's drafter: reads the votes)."""
         k = self.params.top_k
         history = table.vote.history()
         drafted = (table.filled - k) // (k * k) + 1  # levels drafted
-        info = {"stop_depth": drafted, "depth_votes": history}
-        if len(history) == drafted:  # a vote after the last level drafted: it fired
-            info["votes"] = history[-1]["votes"]
-        return info
+        fired = len(history) == drafted  # a vote after the last level drafted: it fired
+        return DepthTrace(drafted, history, history[-1].votes if fired else None)
 
 
 @dataclass(frozen=True)

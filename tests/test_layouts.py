@@ -1,9 +1,8 @@
-"""The fixed envelope (`--cuda-graphs`): every method exact through fixed-shape steps, one host read
-per step and none inside a step, a bounded set of shapes whatever the conversation's length, and
-the same trees as the host's drafter.
-
-All of it runs on a CPU, where the steps run eagerly: what a GPU would replay is exactly what runs
-here. Capturing them as CUDA graphs is checked where there is CUDA (`test_cuda_*`, skipped elsewhere).
+"""The engine's two layouts: every method exact on each (the fixed one's steps run eagerly on a CPU:
+what a GPU would replay is exactly what runs here), the same trees on both, and the fixed layout's
+promises: one host read per step and none inside a step, a bounded set of shapes whatever the
+conversation's length. Capturing the steps as CUDA graphs is checked where there is CUDA
+(`test_cuda_*`, skipped elsewhere).
 """
 
 from __future__ import annotations
@@ -18,12 +17,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import (assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, save_model_folder,
                       tokens_of)
 from drafters import save_head
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.envelope import Envelope, FixedTree, powers_of_two, window_mask
-from specchat.decode.fixed_drafters import ScriptedTree
-from specchat.decode.fixed_engine import FixedEngine, new_engine
-from specchat.decode.graphs import StepGraphs
-from specchat.decode.sampling import SamplingParams
+from specchat.decode.acceptance.sampling import SamplingParams
+from specchat.decode.acceptance.verify import accept_fixed
+from specchat.runtime_check import ScriptedTree
+from specchat.decode.drafting.tree import Source
+from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode.engine.envelope import Envelope, HostInputs, device_chain, powers_of_two, window_mask
+from specchat.decode.engine.fixed import padded
+from specchat.decode.engine.graphs import StepGraphs
 from specchat.decode.target import compiles, fixed_steps
 from specchat.errors import ModelLoadError
 from specchat.proposers import build_proposer
@@ -35,13 +36,18 @@ METHODS = ["vanilla", "pld", "sps", "eagle", "eagle2", "deagle", "jakiro", "deag
 
 
 @pytest.fixture(scope="module")
-def fixed(qwen_dir):
-    return load_tiny_target(qwen_dir, cuda_graphs="on")
+def target(qwen_dir, layout):
+    return load_tiny_target(qwen_dir, layout=layout)
 
 
 @pytest.fixture(scope="module")
-def host(qwen_dir):
-    return load_tiny_target(qwen_dir)
+def fixed(qwen_dir):
+    return load_tiny_target(qwen_dir, layout="fixed")
+
+
+@pytest.fixture(scope="module")
+def growing(qwen_dir):
+    return load_tiny_target(qwen_dir, layout="growing")
 
 
 @pytest.fixture(scope="module")
@@ -68,26 +74,21 @@ def method_settings(label: str, heads, draft_dir) -> Settings:
                     **TREE)
 
 
-def engines(label, fixed, host, heads, draft_dir):
-    """The method on the fixed envelope and on the host's engine, built as chat builds them."""
-    settings = method_settings(label, heads, draft_dir)
-    built = []
-    for target, graphs in ((fixed, "on"), (host, "off")):
-        load = lambda name: load_tiny_target(name, cuda_graphs=graphs)  # noqa: E731 (sps's draft, loaded alike)
-        built.append(new_engine(target, build_proposer(settings, target, load)))
-    return built
+def engine_for(label, target, heads, draft_dir) -> Engine:
+    """The method on `target`'s layout, built as chat builds it (sps's draft loaded alike)."""
+    layout = "growing" if target.envelope is None else "fixed"
+    load = lambda name: load_tiny_target(name, layout=layout)  # noqa: E731
+    return Engine(target, build_proposer(method_settings(label, heads, draft_dir), target, load))
 
 
 # --- exact output --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("label", METHODS)
-def test_every_method_is_exact_through_fixed_steps(label, fixed, host, heads, draft_dir):
+def test_every_method_is_exact_on_either_layout(label, target, growing, heads, draft_dir):
     """Greedy float32 output equals plain decoding's, over a conversation of three turns (the second
     reusing the cached prefix, the third after an interruption) and at a one-token budget."""
-    engine, _ = engines(label, fixed, host, heads, draft_dir)
-    assert isinstance(engine, FixedEngine)
-    plain = Engine(host)
+    engine, plain = engine_for(label, target, heads, draft_dir), Engine(growing)
     conversation = list(PROMPT)
     for max_new in (40, 1, 25):
         settings = GenerationSettings(max_new_tokens=max_new)
@@ -102,17 +103,17 @@ def test_every_method_is_exact_through_fixed_steps(label, fixed, host, heads, dr
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "jakiro"])
-def test_head_trees_are_the_host_drafters_trees(kind, fixed, host, heads, draft_dir):
+def test_both_layouts_draft_the_same_trees(kind, fixed, growing, heads, draft_dir):
     """The same shapes grown through fixed slots give the same verified nodes, cycle by cycle."""
     label = {"eagle": "eagle", "eagle3": "deagle", "jakiro": "jakiro"}[kind]
-    fixed_engine, host_engine = engines(label, fixed, host, heads, draft_dir)
     settings = GenerationSettings(max_new_tokens=30)
-    fixed_steps_, host_steps = (list(e.generate(PROMPT, settings)) for e in (fixed_engine, host_engine))
-    assert len(fixed_steps_) == len(host_steps)
+    fixed_steps_, growing_steps = (list(engine_for(label, target, heads, draft_dir).generate(PROMPT, settings))
+                                   for target in (fixed, growing))
+    assert len(fixed_steps_) == len(growing_steps)
     produced = 1
-    for ours, theirs in zip(fixed_steps_[1:], host_steps[1:]):
+    for ours, theirs in zip(fixed_steps_[1:], growing_steps[1:]):
         room = settings.max_new_tokens - produced
-        if room > 8:  # near the end the host drafts no deeper than the room, the fixed tree stays whole
+        if room > 8:  # near the end the growing layout drafts no deeper than the room, the fixed tree stays whole
             assert paths(ours.cycle.tree) == paths(theirs.cycle.tree)
         assert ours.tokens == theirs.tokens
         produced += len(ours.tokens)
@@ -122,17 +123,15 @@ def test_head_trees_are_the_host_drafters_trees(kind, fixed, host, heads, draft_
 def test_lookup_chains_merge_on_the_device_as_on_the_host(seed):
     """`merge_lookup` + `select_fixed` choose what `Candidates.add_chain` + `select` choose, on random
     tables and chains that share prefixes with the head's nodes (and one that does not)."""
-    from specchat.decode.fixed_heads import merge_lookup, select_fixed
-    from specchat.decode.hybrid import Candidates
-    from specchat.decode.tree_shapes import CandidateTable
+    from specchat.decode.drafting.selection import Candidates, merge_lookup, select_fixed
+    from specchat.decode.drafting.shapes import CandidateTable
 
     generator = torch.Generator().manual_seed(seed)
     k, depth = 3, 4
     size = k + (depth - 1) * k * k
     table = CandidateTable.allocate(size, "cpu")
     logps = torch.rand(size, generator=generator).clamp(min=0.05).log()
-    table.write(0, torch.randint(0, 20, (k,), generator=generator).unique()[:k].sort().values if False else
-                torch.tensor([3, 7, 11]), -1, 1, logps[:k], logps[:k])
+    table.write(0, torch.tensor([3, 7, 11]), -1, 1, logps[:k], logps[:k])
     beam = torch.arange(k)
     for level in range(1, depth):
         first = k + (level - 1) * k * k
@@ -146,7 +145,7 @@ def test_lookup_chains_merge_on_the_device_as_on_the_host(seed):
     spelled = [int(table.tokens[int(table.parents[best])]), int(table.tokens[best]), 555, 556, 557]
     chains = torch.tensor([spelled + [0] * 3, [999, 998, 997] + [0] * 5])
     lengths, accept, evidence = torch.tensor([5, 3]), torch.tensor([0.6, 0.3]), torch.tensor([4, 2])
-    host = Candidates.from_table(table, {})
+    host = Candidates.from_table(table, None)
     for chain, length, rate, strength in zip(chains.tolist(), lengths.tolist(), accept.tolist(), evidence.tolist()):
         host.add_chain(chain[:length], rate, strength)
     keep = 12
@@ -158,7 +157,7 @@ def test_lookup_chains_merge_on_the_device_as_on_the_host(seed):
                         depths=[int(ours.depths[i]) for i in kept], probs=[1.0] * len(kept))
     assert paths(tree) == paths(theirs)
     ours_by_path = {path: (int(ours.sources[kept[i]]), int(ours.evidence[kept[i]])) for i, path in enumerate(walks(tree))}
-    theirs_by_path = {path: (theirs.sources[i], theirs.lookup_evidence[i]) for i, path in enumerate(walks(theirs))}
+    theirs_by_path = {path: (theirs.sources[i], theirs.evidence[i]) for i, path in enumerate(walks(theirs))}
     assert ours_by_path == theirs_by_path
 
 
@@ -175,19 +174,19 @@ def paths(tree) -> set[tuple[int, ...]]:
     return set(walks(tree))
 
 
-def test_an_oracle_is_accepted_exactly_as_deep_as_scripted(fixed, host):
-    plain = tokens_of(Engine(host), PROMPT, GenerationSettings(max_new_tokens=40))
+def test_an_oracle_is_accepted_exactly_as_deep_as_scripted(target, growing):
+    plain = tokens_of(Engine(growing), PROMPT, GenerationSettings(max_new_tokens=40))
     for nodes, depth in ((7, 3), (15, 1), (4, 4)):
-        oracle = ScriptedTree(PROMPT + plain, fixed.vocab_size, nodes, depth, fixed.device)
-        steps = list(FixedEngine(fixed, oracle).generate(PROMPT, GenerationSettings(max_new_tokens=40)))
+        oracle = ScriptedTree(PROMPT + plain, target, nodes, depth)
+        steps = list(Engine(target, oracle).generate(PROMPT, GenerationSettings(max_new_tokens=40)))
         assert [t for s in steps for t in s.tokens] == plain
         assert all(len(s.tokens) == depth + 1 for s in steps[1:-1])  # tau = depth + 1 until the budget's end
 
 
-def test_a_head_that_is_always_right_goes_deep(bigram_dir, tmp_path):
-    bigram = load_tiny_target(bigram_dir, cuda_graphs="on")
+def test_a_head_that_is_always_right_goes_deep(bigram_dir, layout, tmp_path):
+    bigram = load_tiny_target(bigram_dir, layout=layout)
     save_head(oracle_head(bigram), tmp_path / "oracle")
-    engine = new_engine(bigram, build_proposer(Settings(method="deagle", draft=str(tmp_path / "oracle"), **TREE), bigram))
+    engine = Engine(bigram, build_proposer(Settings(method="deagle", draft=str(tmp_path / "oracle"), **TREE), bigram))
     steps = list(engine.generate(PROMPT, GenerationSettings(max_new_tokens=40)))
     assert [t for s in steps for t in s.tokens] == tokens_of(Engine(load_tiny_target(bigram_dir)), PROMPT,
                                                              GenerationSettings(max_new_tokens=40))
@@ -198,33 +197,32 @@ def test_a_head_that_is_always_right_goes_deep(bigram_dir, tmp_path):
 
 
 @pytest.mark.parametrize("label", ["vanilla", "pld", "sps", "deagle", "jakiro", "deagle+lookup"])
-def test_sampling_follows_the_target_distribution(label, fixed, host, heads, draft_dir):
-    """The first two tokens of sampled replies against the exact distribution (chi-square): the
-    device's acceptance rules (one draw per row, a sampled chain's p/q rule) are exact."""
-    engine, _ = engines(label, fixed, host, heads, draft_dir)
-    drafted = []
-    assert_samples_follow_the_target(engine, fixed, [258, 40, 41, 40], top_k=4, runs=600, drafted=drafted)
+def test_sampling_follows_the_target_distribution(label, target, heads, draft_dir):
+    """The first two tokens of sampled replies against the exact distribution (chi-square): either
+    layout's acceptance rules (the fixed one's: one draw per row, a sampled chain's p/q rule) are exact."""
+    engine = engine_for(label, target, heads, draft_dir)
+    assert_samples_follow_the_target(engine, target, [258, 40, 41, 40], top_k=4, runs=600)
 
 
-def test_sampled_chains_are_accepted_by_the_p_over_q_rule_and_stay_exact(fixed, qwen_dir):
+def test_sampled_chains_are_accepted_by_the_p_over_q_rule_and_stay_exact(target, qwen_dir, layout):
     """sps with the target as its own draft (q = p): the chain's rule accepts nearly every token."""
-    engine = new_engine(fixed, build_proposer(Settings(method="sps", draft=str(qwen_dir), draft_tokens=3), fixed,
-                                              lambda name: load_tiny_target(name, cuda_graphs="on")))
+    engine = Engine(target, build_proposer(Settings(method="sps", draft=str(qwen_dir), draft_tokens=3), target,
+                                           lambda name: load_tiny_target(name, layout=layout)))
     drafted = []
-    assert_samples_follow_the_target(engine, fixed, [258, 40, 41, 40], top_k=4, runs=400, drafted=drafted)
+    assert_samples_follow_the_target(engine, target, [258, 40, 41, 40], top_k=4, runs=400, drafted=drafted)
     assert drafted[-1] > 0.9 * 400
 
 
-def test_sampling_with_an_oracle_head_accepts_and_stays_exact(bigram_dir, tmp_path):
-    bigram = load_tiny_target(bigram_dir, cuda_graphs="on")
+def test_sampling_with_an_oracle_head_accepts_and_stays_exact(bigram_dir, layout, tmp_path):
+    bigram = load_tiny_target(bigram_dir, layout=layout)
     save_head(oracle_head(bigram), tmp_path / "oracle")
-    engine = new_engine(bigram, build_proposer(Settings(method="eagle2", draft=str(tmp_path / "oracle"), **TREE), bigram))
+    engine = Engine(bigram, build_proposer(Settings(method="eagle2", draft=str(tmp_path / "oracle"), **TREE), bigram))
     drafted = []
     assert_samples_follow_the_target(engine, bigram, [258, 40, 41], top_k=4, runs=600, drafted=drafted)
     assert drafted[-1] > 100
 
 
-# --- the envelope's promises: one read per step, none inside, few shapes ------------------------------
+# --- the fixed layout's promises: one read per step, none inside, few shapes ----------------------------
 
 # Operations that wait for the device on CUDA: a scalar read, or an output whose size depends on
 # the data (the host must learn it). Plus tensors made from host data, which a CUDA graph cannot
@@ -269,8 +267,8 @@ def watched_reads(monkeypatch):
 
 
 @pytest.mark.parametrize("label", METHODS)
-def test_one_host_read_per_step_and_none_inside_a_replayed_step(label, fixed, host, heads, draft_dir, monkeypatch):
-    engine, _ = engines(label, fixed, host, heads, draft_dir)
+def test_one_host_read_per_step_and_none_inside_a_replayed_step(label, fixed, heads, draft_dir, monkeypatch):
+    engine = engine_for(label, fixed, heads, draft_dir)
     list(engine.generate(PROMPT, GenerationSettings(max_new_tokens=20)))  # every step has run once (warm-up)
     inside, run = [], StepGraphs.run
 
@@ -299,10 +297,10 @@ def test_one_host_read_per_step_and_none_inside_a_replayed_step(label, fixed, ho
         assert not reads and not host_data, f"{label}: the {kind} step read the host: {reads + host_data}"
 
 
-def test_the_shapes_reaching_the_target_are_bounded_whatever_the_length(fixed, heads, draft_dir, host):
+def test_the_shapes_reaching_the_target_are_bounded_whatever_the_length(fixed, heads, draft_dir):
     """A long conversation (crossing attention windows, prefills of every size) meets only the
     envelope's buckets of rows, and its spans; the steps' keys stay few."""
-    engine, _ = engines("deagle+lookup", fixed, host, heads, draft_dir)
+    engine = engine_for("deagle+lookup", fixed, heads, draft_dir)
     shapes, forward = set(), fixed.own_forward.at
 
     def recording(input_ids, cache, positions, mask, slots, span, feature_layers):
@@ -322,10 +320,10 @@ def test_the_shapes_reaching_the_target_are_bounded_whatever_the_length(fixed, h
     rows = {n for n, _ in shapes}
     assert rows <= set(envelope.buckets) and len(rows) <= len(envelope.buckets)
     assert {span for _, span in shapes} <= set(envelope.spans)
-    assert len(engine.graphs.warmed) <= 3 * len(envelope.spans)  # plain, draft, verify per window at most
+    assert len(engine.layout.graphs.warmed) <= 3 * len(envelope.spans)  # plain, draft, verify per window at most
 
 
-# --- the envelope's pieces -----------------------------------------------------------------------
+# --- the fixed layout's pieces ---------------------------------------------------------------------
 
 
 def test_envelope_buckets_and_spans():
@@ -347,10 +345,17 @@ def test_window_mask_marks_the_context_and_the_block():
                              [True, True, True, False, True, True, False, False]]
 
 
-def test_padding_nodes_are_never_accepted():
-    from specchat.decode.verify import accept_fixed
+def test_host_inputs_are_declared_fields_the_step_reads_as_tensors():
+    inputs = HostInputs(torch.device("cpu"), length=(), chains=(2, 3), lengths=2)
+    inputs.write(length=7, chains=[[5, 6, 7], [8]], lengths=[3, 1])
+    assert int(inputs.length) == 7 and inputs.length.dim() == 0
+    assert inputs.chains.tolist() == [[5, 6, 7], [8, 0, 0]] and inputs.lengths.tolist() == [3, 1]
+    inputs.write(chains=[[9]], lengths=[1])  # a field written again keeps nothing of before
+    assert inputs.chains.tolist() == [[9, 0, 0], [0, 0, 0]] and int(inputs.length) == 7
 
-    tree = FixedTree.chain(torch.tensor([5, 6]), torch.tensor([True, True])).padded(4)
+
+def test_padding_nodes_are_never_accepted():
+    tree = padded(device_chain(torch.tensor([5, 6]), torch.tensor([True, True]), source=Source.LOOKUP), 4)
     logits = torch.full((5, 10), -10.0)
     logits[0, 5] = logits[1, 6] = 10.0  # the chain is right...
     logits[2, 0] = 10.0  # ...and a padding node holds the token the target wants next: still never accepted
@@ -370,9 +375,9 @@ def test_cuda_graphs_setting_resolution():
         fixed_steps("sometimes", cpu)
 
 
-def test_the_runtime_says_what_runs_it(fixed, host):
+def test_the_runtime_says_what_runs_it(fixed, growing):
     assert "fixed-shape steps (eager)" in fixed.runtime and fixed.envelope is not None and not fixed.captures
-    assert host.envelope is None and "fixed" not in host.runtime
+    assert growing.envelope is None and "fixed" not in growing.runtime
 
 
 # --- CUDA: the same steps, captured -----------------------------------------------------------------
@@ -391,11 +396,11 @@ def test_cuda_captured_steps_replay_what_eager_steps_compute(label, qwen_dir, he
     target = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cuda", cuda_graphs="on"))
     settings = dataclasses.replace(method_settings(label, heads, draft_dir), device="cuda")
     load = lambda name: load_target(ModelSpec(model=str(name), dtype="float32", device="cuda"))  # noqa: E731
-    engine = new_engine(target, build_proposer(settings, target, load))
-    plain = FixedEngine(target, capture=False)
+    engine, plain = Engine(target, build_proposer(settings, target, load)), Engine(target)
+    plain.layout.graphs.capture = False
     generation = GenerationSettings(max_new_tokens=40)
     assert tokens_of(engine, PROMPT, generation) == tokens_of(plain, PROMPT, generation)
-    assert engine.graphs.graphs and engine.graphs.failure is None
+    assert engine.layout.graphs.graphs and engine.layout.graphs.failure is None
     run = StepGraphs.run
 
     def strict(self, key, step, generator=None):

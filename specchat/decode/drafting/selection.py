@@ -1,5 +1,13 @@
-"""Hybrid drafting's bookkeeping on the host: the candidates a cycle could verify, and what the chat
-has taught about lookup continuations (`LookupRates`) and about the head (`HeadTrust`).
+"""Which of a head's candidates a cycle verifies, joined by lookup continuations (hybrid drafting),
+and what the chat has taught about lookup continuations (`LookupRates`) and about the head (`HeadTrust`).
+
+The selection is the best nodes by path score, and the merge of a lookup chain into the head's
+nodes is the same rule on both layouts, in two forms: on the host over lists (`Candidates`: the
+growing layout reads the head's table once and decides there, without the tensor operations a
+device form would add to every CPU cycle) and on the device (`select_fixed`, `merge_lookup`: the
+fixed layout decides inside its draft step, which may not read the host). Rate-based selection
+(`Candidates.select_for_rate`, below) is the growing layout's alone: it times the cycle's drafting
+on the host.
 
 With a lookup source (`--lookup on`), continuations of the newest tokens found in text already seen
 join the head's candidates, as branches from the root that merge with the head's nodes where they
@@ -17,9 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from specchat.decode.calibrate import Curve
-from specchat.decode.tree import Cycle, DraftTree, Source
-from specchat.decode.tree_shapes import CandidateTable
+from specchat.decode.drafting.deagle import DepthTrace
+from specchat.decode.drafting.shapes import CandidateTable
+from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 
 LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle
 LOOKUP_TOKENS = 16  # the longest lookup chain (the verify budget decides how much of it is verified)
@@ -36,15 +47,15 @@ class Candidates:
     probs: list[float]  # given the parent
     scores: list[float]
     sources: list[Source] = field(default_factory=list)  # empty: all the head's
-    info: dict = field(default_factory=dict)  # for the trace (`DraftTree.info`)
+    trace: DepthTrace | None = None  # for the trace (`DraftTree.trace`)
     evidence: list[int] = field(default_factory=list)  # per lookup node, its match's strength (else 0)
 
     @classmethod
-    def from_table(cls, table: CandidateTable, info: dict) -> Candidates:
-        """The table's nodes as host lists (one read of each tensor: the host's drafter)."""
+    def from_table(cls, table: CandidateTable, trace: DepthTrace | None) -> Candidates:
+        """The table's nodes as host lists (one read of each tensor: the growing layout's drafter)."""
         n = table.filled
         return cls(table.tokens[:n].tolist(), table.parents[:n].tolist(), table.depths[:n].tolist(),
-                   table.logps[:n].exp().tolist(), table.scores[:n].tolist(), info=info)
+                   table.logps[:n].exp().tolist(), table.scores[:n].tolist(), trace=trace)
 
     def add_chain(self, tokens: list[int], accept: float, evidence: int) -> None:
         """A lookup continuation from the root, each token accepted with probability `accept` given
@@ -115,10 +126,86 @@ class Candidates:
             parents=[slot[self.parents[i]] if self.parents[i] >= 0 else -1 for i in chosen],
             depths=[self.depths[i] for i in chosen],
             probs=[float(self.probs[i]) for i in chosen],
-            info=dict(self.info),
+            trace=self.trace,
             sources=[self.sources[i] for i in chosen] if self.sources else [],
-            lookup_evidence=[self.evidence[i] for i in chosen] if self.evidence else [],
+            evidence=[self.evidence[i] for i in chosen] if self.evidence else [],
         )
+
+
+def select_fixed(table: CandidateTable, keep: int, depth: int) -> DraftTree:
+    """The `keep` best candidates by score as a tree (`Candidates.select` on the device): ties go to
+    the earlier node, which the table's level order makes the shallower, so a parent ranks before
+    its children; a node without a score, or whose parent was not kept, is invalid."""
+    keep = min(keep, len(table.scores))
+    chosen = table.scores.sort(descending=True, stable=True).indices[:keep].sort().values  # parents first
+    position = torch.full_like(table.parents, -1)
+    position[chosen] = torch.arange(keep, device=chosen.device)
+    parents = table.parents[chosen]
+    mapped = torch.where(parents >= 0, position[parents.clamp(min=0)], -1)
+    valid = table.scores[chosen].isfinite() & ((parents < 0) | (mapped >= 0))
+    hybrid = table.sources is not None
+    return DraftTree(table.tokens[chosen], mapped, table.depths[chosen], table.logps[chosen].exp(),
+                     sources=table.sources[chosen] if hybrid else None, evidence=table.evidence[chosen] if hybrid else None,
+                     valid=valid, depth=depth)
+
+
+def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Tensor, log_accept: torch.Tensor,
+                 head_depth: int, evidence: torch.Tensor) -> CandidateTable:
+    """The head's candidates joined by lookup chains [branches, L] (`lengths` of them real, each token
+    accepted with probability exp(`log_accept`) given its parent, found with `evidence` tokens of
+    agreeing context): `Candidates.add_chain` on the device. A chain's prefix that some head node's
+    path spells merges into it (BOTH, the better score, the stronger evidence); the rest hangs below
+    as lookup nodes. Along a chain the score is
+    s_j = max(head score of the node it merged with, s_{j-1} + log_accept), s_{-1} = 0."""
+    device = chains.device
+    branches, length = chains.shape
+    size = len(table.tokens)
+    # Every head node's path as tokens by depth (-1 past its depth).
+    levels = torch.arange(head_depth, device=device)
+    paths = torch.full((size, head_depth), -1, device=device)
+    current = torch.arange(size, device=device)
+    for _ in range(head_depth):
+        on = current >= 0
+        node = current.clamp(min=0)
+        at = on[:, None] & (levels[None, :] == table.depths[node][:, None] - 1)
+        paths = torch.where(at, table.tokens[node][:, None], paths)
+        current = torch.where(on, table.parents[node], current)
+    # Chain position j merges with the head node whose path is chain[:j + 1].
+    positions = torch.arange(length, device=device)
+    real = positions[None, :] < lengths[:, None]  # [branches, L]
+    width = min(length, head_depth)
+    prefixes = torch.where(levels[None, None, :width] <= positions[None, :, None], chains[:, None, :width], -1)
+    spelled = (paths[None, None, :, :width] == prefixes[:, :, None, :]).all(-1)  # [branches, L, size]
+    spelled &= (table.depths[None, None, :] == positions[None, :, None] + 1) & table.scores.isfinite()
+    spelled &= real[:, :, None] & (positions < head_depth)[None, :, None]
+    merged, merged_node = spelled.any(-1), spelled.byte().argmax(-1)
+    head_score = torch.where(merged, table.scores[merged_node], float("-inf"))
+    steps = (positions[:, None] - positions[None, :]).float()  # [j, i]: j - i
+    reach = head_score[:, None, :] + steps[None] * log_accept[:, None, None]
+    reach = reach.masked_fill(steps[None] < 0, float("-inf")).amax(-1)
+    scores = torch.maximum(reach, (positions + 1).float()[None, :] * log_accept[:, None])  # [branches, L]
+    # The head nodes a chain merged with: the better score, BOTH, the stronger evidence.
+    target = torch.where(merged, merged_node, size).flatten()  # `size`: a slot that absorbs the rest
+    head_scores = torch.cat([table.scores, table.scores.new_full((1,), float("-inf"))])
+    head_scores = head_scores.scatter_reduce(0, target, scores.flatten(), "amax")[:size]
+    chain_evidence = evidence[:, None].expand(branches, length).flatten()
+    head_evidence = torch.full((size + 1,), -1, device=device).scatter_reduce(0, target, chain_evidence, "amax")[:size]
+    head_sources = torch.where(head_evidence >= 0, int(Source.BOTH), int(Source.HEAD))
+    # The chain positions that did not merge: new nodes, each under the one before (or its merge).
+    new = real & ~merged
+    flat = size + torch.arange(branches * length, device=device).view(branches, length)
+    before = torch.where(merged, merged_node, flat).roll(1, dims=1)
+    parents = torch.where(positions[None, :] == 0, -1, before)
+    return CandidateTable(
+        tokens=torch.cat([table.tokens, chains.flatten()]),
+        parents=torch.cat([table.parents, parents.flatten()]),
+        depths=torch.cat([table.depths, (positions + 1).expand(branches, length).flatten()]),
+        logps=torch.cat([table.logps, log_accept[:, None].expand(branches, length).flatten()]),
+        scores=torch.cat([head_scores, scores.masked_fill(~new, float("-inf")).flatten()]),
+        filled=size + branches * length,
+        sources=torch.cat([head_sources, torch.full((branches * length,), int(Source.LOOKUP), device=device)]),
+        evidence=torch.cat([head_evidence.clamp(min=0), chain_evidence]),
+    )
 
 
 class LookupRates:
@@ -153,7 +240,7 @@ class LookupRates:
         for node, taken in zip([-1] + path, path + [None]):
             for c in children[node + 1]:
                 if tree.sources[c] != Source.HEAD:
-                    counts = self.counts[self._bucket(tree.lookup_evidence[c])]
+                    counts = self.counts[self._bucket(tree.evidence[c])]
                     counts[0] = counts[0] * self.DECAY + (c == taken)
                     counts[1] = counts[1] * self.DECAY + 1
 

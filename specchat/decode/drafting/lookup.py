@@ -1,4 +1,5 @@
-"""Drafting from text already seen: prompt lookup (PLD, Saxena 2023) and the lookup source of hybrid trees.
+"""Finding drafts in text already seen: the lookup behind prompt lookup (PLD, Saxena 2023:
+`prompt_lookup`) and the lookup source of hybrid trees (`heads`).
 
 The newest n tokens (n from `max_ngram` down to `min_ngram`) are looked up, and the tokens that
 followed an earlier occurrence are proposed. Two places are searched, in this order:
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specchat.decode.tree import DraftTree, Source
 
 # transformers' prompt lookup defaults (prompt_lookup_num_tokens=10 tokens proposed,
 # max_matching_ngram_size=2), with trigrams first: longer keys find fewer, better matches.
@@ -129,33 +129,3 @@ class LookupSource:
             found += [m for m in self.history.matches(tail, limit, count) if m.tokens[0] not in seen][: count - len(found)]
         return found
 
-
-class PromptLookupProposer:
-    """`pld`: a chain of the best lookup match, or no draft at all."""
-
-    feature_layers = None
-
-    def __init__(self, draft_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM,
-                 min_ngram: int = DEFAULT_MIN_NGRAM):
-        if draft_tokens < 1:
-            raise ValueError("draft_tokens must be >= 1")
-        self.k = draft_tokens
-        self.source = LookupSource(max_ngram, min_ngram)
-
-    def describe(self) -> str:
-        return (f"chains of up to {self.k} tokens that followed the latest {self.source.context.min_ngram}-"
-                f"{self.source.context.max_ngram}-gram match")
-
-    def rewind(self, length: int) -> int:
-        return self.source.rewind(length)
-
-    def forget(self) -> None:
-        self.source.forget()
-
-    def observe(self, tokens: list[int], features, cycle=None) -> None:
-        self.source.observe(tokens)
-
-    def propose(self, root: int, settings, rng, max_depth: int, max_nodes: int) -> DraftTree:
-        """A chain (lookup needs neither the sampling settings nor the random stream: it is deterministic)."""
-        found = self.source.matches(root, min(self.k, max_depth, max_nodes))
-        return DraftTree.chain(found[0].tokens if found else [], source=Source.LOOKUP)

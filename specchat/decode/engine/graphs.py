@@ -2,7 +2,7 @@
 
 A step is a function of no arguments that reads and writes only tensors that outlive it (static
 buffers: the caches, the inputs the host writes before a run, the record it reads after) and makes
-no host read; `specchat.decode.envelope` shapes the steps that way. Each step has a key (its
+no host read; `specchat.decode.engine.envelope` shapes the steps that way. Each step has a key (its
 rows, span and sampling). Its first run is eager, which also warms it up (cuBLAS handles,
 workspaces, lazily allocated buffers); the second is captured (capture runs nothing) and
 replayed; later runs replay. So capturing needs no scratch state and no dummy inputs.
