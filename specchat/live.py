@@ -99,7 +99,7 @@ class LiveChat:
         self.totals: dict[str, MethodTotals] = {}
         self.last_turn: Turn | None = None  # the latest reply, and the method that gave it
         self.last_method: str | None = None
-        self.last_cycle = None  # the newest `specchat.decode.tree.Cycle`, for /tree
+        self.last_cycle = None  # the newest `specchat.decode.drafting.tree.Cycle`, for /tree
         self.clock = PlainStepClock(session.engine)
         self._plain_engine: Engine | None = None
         self._proposers = {method_key(settings): session.engine.proposer}  # loaded once, reused on switching back

@@ -8,7 +8,7 @@ a table next to the builders: `specchat.proposers.BUILDERS` for specchat's metho
 `specchat.peers.RUNNERS` for other tools' implementations, which only `bench` runs.
 
 eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
-Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.verify`).
+Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.acceptance.verify`).
 """
 
 from __future__ import annotations

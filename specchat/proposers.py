@@ -122,7 +122,7 @@ def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
         curve = cached_curve(target) if target.device.type == "cpu" and target.envelope is None else None
     try:
-        return HeadProposer(head, target, make_shape(), lookup=lookup, curve=curve)
+        return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve)
     except ValueError as error:
         raise MethodError(str(error)) from error
 

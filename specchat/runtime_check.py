@@ -76,7 +76,8 @@ class ScriptedTree:
     def __init__(self, script: list[int], target: Target, nodes: int, depth: int):
         if not 1 <= depth <= nodes:
             raise ValueError(f"a scripted tree of {nodes} nodes cannot be {depth} deep")
-        self.nodes, self.depth, self.vocab_size, self.fixed = nodes, depth, target.vocab_size, target.envelope is not None
+        self.nodes, self.depth, self.vocab_size = nodes, depth, target.vocab_size
+        self.fixed = target.envelope is not None
         self.script_ids, device = list(script), target.device
         self.script = torch.tensor(script, device=device)
         self.kept: list[int] = []  # the growing layout's: this cycle's nodes
@@ -210,7 +211,8 @@ def head_cycle(args, target: Target, prompt: list[int]) -> dict:
     with torch.device(target.device):
         head = Eagle3Head(config, target.embed_tokens).to(target.dtype).eval()
     head.refresh_vocab_map()
-    proposer = HeadProposer(head, target, DynamicTree(DynamicTreeParams(total_tokens=60, depth=6, top_k=10)))
+    shape = DynamicTree(DynamicTreeParams(total_tokens=60, depth=6, top_k=10))
+    proposer = HeadProposer.for_target(head, target, shape)
     _, cycles = timed(Engine(target, proposer), prompt, args.tokens, args.repeats)
     return {"draft_ms": round(median_ms([s.draft_seconds for s in cycles]), 3),
             "verify_ms": round(median_ms([s.verify_seconds for s in cycles]), 3),

@@ -254,8 +254,9 @@ class ScriptedProposer:
                     depths.append(level + 1)
             parent = here
         keep = _topological_prefix(parents, max_nodes)
-        self.tree = DraftTree(tokens=[tokens[i] for i in keep], probs=[0.5] * len(keep), depths=[depths[i] for i in keep],
-                              parents=[keep.index(parents[i]) if parents[i] >= 0 else -1 for i in keep])
+        self.tree = DraftTree(tokens=[tokens[i] for i in keep], probs=[0.5] * len(keep),
+                              parents=[keep.index(parents[i]) if parents[i] >= 0 else -1 for i in keep],
+                              depths=[depths[i] for i in keep])
         return len(self.tree)
 
     def draft(self, root, length, span, sampling, rng):

@@ -97,7 +97,7 @@ def test_speculative_greedy_through_the_compiled_forward_equals_plain_greedy():
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
     assert tokens_of(Engine(compiled), PROMPT, settings) == plain
-    head = HeadProposer(random_head("eagle", compiled), compiled,
+    head = HeadProposer.for_target(random_head("eagle", compiled), compiled,
                         DynamicTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3)))
     proposers = {"eagle2": head, "pld": LookupProposer(compiled),
                  "scripted": ScriptedProposer(PROMPT, plain, depth=4)}  # deep acceptance through tree masks

@@ -1,4 +1,5 @@
-"""Plain decoding on the engine: identical to a cache-free reference, and the caches stay right."""
+"""Plain decoding on the engine, on both of its layouts: identical to a cache-free reference, and the
+caches stay right."""
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ def collect(engine, prompt, settings, rng=None):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_tiny_target(tiny_model_dir)
+def target(tiny_model_dir, layout):
+    return load_tiny_target(tiny_model_dir, layout=layout)
 
 
 def test_greedy_equals_cache_free_decoding(target):

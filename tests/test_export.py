@@ -155,10 +155,10 @@ def test_exported_heads_load_back_strictly_and_draft_the_same(kind, layout, targ
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     settings = GenerationSettings(max_new_tokens=24)
     shape = DynamicTree(DynamicTreeParams(total_tokens=12, depth=4, top_k=3))
-    steps = [list(Engine(target, HeadProposer(h, target, shape)).generate(PROMPT, settings))
+    steps = [list(Engine(target, HeadProposer.for_target(h, target, shape)).generate(PROMPT, settings))
              for h in (head, back)]
     assert [s.cycle.tree.tokens for s in steps[0][1:]] == [s.cycle.tree.tokens for s in steps[1][1:]]
-    assert tokens_of(Engine(target, HeadProposer(back, target, shape)), PROMPT, settings) == \
+    assert tokens_of(Engine(target, HeadProposer.for_target(back, target, shape)), PROMPT, settings) == \
         tokens_of(Engine(target), PROMPT, settings)
 
 

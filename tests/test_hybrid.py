@@ -45,7 +45,7 @@ def hybrid(target, lookup, curve=FLAT):
     """A hybrid drafter (the cost curve is the growing layout's: the fixed one verifies its whole budget)."""
     head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
-    return HeadProposer(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None)
+    return HeadProposer.for_target(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None)
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong", "half"])

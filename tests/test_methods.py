@@ -30,11 +30,12 @@ def bigram(bigram_dir, layout):
 
 def make(method, model, head=None, draft=None):
     if method == "deagle":
-        return HeadProposer(head or random_head("eagle3", model), model, DeagleTree(TREE, DeagleParams()))
+        return HeadProposer.for_target(head or random_head("eagle3", model), model, DeagleTree(TREE, DeagleParams()))
     if method == "jakiro":
-        return HeadProposer(head or random_head("jakiro", model), model, JakiroTree(TREE))
+        return HeadProposer.for_target(head or random_head("jakiro", model), model, JakiroTree(TREE))
     if method == "jakiro-reference":
-        return HeadProposer(head or random_head("jakiro", model), model, JakiroTree(TREE, reference_attach=True))
+        return HeadProposer.for_target(head or random_head("jakiro", model), model,
+                                       JakiroTree(TREE, reference_attach=True))
     if method == "sps":
         return DraftModelProposer(draft or model, model, draft_tokens=4)
     return LookupProposer(model, draft_tokens=6)
@@ -149,7 +150,7 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram_dir):
     head.forward = counting
     both = head.forward_both
     head.forward_both = lambda *a, **k: (calls.append("both"), both(*a, **k))[1]
-    proposer = HeadProposer(head, bigram, JakiroTree(DynamicTreeParams(total_tokens=40, depth=5, top_k=3)))
+    proposer = HeadProposer.for_target(head, bigram, JakiroTree(DynamicTreeParams(total_tokens=40, depth=5, top_k=3)))
     engine = Engine(bigram, proposer)
     steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=20)))
     tree = steps[1].cycle.tree
@@ -190,13 +191,14 @@ def test_sps_refuses_a_draft_with_another_tokenizer(target, tmp_path):
 
 
 def test_sps_keeps_the_draft_cache_in_step(qwen_dir, tiny_model_dir):
-    """The growing layout's draft cache holds the entries of `cached_ids`, a prefix of the context."""
+    """The growing layout's draft cache holds the entries it knows right (`fed`) and no more."""
     proposer = DraftModelProposer(load_tiny_target(tiny_model_dir), load_tiny_target(qwen_dir), draft_tokens=3)
-    engine, draft = Engine(load_tiny_target(qwen_dir), proposer), proposer.cache
+    engine = Engine(load_tiny_target(qwen_dir), proposer)
     for prompt in PROMPTS:
-        list(engine.generate(prompt, GenerationSettings(max_new_tokens=10)))
-        assert draft.cache.length == len(draft.cached_ids) <= len(draft.context_ids) + 3
-        assert draft.cached_ids == draft.context_ids[: len(draft.cached_ids)]
+        for step in engine.generate(prompt, GenerationSettings(max_new_tokens=10)):
+            if not step.prefill:
+                assert proposer.cache.length == proposer.fed <= len(proposer.context)
+        assert proposer.context == engine.context_ids
 
 
 def test_pld_proposes_what_followed_the_latest_match():

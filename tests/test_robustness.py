@@ -415,18 +415,18 @@ def test_a_pickle_that_is_not_plain_tensors_is_one_line(tiny_target, tmp_path):
     assert "\n" not in str(caught.value)
 
 
-def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
+def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir, layout):
     from specchat.decode.drafting.deagle import DeagleParams
     from specchat.decode.drafting.heads import HeadProposer
     from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
 
-    bigram = load_tiny_target(bigram_dir)
+    bigram = load_tiny_target(bigram_dir, layout=layout)
     head = random_head("eagle3", bigram)
     with torch.no_grad():
         head.fc.weight.fill_(float("nan"))
     settings = GenerationSettings(max_new_tokens=16)
     plain = [t for s in Engine(bigram).generate([258, 10, 20, 30], settings) for t in s.tokens]
-    proposer = HeadProposer(head, bigram, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
+    proposer = HeadProposer.for_target(head, bigram, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
     drafted = [t for s in Engine(bigram, proposer).generate([258, 10, 20, 30], settings) for t in s.tokens]
     assert drafted == plain
 

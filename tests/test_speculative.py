@@ -23,8 +23,8 @@ def tokens_of(engine, prompt, settings, rng=None):
 
 def proposer(head, target, tree):
     if tree == "static":
-        return HeadProposer(head, target, StaticTree(MC_SIM_7B_63))
-    return HeadProposer(head, target, DynamicTree(DynamicTreeParams(total_tokens=16, depth=5, top_k=4)))
+        return HeadProposer.for_target(head, target, StaticTree(MC_SIM_7B_63))
+    return HeadProposer.for_target(head, target, DynamicTree(DynamicTreeParams(total_tokens=16, depth=5, top_k=4)))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_multi_turn_and_interruptions_keep_draft_and_target_caches_consistent(bi
                 stream.close()
                 break
         assert engine.cache.length == len(engine.context_ids)
-        head = engine.proposer.layout
+        head = engine.proposer
         assert bigram.envelope is not None or head.cache.length == head.consumed  # the growing cache holds no scratch
         fresh = tokens_of(Engine(bigram), prompt, settings)
         assert produced == fresh[: len(produced)]

@@ -107,7 +107,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of [n, V] (unnormalized) probabilities, as `sample` draws one: a device
-    tensor, read by no one here (the fixed envelope reads its whole cycle at once)."""
+    tensor, read by no one here (the fixed layout reads its whole cycle at once)."""
     cdf = probs.float().cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)

@@ -1,5 +1,4 @@
-"""Drafting: the tree type, tree shapes, selection, and the proposers of every method (the map: `specchat.decode`).
+"""Drafting: the tree type, tree shapes, selection, every method's proposer (the core's map: `specchat.decode`).
 
-The torch-free modules here (`tree`, `lookup`, `deagle`) are read before torch loads, so this
-package imports nothing itself.
+It imports nothing itself: its torch-free modules (`tree`, `lookup`, `deagle`) are read before torch loads.
 """

@@ -62,10 +62,10 @@ class DeagleParams:
 class DepthVote:
     """The stopping decision for one draft cycle (create one per cycle).
 
-    Tensors in, a 0-d boolean tensor out, and no host read: the host's drafter reads the vote and
-    stops (`bool(fired)`), the fixed layout's keeps drafting to its full depth and drops the
-    levels after the vote (the same tree, at a fixed shape). Tensor methods only, so this module
-    still loads without torch."""
+    Tensors in, a 0-d boolean tensor out, and no host read: the growing layout's drafter reads the
+    vote and stops (`bool(fired)`), the fixed layout's keeps drafting to its full depth and drops
+    the levels after the vote (the same tree, at a fixed shape). Tensor methods only, so this
+    module still loads without torch."""
 
     def __init__(self, params: DeagleParams):
         self.params = params
@@ -120,10 +120,11 @@ class DepthVote:
         for row, (_, *values) in enumerate(self._history):
             for column, value in enumerate(values):
                 table[row, column] = value
-        return [DepthVotes(depth, mass, ratio, expected, [name for name, on in (("mass", low_mass), ("momentum", momentum),
-                                                                                 ("saturation", saturated)) if on])
-                for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history,
-                                                                                               table.tolist())]
+        depths = []
+        for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history, table.tolist()):
+            votes = [name for name, on in (("mass", low_mass), ("momentum", momentum), ("saturation", saturated)) if on]
+            depths.append(DepthVotes(depth, mass, ratio, expected, votes))
+        return depths
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ one, the newest paired with the root; its last output predicts the root's childr
 depth d sit at position (committed entries - 1 + d); their entries are scratch, dropped after the
 cycle.
 
-What differs by layout is the head's cache and where a cycle's selection runs, in `GrowingHead`
-and `FixedHead` (each also the `HeadSteps` the shapes grow with):
+`HeadProposer` holds the algorithm; what differs by layout, the head's cache and where a cycle's
+selection runs, is its subclass's, `GrowingHead` or `FixedHead` (`HeadProposer.for_target` picks):
 
 - growing: the cache grows (`drafters.cache.HeadCache`); the context pass feeds exactly the pending
   positions, a tree's entries are appended and trimmed away; DEAGLE's vote stops drafting; the
@@ -38,14 +38,18 @@ from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, 
                                                 merge_lookup, select_fixed)
 from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree, tree_budget
 from specchat.decode.drafting.tree import Cycle, DraftTree
-from specchat.decode.engine.envelope import MAX_TREE_ROWS, Envelope, HostInputs, Window, pick, window_mask
+from specchat.decode.engine.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
 from specchat.decode.target import Target
 
 PROMPT_CHUNK = 512  # prompt rows the fixed layout feeds the head at once (eagerly, padded to a bucket)
 
 
-class HeadProposer:
-    """Proposes draft trees of one shape with a draft head (see `drafters`) for `target`, on its layout."""
+class HeadProposer(HeadSteps):
+    """Proposes draft trees of one shape with a draft head (see `drafters`): the algorithm, on the
+    layout its subclass keeps the head's cache on (the shapes grow through it: `HeadSteps`)."""
+
+    reach = 0
+    described = ""
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree,
                  lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS):
@@ -57,68 +61,68 @@ class HeadProposer:
             lookup_tokens: the longest lookup chain.
         """
         shape.check(head)
-        self.head, self.shape, self.lookup, self.curve = head, shape, lookup, curve
+        super().__init__(head)
+        self.shape, self.lookup, self.curve = shape, lookup, curve
         self.lookup_tokens = lookup_tokens if lookup is not None else 0
         self.rates, self.trust = LookupRates(), HeadTrust()
         self.feature_layers = head.feature_layers(target.num_layers)
-        self.layout = GrowingHead(self) if target.envelope is None else FixedHead(self, target.envelope)
-        self.reach = self.layout.reach
         self.matches: list[Match] = []
         self.started = self.lookup_seconds = 0.0
 
+    @staticmethod
+    def for_target(head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options) -> HeadProposer:
+        """The head's proposer on `target`'s layout (`options`: lookup, curve, lookup_tokens)."""
+        return (GrowingHead if target.envelope is None else FixedHead)(head, target, shape, **options)
+
     def describe(self) -> str:
-        return self.shape.describe() + (", with lookup (hybrid)" if self.lookup is not None else "") + \
-            self.layout.described
+        return self.shape.describe() + (", with lookup (hybrid)" if self.lookup is not None else "") + self.described
 
     def rewind(self, length: int) -> int:
         if self.lookup is not None:
             self.lookup.rewind(length)
-        return self.layout.rewind(length)
+        return self.rewind_cache(length)
 
     def forget(self) -> None:
         if self.lookup is not None:  # the acceptance rates stay: they describe the head and the model, not the text
             self.lookup.forget()
 
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
-        self.layout.pend(tokens, features)
+        self.pend(tokens, features)
         if self.lookup is not None:
             self.lookup.observe(tokens)
 
     @torch.inference_mode()
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         self.started = time.perf_counter()
-        nodes = self.layout.prepare(max_depth, max_nodes)
+        nodes = self.budget(max_depth, max_nodes)
         if nodes and self.lookup is not None:
             self.matches = self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES)
-            self.layout.chains(self.matches)
+            self.chains(self.matches)
         self.lookup_seconds = time.perf_counter() - self.started if self.lookup is not None else 0.0
         return nodes
 
     @torch.inference_mode()
     def draft(self, root, length, span: int | None, sampling, rng) -> DraftTree:
-        return self.layout.select(self.layout.grow(self.layout.context_pass(root, span)))
-
-    def commit(self, tree: DraftTree, acceptance, root, features: torch.Tensor) -> None:
-        self.layout.commit(tree, acceptance, root, features)
+        return self.select(self.grow(self.context_pass(root, span)))
 
     def committed(self, tokens: list[int], cycle: Cycle) -> None:
-        self.layout.committed(tokens)
+        self.confirm(tokens)
         if self.lookup is not None:
             self.lookup.observe(tokens)
             self.rates.learn(cycle)
             self.trust.learn(cycle)
             cycle.tree.lookup_seconds = self.lookup_seconds
 
+    # What a layout's subclass keeps: the head's cache (`rewind_cache`, `pend`: prompt positions,
+    # `commit` and `confirm`: a cycle's), the cycle's budget (`budget`) and lookup chains (`chains`),
+    # the context pass, growing a shape's table (and `feed`, `stops`: `HeadSteps`), the selection.
 
-class GrowingHead(HeadSteps):
+
+class GrowingHead(HeadProposer):
     """The head on the growing layout (see the module docstring)."""
 
-    reach = 0
-    described = ""
-
-    def __init__(self, proposer: HeadProposer):
-        super().__init__(proposer.head)
-        self.proposer = proposer
+    def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
+        super().__init__(head, target, shape, **options)
         self.cache = HeadCache()
         self.consumed = 0  # cache entries of committed context pairs
         self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on
@@ -126,7 +130,7 @@ class GrowingHead(HeadSteps):
         self.keep = self.depth = self.max_nodes = 0  # this cycle's budget
         self.head_trust = 1.0
 
-    def rewind(self, length: int) -> int:
+    def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
         if keep < self.consumed:
             self.consumed = keep
@@ -146,16 +150,15 @@ class GrowingHead(HeadSteps):
     def commit(self, tree: DraftTree, acceptance, root: int, features: torch.Tensor) -> None:
         self.pending_features.append(features)
 
-    def committed(self, tokens: list[int]) -> None:
+    def confirm(self, tokens: list[int]) -> None:
         self.pending_tokens.extend(tokens)
 
-    def prepare(self, max_depth: int, max_nodes: int) -> int:
+    def budget(self, max_depth: int, max_nodes: int) -> int:
         """This cycle's budget within the room (`tree_budget`); none without room for a draft token."""
         if max_depth < 1:
             return 0
-        p = self.proposer
-        self.head_trust = p.trust.factor() if p.lookup is not None and p.curve is not None else 1.0
-        self.keep, self.depth = tree_budget(p.shape, max_depth, max_nodes, self.head_trust, p.curve)
+        self.head_trust = self.trust.factor() if self.lookup is not None and self.curve is not None else 1.0
+        self.keep, self.depth = tree_budget(self.shape, max_depth, max_nodes, self.head_trust, self.curve)
         self.max_nodes = max_nodes
         return self.keep
 
@@ -168,32 +171,32 @@ class GrowingHead(HeadSteps):
         count = len(self.pending_tokens)
         next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
         positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
-        out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device), self.cache)
+        mask = causal_mask(self.consumed, count, features.device)
+        out = self.head(features, next_tokens, positions, mask, self.cache)
         self.consumed += count
         self.pending_features, self.pending_tokens = [], []
         return out[-1]
 
     def grow(self, root_hidden: torch.Tensor) -> CandidateTable:
         try:
-            return self.proposer.shape.grow(self, root_hidden, self.depth, self.max_nodes)
+            return self.shape.grow(self, root_hidden, self.depth, self.max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
 
     def select(self, table: CandidateTable) -> DraftTree:
         """The table read once; the best `keep` nodes, or with lookup chains the head's own tree plus the
         nodes worth verifying at this machine's cost (`Candidates.select_for_rate`)."""
-        p = self.proposer
-        candidates = Candidates.from_table(table, p.shape.trace(table))
-        if p.lookup is None:
+        candidates = Candidates.from_table(table, self.shape.trace(table))
+        if self.lookup is None:
             return candidates.select(self.keep)
-        heads_tree = candidates.best(self.keep)  # what `--lookup off` verifies (at full trust): it stays whole, lookup only adds
-        for match in p.matches:
-            candidates.add_chain(match.tokens, p.rates.estimate(match.evidence), match.evidence)
-        if p.curve is None:
+        heads_tree = candidates.best(self.keep)  # what `--lookup off` verifies (at full trust): lookup only adds
+        for match in self.matches:
+            candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
+        if self.curve is None:
             tree = candidates.select(self.keep)
         else:
-            drafting_ms = 1000 * (time.perf_counter() - p.started)
-            tree = candidates.select_for_rate(p.curve, drafting_ms, self.max_nodes, kept=heads_tree,
+            drafting_ms = 1000 * (time.perf_counter() - self.started)
+            tree = candidates.select_for_rate(self.curve, drafting_ms, self.max_nodes, kept=heads_tree,
                                               head_trust=self.head_trust)
         tree.head_trust = self.head_trust
         return tree
@@ -212,33 +215,33 @@ class GrowingHead(HeadSteps):
         return bool(fired)
 
 
-class FixedHead(HeadSteps):
+class FixedHead(HeadProposer):
     """The head on the fixed layout (see the module docstring): one budget every cycle, the largest
     tree the envelope verifies, whatever the room (acceptance stops at the room instead)."""
 
     described = ", fixed-shape steps"
 
-    def __init__(self, proposer: HeadProposer, envelope: Envelope):
-        super().__init__(proposer.head)
-        self.proposer, self.envelope = proposer, envelope
-        self.keep, self.head_depth = tree_budget(proposer.shape, MAX_TREE_ROWS, MAX_TREE_ROWS - 1)
-        self.depth = max(self.head_depth, proposer.lookup_tokens)  # the deepest node (a lookup chain's)
+    def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
+        super().__init__(head, target, shape, **options)
+        self.envelope = envelope = target.envelope
+        self.keep, self.head_depth = tree_budget(shape, MAX_TREE_ROWS, MAX_TREE_ROWS - 1)
+        self.depth = max(self.head_depth, self.lookup_tokens)  # the deepest node (a lookup chain's)
         self.rows = self.depth + 1  # positions a cycle commits at most: the context pass's rows
-        self.reach = self.rows + proposer.shape.entries(self.head_depth)  # head entries past the context
+        self.reach = self.rows + shape.entries(self.head_depth)  # head entries past the context
         self.cache = FixedHeadCache(envelope.capacity + self.reach)
-        device = next(proposer.head.parameters()).device
+        device = next(head.parameters()).device
         self.inputs = HostInputs(device, consumed=(), pending=())
         self.pending_features: torch.Tensor | None = None  # [rows, F], allocated at the first prompt
         self.pending_tokens = torch.zeros(self.rows, dtype=torch.long, device=device)
         self.consumed = self.pending = 0  # host copies: committed entries; committed positions not yet fed
         self.waiting: list[tuple[list[int], torch.Tensor]] = []  # prompt rows not yet fed (tokens, features)
         self.context_end, self.span = None, 0  # this draft step's: where the committed entries end, its window
-        if proposer.lookup is not None:
-            self.lookups = HostInputs(device, tokens=(LOOKUP_BRANCHES, proposer.lookup_tokens), lengths=LOOKUP_BRANCHES,
+        if self.lookup is not None:
+            self.lookups = HostInputs(device, tokens=(LOOKUP_BRANCHES, self.lookup_tokens), lengths=LOOKUP_BRANCHES,
                                       evidence=LOOKUP_BRANCHES)
             self.accept = HostInputs(device, torch.float32, rates=LOOKUP_BRANCHES)
 
-    def rewind(self, length: int) -> int:
+    def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1
         if keep < self.consumed:
             self.consumed, self.pending, self.waiting = keep, 0, []
@@ -255,7 +258,7 @@ class FixedHead(HeadSteps):
     def pend(self, tokens: list[int], features: torch.Tensor) -> None:
         self.waiting.append((list(tokens), features))
 
-    def prepare(self, max_depth: int, max_nodes: int) -> int:
+    def budget(self, max_depth: int, max_nodes: int) -> int:
         if self.waiting:
             self._feed_prompt()
         self.inputs.write(consumed=self.consumed, pending=self.pending)
@@ -280,7 +283,7 @@ class FixedHead(HeadSteps):
 
     def chains(self, matches: list[Match]) -> None:
         """The lookup chains, for the draft step to merge (a missing chain's rate 1: its log is 0, never NaN)."""
-        rates = self.proposer.rates
+        rates = self.rates
         self.lookups.write(tokens=[match.tokens for match in matches], lengths=[len(match.tokens) for match in matches],
                            evidence=[match.evidence for match in matches])
         self.accept.write(rates=[rates.estimate(match.evidence) for match in matches] +
@@ -292,15 +295,16 @@ class FixedHead(HeadSteps):
         window = Window.causal(consumed, self.rows, span)
         rows = torch.arange(self.rows, device=root.device)
         next_tokens = torch.where(rows == count - 1, root, self.pending_tokens.roll(-1))
-        out = self.head(self.pending_features, next_tokens, window.slots, window.mask, self.cache.at(window.slots, span))
+        out = self.head(self.pending_features, next_tokens, window.slots, window.mask,
+                        self.cache.at(window.slots, span))
         self.context_end, self.span = consumed + count, span
         return pick(out, count - 1)
 
     def grow(self, root_hidden: torch.Tensor) -> CandidateTable:
-        return self.proposer.shape.grow(self, root_hidden, self.head_depth, self.keep)
+        return self.shape.grow(self, root_hidden, self.head_depth, self.keep)
 
     def select(self, table: CandidateTable) -> DraftTree:
-        if self.proposer.lookup is not None:
+        if self.lookup is not None:
             lookups = self.lookups
             table = merge_lookup(table, lookups.tokens, lookups.lengths, self.accept.rates.log(), self.head_depth,
                                  lookups.evidence)
@@ -325,6 +329,6 @@ class FixedHead(HeadSteps):
         self.pending_features.copy_(features)
         self.pending_tokens.copy_(torch.cat([root, tree.tokens[acceptance.path]]))
 
-    def committed(self, tokens: list[int]) -> None:
+    def confirm(self, tokens: list[int]) -> None:
         self.consumed += self.pending  # the cycle's context pass fed them
         self.pending = len(tokens)

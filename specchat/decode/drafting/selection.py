@@ -144,9 +144,9 @@ def select_fixed(table: CandidateTable, keep: int, depth: int) -> DraftTree:
     mapped = torch.where(parents >= 0, position[parents.clamp(min=0)], -1)
     valid = table.scores[chosen].isfinite() & ((parents < 0) | (mapped >= 0))
     hybrid = table.sources is not None
-    return DraftTree(table.tokens[chosen], mapped, table.depths[chosen], table.logps[chosen].exp(),
-                     sources=table.sources[chosen] if hybrid else None, evidence=table.evidence[chosen] if hybrid else None,
-                     valid=valid, depth=depth)
+    return DraftTree(table.tokens[chosen], mapped, table.depths[chosen], table.logps[chosen].exp(), valid=valid,
+                     depth=depth, sources=table.sources[chosen] if hybrid else None,
+                     evidence=table.evidence[chosen] if hybrid else None)
 
 
 def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Tensor, log_accept: torch.Tensor,

@@ -2,7 +2,7 @@
 
 - `StaticTree`  EAGLE-1: a fixed tree of child ranks, filled in level by level;
 - `DynamicTree` EAGLE-2: expand the most probable nodes level by level, keep the best overall;
-- `DeagleTree`  the EAGLE-2 tree, deepened only while DEAGLE's vote allows (`specchat.decode.deagle`);
+- `DeagleTree`  the EAGLE-2 tree, deepened only while DEAGLE's vote allows (`specchat.decode.drafting.deagle`);
 - `JakiroTree`  the EAGLE-2 tree whose last level comes from the two-ahead output of the forward
   before it (a Jakiro head), one draft forward fewer.
 
@@ -157,7 +157,7 @@ class _StaticLevel:
 
 @dataclass(frozen=True)
 class StaticTree:
-    """EAGLE-1: a fixed tree of child ranks (paths from the root, e.g. `specchat.decode.tree.MC_SIM_7B_63`)."""
+    """EAGLE-1: a fixed tree of child ranks (paths from the root, e.g. `specchat.decode.drafting.tree.MC_SIM_7B_63`)."""
 
     paths: tuple[tuple[int, ...], ...]
 

@@ -1,1 +1,1 @@
-"""The engine and its two cache layouts (the map of the whole core: `specchat.decode`)."""
+"""The engine and its two cache layouts (the core's map: `specchat.decode`)."""
