@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from specchat import app, bench, peers
+from specchat import app, bench, peers, peers_openvino, peers_vllm
 from specchat.bench import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import check_output_folder, read_prompts
@@ -29,13 +29,16 @@ from specchat.methods import METHODS, PLAIN, MethodError, MissingDraft, checked_
 from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 
 
+# What runs each of the other tools' methods (specchat's own: `specchat.proposers.BUILDERS`).
+RUNNERS = {**peers.RUNNERS, **peers_openvino.RUNNERS, **peers_vllm.RUNNERS}
+
 # What `bench.write_outputs` writes into the output folder (checked before the model loads).
 OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png",
-                "memory.png")
+                "memory.png", "breakdown.png")
 
 
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
-              warmup: int, output_dir: str, interleave: bool = False) -> None:
+              warmup: int, output_dir: str, interleave: bool = False, breakdown: bool = False) -> None:
     check_output_folder("--output", output_dir, inputs, OUTPUT_FILES)
     # Runs repeat exactly: a run without --seed samples with seed 0.
     settings = dataclasses.replace(settings, method=PLAIN, seed=0 if settings.seed is None else settings.seed)
@@ -44,6 +47,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     checked = app.check(settings)
     console = Console(stderr=True)
     target, chat_format = app.load_chat_model(settings, checked)
+    target.profiling = breakdown  # time each forward's products and attention (bench_breakdown)
     generation = app.generation_settings(settings, checked, chat_format)
     for method, reason in skipped.items():
         console.print(f"skipping {method}: {reason}", style="yellow", markup=False, highlight=False, soft_wrap=True)
@@ -54,7 +58,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "runtime": target.runtime,
         "compile_seconds": round(target.compile_seconds, 2),  # at load, before any timed turn: not in tok/s
         "max_new_tokens": generation.max_new_tokens, "temperature": settings.temperature, "repeat": repeat,
-        "warmup": warmup, "interleave": interleave, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "warmup": warmup, "interleave": interleave, "breakdown": breakdown, "profile": profile,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
     measure = BenchRuns(runs, target, chat_format, generation, app.model_loader(settings), console, skipped)
@@ -248,6 +253,6 @@ def _runner(settings: Settings, target, chat_format, generation, load_model):
     """The runner for `settings.method`, and whatever it loaded that should be let go afterwards."""
     entry = METHODS[settings.method]
     if entry.peer:
-        return peers.RUNNERS[entry](settings, target, chat_format, generation, load_model)
+        return RUNNERS[entry](settings, target, chat_format, generation, load_model)
     session = app.open_session(settings, target, chat_format, generation, load_model)
     return SessionRunner(session), session.engine.proposer

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from specchat import methods
-from specchat.decode import quantized
+from specchat.decode import cpu_decoder, quantized
 from specchat.decode.calibrate import cached_curve
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.drafting.draft_model import (DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch,
@@ -102,7 +102,7 @@ def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None
                           lambda: JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
 
 
-# What builds each of specchat's methods (the peers' are `specchat.peers.RUNNERS`).
+# What builds each of specchat's methods (the peers' are `specchat.bench_run.RUNNERS`).
 BUILDERS: dict[methods.Method, Callable[[Settings, Target, LoadModel | None], Proposer | None]] = {
     methods.VANILLA: plain, methods.PLD: lookup, methods.SPS: draft_model, methods.EAGLE: static_tree,
     methods.EAGLE2: dynamic_tree, methods.DEAGLE: deagle_tree, methods.JAKIRO: jakiro_tree,
@@ -117,6 +117,7 @@ def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
         quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize],
                                    quantized_cache(folder, target.spec.quantize, loaded_on=target),
                                    what="the draft head's linear layers")
+        cpu_decoder.fuse_head(head)  # each draft step's layer in one call
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)

@@ -112,6 +112,10 @@ class HeadProposer(HeadSteps):
             self.rates.learn(cycle)
             self.trust.learn(cycle)
             cycle.tree.lookup_seconds = self.lookup_seconds
+        # Live verify forwards heal the cost curve; only the growing layout has one (and times its
+        # verify forward apart: `Cycle.forward_seconds`), the fixed one verifies its whole bucket.
+        if self.curve is not None and cycle.forward_seconds:
+            self.curve.observe(len(cycle.tree) + 1, 1000 * cycle.forward_seconds)
 
     # What a layout's subclass keeps: the head's cache (`rewind_cache`, `pend`: prompt positions,
     # `commit` and `confirm`: a cycle's), the cycle's budget (`budget`) and lookup chains (`chains`),

@@ -38,7 +38,7 @@ from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.engine.fixed import FixedLayout
 from specchat.decode.engine.growing import GrowingLayout
 from specchat.decode.options import MAX_NEW_TOKENS
-from specchat.decode.target import Target
+from specchat.decode.target import ForwardTimes, Target
 from specchat.errors import ContextLengthError
 
 # Long prompts are prefilled in pieces of this many tokens, which bounds the size of the
@@ -71,6 +71,9 @@ class StepResult:
         target_forwards: target forward passes spent (one per step; the prefill counts as one).
         draft_seconds / verify_seconds: the drafting and the verification part of `seconds`.
         draft_tokens: draft tokens the target verified in this step (the tree size).
+        forward: the step's target forward (plain or verifying), of `seconds`, with the target
+            `profiling` its products' and attention's parts; timed on the growing layout only (the
+            fixed one times its steps as a whole: `verify_seconds`).
         finish_reason: "stop" (end-of-turn token), "length" (token budget or context full), or
             None while the reply goes on.
         prefill: True for the first step of a reply (prompt processing plus the first token).
@@ -86,6 +89,7 @@ class StepResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_tokens: int = 0
+    forward: ForwardTimes = ForwardTimes()
     finish_reason: str | None = None
     prefill: bool = False
     cycle: Cycle | None = None
@@ -260,9 +264,10 @@ class Engine:
     def decode_step(self, root: int, settings: GenerationSettings, rng) -> StepResult:
         """Plain decoding: append `root` to the context and draw the token after it."""
         start, capturing = time.perf_counter(), self.layout.capture_seconds
-        token, margin, _ = self.layout.plain_step(root, len(self.context_ids), settings.sampling, rng)
+        token, margin, _, forward = self.layout.plain_step(root, len(self.context_ids), settings.sampling, rng)
         self.context_ids.append(root)
-        return StepResult(tokens=[token], drafted=[False], seconds=self._seconds(start, capturing), margins=[margin])
+        return StepResult(tokens=[token], drafted=[False], seconds=self._seconds(start, capturing), margins=[margin],
+                          forward=forward)
 
     @torch.inference_mode()
     def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
@@ -275,23 +280,23 @@ class Engine:
         proposer, length = self.proposer, len(self.context_ids)
         nodes = proposer.prepare(root, room - 1, self.max_context - length - 1)
         if nodes == 0:  # nothing to verify: a plain step, which gives the proposer its features
-            token, margin, features = self.layout.plain_step(root, length, settings.sampling, rng,
-                                                             proposer.feature_layers)
+            token, margin, features, forward = self.layout.plain_step(root, length, settings.sampling, rng,
+                                                                      proposer.feature_layers)
             self.context_ids.append(root)
-            cycle = Cycle(root, DraftTree.chain([]), [], token)
+            cycle = Cycle(root, DraftTree.chain([]), [], token, forward_seconds=forward.forward_seconds)
             proposer.commit(cycle.tree, None, root, features)
             proposer.committed([root], cycle)
             return StepResult(tokens=[token], drafted=[False], seconds=self._seconds(start, capturing), cycle=cycle,
-                              margins=[margin])
-        cycle, margins, draft_seconds, verify_seconds = self.layout.cycle(proposer, root, length, nodes, room,
-                                                                          settings.sampling, rng, start)
+                              margins=[margin], forward=forward)
+        cycle, margins, draft_seconds, verify_seconds, forward = self.layout.cycle(proposer, root, length, nodes, room,
+                                                                                   settings.sampling, rng, start)
         committed = [root] + [cycle.tree.tokens[node] for node in cycle.accepted]
         self.context_ids.extend(committed)
         proposer.committed(committed, cycle)
         return StepResult(
             tokens=committed[1:] + [cycle.bonus], drafted=[True] * len(cycle.accepted) + [False],
             seconds=self._seconds(start, capturing), draft_seconds=draft_seconds, verify_seconds=verify_seconds,
-            draft_tokens=len(cycle.tree), cycle=cycle, margins=margins,
+            draft_tokens=len(cycle.tree), cycle=cycle, margins=margins, forward=forward,
         )
 
     @torch.inference_mode()

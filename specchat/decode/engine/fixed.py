@@ -28,7 +28,7 @@ from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 from specchat.decode.engine.envelope import Fields, HostInputs, Window, window_mask
 from specchat.decode.engine.graphs import StepGraphs
 from specchat.decode.machine import synchronize
-from specchat.decode.target import Target, TargetOutput
+from specchat.decode.target import ForwardTimes, Target, TargetOutput
 
 NODE_FIELDS = ("tokens", "parents", "depths", "valid", "probs", "sources", "evidence")  # a tree's, in a record
 
@@ -68,8 +68,9 @@ class FixedLayout:
         return int(token), margin
 
     def plain_step(self, root: int, length: int, sampling: SamplingParams, rng,
-                   feature_layers: tuple[int, ...] | None = None) -> tuple[int, float, None]:
-        """The captured plain step from the root on the device (`root`, the same token, is the host's copy)."""
+                   feature_layers: tuple[int, ...] | None = None) -> tuple[int, float, None, ForwardTimes]:
+        """The captured plain step from the root on the device (`root`, the same token, is the host's copy);
+        its forward is not timed apart (a captured step is timed as a whole)."""
         assert feature_layers is None, "a proposer that takes features drafts every cycle on the fixed layout"
         span = self.envelope.span_for(length + 1)
         rng = None if sampling.greedy else rng
@@ -77,7 +78,7 @@ class FixedLayout:
         self.graphs.run(("plain", span, sampling, rng), lambda: self._plain(span, sampling, rng), rng)
         record = self._record(0, 0).read()  # the step's one read
         self.cache.extend(1)
-        return int(record["bonus"][0]), record["margins"][0], None
+        return int(record["bonus"][0]), record["margins"][0], None, ForwardTimes()
 
     def _plain(self, span: int, sampling: SamplingParams, rng) -> None:
         out = Window.causal(self.inputs.length, 1, span).forward(self.target, self.root, self.cache)
@@ -86,9 +87,10 @@ class FixedLayout:
         self._record(0, 0).write(count=token.new_zeros(()), bonus=token, margins=row_margins(out.logits))
 
     def cycle(self, proposer, root: int, length: int, nodes: int, room: int, sampling: SamplingParams, rng,
-              start: float) -> tuple[Cycle, list[float], float, float]:
+              start: float) -> tuple[Cycle, list[float], float, float, ForwardTimes]:
         """Draft and verify (two steps), then the cycle's one read: the cycle, the kept rows' margins,
-        and the two steps' seconds (`start` is the growing layout's; the steps are timed on the device)."""
+        and the two steps' seconds (`start` is the growing layout's; the steps are timed on the device,
+        the verify forward not apart from its step)."""
         span = self.envelope.span_for(length + max(self.envelope.rows_for(nodes + 1), proposer.reach))
         rng = None if sampling.greedy else rng
         key = (proposer, nodes, span, sampling, rng)
@@ -103,7 +105,7 @@ class FixedLayout:
         draft_seconds, verify_seconds = self._clock.intervals()  # the one place a verify step is timed, nodes + 1 rows
         cycle, margins = read_cycle(record, root, nodes)
         self.cache.extend(len(cycle.accepted) + 1)
-        return cycle, margins, draft_seconds, verify_seconds
+        return cycle, margins, draft_seconds, verify_seconds, ForwardTimes()
 
     def _draft(self, key: tuple, sampling: SamplingParams, rng) -> None:
         proposer, nodes, span = key[:3]

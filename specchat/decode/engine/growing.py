@@ -21,7 +21,7 @@ from specchat.decode.acceptance.sampling import SamplingParams, argmax, margins,
 from specchat.decode.acceptance.verify import accept
 from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.machine import synchronize
-from specchat.decode.target import Target, TargetOutput
+from specchat.decode.target import ForwardTimes, Target, TargetOutput
 
 
 class GrowingLayout:
@@ -44,11 +44,15 @@ class GrowingLayout:
         return self._chosen(logits, sampling, rng)
 
     def plain_step(self, root: int, length: int, sampling: SamplingParams, rng,
-                   feature_layers: tuple[int, ...] | None = None) -> tuple[int, float, torch.Tensor | None]:
-        """`root` into the cache; the token drawn after it, its margin, and the target's features at it."""
+                   feature_layers: tuple[int, ...] | None = None) -> tuple[int, float, torch.Tensor | None, ForwardTimes]:
+        """`root` into the cache; the token drawn after it, its margin, the target's features at it
+        and the forward's times."""
+        start = time.perf_counter()
         out = self.target.forward(torch.tensor([[root]], device=self.target.device), self.cache, logits_for="last",
                                   feature_layers=feature_layers)
-        return *self._chosen(out.logits, sampling, rng), out.features
+        synchronize(self.target.device)
+        forward = ForwardTimes.of(out, time.perf_counter() - start)
+        return *self._chosen(out.logits, sampling, rng), out.features, forward
 
     def _chosen(self, logits: torch.Tensor, sampling: SamplingParams, rng) -> tuple[int, float]:
         """The token drawn after the last row of `logits`, and the margin of that row."""
@@ -58,26 +62,29 @@ class GrowingLayout:
         return token, margins(logits[-1:])[0]
 
     def cycle(self, proposer, root: int, length: int, nodes: int, room: int, sampling: SamplingParams, rng,
-              start: float) -> tuple[Cycle, list[float], float, float]:
-        """Draft, verify, accept, compact: the cycle, the kept rows' margins, and the drafting and
-        verification seconds (drafting counted from `start`, the cycle's start)."""
+              start: float) -> tuple[Cycle, list[float], float, float, ForwardTimes]:
+        """Draft, verify, accept, compact: the cycle, the kept rows' margins, the drafting and
+        verification seconds (drafting counted from `start`, the cycle's start) and the verify
+        forward's times."""
         tree = proposer.draft(root, length, None, sampling, rng)
         synchronize(self.target.device)
         drafted = time.perf_counter()
         ids, positions, mask = verify_inputs(tree, root, length, self.target.device)
+        forward_started = time.perf_counter()
         out = self.target.forward(ids, self.cache, positions=positions, mask=mask, logits_for="all",
                                   feature_layers=proposer.feature_layers)
         synchronize(self.target.device)
         verified = time.perf_counter()  # the one place a cycle's verify forward is timed, with len(tree) rows + 1
+        forward = ForwardTimes.of(out, verified - forward_started)
         acceptance = accept(tree, out.logits, sampling, rng)
         tree.q = None  # verified: the reply's record of this cycle need not hold [n, vocab] distributions
         # Compact: the root's and the accepted nodes' entries move down next to the committed prefix.
         keep = [0] + [node + 1 for node in acceptance.path]
         self.cache.compact(length, torch.tensor(keep))
         proposer.commit(tree, acceptance, root, None if out.features is None else out.features[keep])
-        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus)
+        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus, forward_seconds=forward.forward_seconds)
         # row 0 chose the first token, node i's row the token after it
-        return cycle, margins(out.logits[keep]), drafted - start, verified - drafted
+        return cycle, margins(out.logits[keep]), drafted - start, verified - drafted, forward
 
     def plain_step_seconds(self, steps: int, context_ids: list[int]) -> list[float]:
         """Plain steps on top of the cache, timed, then trimmed away."""
