@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
 
     Its `block` (attention from an input, the residual, the MLP of its norm) is what a runtime may
     compute faster: where `fast_block` is set (specchat sets it on a CPU for heads whose linear
-    layers are its quantized ones, `specchat.decode.cpu_decoder`), `block` calls it instead, with
+    layers are its quantized ones, `specchat.decode.runtime.cpu_decoder`), `block` calls it instead, with
     the layer itself (it falls back to `torch_block` for key stores it does not handle).
     """
 

@@ -18,7 +18,7 @@ from specchat.methods import checked_draft
 from specchat.proposers import LoadModel, build_proposer
 from specchat.decode.acceptance.sampling import SamplingParams, make_generator
 from specchat.settings import Settings
-from specchat.decode.target import ModelSpec, Target
+from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.sources import load_target
 
 

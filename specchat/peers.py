@@ -31,7 +31,7 @@ from specchat.inputs import PromptRecord
 from specchat import methods
 from specchat.settings import Settings
 from specchat.stats import Stats
-from specchat.decode.target import Target
+from specchat.decode.runtime.target import Target
 from specchat.sources import source_gguf
 
 HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens default

@@ -2,7 +2,7 @@
 
 Each proposer drafts on the layout of the target it is built for (`specchat.decode.engine`). Tree
 budgets: on CUDA the papers' numbers; on a CPU the verified size comes from the machine's measured
-cost curve (`specchat.decode.calibrate`), since a CPU verifies a handful of tokens for the price of
+cost curve (`specchat.decode.runtime.calibrate`), since a CPU verifies a handful of tokens for the price of
 one but pays every draft step in full. Every combination of settings that makes no sense for a
 method is refused here, in one place; the draft a method needs was checked with the settings
 (`methods.checked_draft`).
@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Callable
 
 from specchat import methods
-from specchat.decode import cpu_decoder, quantized
-from specchat.decode.calibrate import cached_curve
+from specchat.decode.runtime import cpu_decoder, quantized
+from specchat.decode.runtime.calibrate import cached_curve
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.drafting.draft_model import (DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch,
                                                   check_tokenizers)
@@ -26,16 +26,16 @@ from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOT
                                              DynamicTreeParams, JakiroTree, StaticTree)
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 from specchat.decode.engine.engine import Proposer
-from specchat.decode.loading import quantized_cache
+from specchat.decode.runtime.loading import quantized_cache
 from specchat.decode.options import KERNEL_BITS
-from specchat.decode.target import Target
+from specchat.decode.runtime.target import Target
 from specchat.methods import MethodError, effective_draft, method
 from specchat.settings import Settings
 from specchat.sources import load_head
 
 # A CPU verifies a handful of tokens for little more than one, and every draft step is paid in
 # full, so CPU trees are smaller than the papers' GPU settings; their size comes from the measured
-# cost curve (specchat.decode.calibrate), within this range. Its floor is the smallest tree: where
+# cost curve (specchat.decode.runtime.calibrate), within this range. Its floor is the smallest tree: where
 # each verified token costs a fifth of a forward (the AVX2 path: 21.5 ms for one token, 32.8 for
 # four), the head's one best node (plus the lookup chains that pay for themselves) answered fastest
 # (cpu10, T=0, 2-core Zen 4 held to AVX2: 56-57 tok/s with 2-3 tokens verified, 50 with 4, 46 with 6).

@@ -40,8 +40,8 @@ from specchat.decode.drafting.heads import HeadProposer
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.drafting.tree import DraftTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
-from specchat.decode.machine import hardware, synchronize
-from specchat.decode.target import ModelSpec, Target
+from specchat.decode.runtime.machine import hardware, synchronize
+from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import UsageError
 
 # The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct; the

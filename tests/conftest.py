@@ -121,7 +121,7 @@ def load_tiny_target(path, dtype: str = "float32", layout: str | None = None, **
     """A tiny model folder loaded on the CPU, for `layout` (`spec`: more `ModelSpec` fields, e.g. cuda_graphs="on")."""
     if layout is not None:
         spec["cuda_graphs"] = LAYOUTS[layout]
-    from specchat.decode.target import ModelSpec
+    from specchat.decode.runtime.target import ModelSpec
     from specchat.sources import load_target
 
     return load_target(ModelSpec(model=str(path), dtype=dtype, device="cpu", **spec))

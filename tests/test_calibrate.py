@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import load_tiny_target
-from specchat.decode import calibrate
-from specchat.decode.calibrate import Curve
+from specchat.decode.runtime import calibrate
+from specchat.decode.runtime.calibrate import Curve
 
 
 def test_the_size_with_the_best_expected_rate_is_picked():
@@ -130,7 +130,7 @@ def test_another_process_s_work_is_seen_as_the_machine_being_busy():
     import sys
     import time
 
-    from specchat.decode.machine import other_processes_share
+    from specchat.decode.runtime.machine import other_processes_share
 
     if not os.path.exists("/proc/stat"):
         pytest.skip("no /proc here: the share cannot be told (and counts as 0)")

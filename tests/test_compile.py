@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import ScriptedProposer, build_model, build_tokenizer, random_head, tokens_of
-from specchat.decode import quantized
-from specchat.decode import woq_kernel
+from specchat.decode.runtime import quantized
+from specchat.decode.runtime import woq_kernel
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.drafting.heads import HeadProposer
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.drafting.prompt_lookup import LookupProposer
-from specchat.decode.target import ModelSpec, Target, compiles
+from specchat.decode.runtime.target import ModelSpec, Target, compiles
 
 pytestmark = pytest.mark.compile  # the slowest tests after the real model's: -m "not compile" leaves them out
 

@@ -5,7 +5,7 @@ chat's earlier text."""
 import pytest
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
-from specchat.decode.calibrate import Curve
+from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.heads import HeadProposer
 from specchat.decode.drafting.selection import Candidates, HeadTrust
 from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams

@@ -20,12 +20,12 @@ from drafters import save_head
 from specchat.decode.acceptance.sampling import SamplingParams
 from specchat.decode.acceptance.verify import accept_fixed
 from specchat.runtime_check import ScriptedTree
-from specchat.decode.drafting.tree import Source
+from specchat.decode.drafting.tree import DraftTree, Source
 from specchat.decode.engine.engine import Engine, GenerationSettings
-from specchat.decode.engine.envelope import Envelope, HostInputs, device_chain, powers_of_two, window_mask
+from specchat.decode.runtime.envelope import Envelope, HostInputs, powers_of_two, window_mask
 from specchat.decode.engine.fixed import padded
-from specchat.decode.engine.graphs import StepGraphs
-from specchat.decode.target import compiles, fixed_steps
+from specchat.decode.runtime.graphs import StepGraphs
+from specchat.decode.runtime.target import compiles, fixed_steps
 from specchat.errors import ModelLoadError
 from specchat.proposers import build_proposer
 from specchat.settings import Settings
@@ -355,7 +355,7 @@ def test_host_inputs_are_declared_fields_the_step_reads_as_tensors():
 
 
 def test_padding_nodes_are_never_accepted():
-    tree = padded(device_chain(torch.tensor([5, 6]), torch.tensor([True, True]), source=Source.LOOKUP), 4)
+    tree = padded(DraftTree.device_chain(torch.tensor([5, 6]), torch.tensor([True, True]), source=Source.LOOKUP), 4)
     logits = torch.full((5, 10), -10.0)
     logits[0, 5] = logits[1, 6] = 10.0  # the chain is right...
     logits[2, 0] = 10.0  # ...and a padding node holds the token the target wants next: still never accepted
@@ -390,7 +390,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_cuda_captured_steps_replay_what_eager_steps_compute(label, qwen_dir, heads, draft_dir):
     """On CUDA the steps are captured (the second run) and replayed; the output equals the eager
     fixed steps' and plain decoding's, and no replayed step synchronizes with the host."""
-    from specchat.decode.target import ModelSpec
+    from specchat.decode.runtime.target import ModelSpec
     from specchat.sources import load_target
 
     target = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cuda", cuda_graphs="on"))

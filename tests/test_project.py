@@ -104,6 +104,17 @@ def test_the_decoding_core_imports_only_itself_drafters_and_the_errors():
         assert not outside, f"{name} imports {sorted(outside)}; the core knows nothing of the layers above it"
 
 
+def test_the_target_runtime_sits_below_drafting_and_the_engine():
+    """`specchat.decode.runtime` (the target: loading, forward, cache, kernel, fixed shapes) is what the
+    engine and the drafters run on; it imports neither, nor acceptance."""
+    above = ("specchat.decode.engine", "specchat.decode.drafting", "specchat.decode.acceptance")
+    runtime = {name: tree for name, tree in project_modules().items() if name.startswith("specchat.decode.runtime")}
+    assert "specchat.decode.runtime.target" in runtime
+    for name, tree in runtime.items():
+        wrong = sorted(module for module in all_imports(tree) if module.startswith(above))
+        assert not wrong, f"{name} imports {wrong}; the runtime knows nothing of drafting or the cycle"
+
+
 def test_the_core_and_the_heads_print_nothing():
     """The decoding core and drafters report through `logging`, which the command line shows: no print."""
     for name, tree in project_modules().items():

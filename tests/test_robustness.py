@@ -526,7 +526,7 @@ def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_lo
     from torch.utils import cpp_extension
     from torch.utils.file_baton import FileBaton
 
-    from specchat.decode import woq_kernel
+    from specchat.decode.runtime import woq_kernel
 
     build = tmp_path / "build"
     build.mkdir()

@@ -51,7 +51,7 @@ def model():
     import torch
 
     from specchat.chat import ChatFormat
-    from specchat.decode.target import ModelSpec
+    from specchat.decode.runtime.target import ModelSpec
     from specchat.embedded import DEFAULT_MODEL
     from specchat.sources import load_target, locate
 

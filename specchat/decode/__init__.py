@@ -4,16 +4,14 @@ It imports only itself, `drafters` and `specchat.errors`; nothing of the command
 profiles or settings. Its defaults are declared here (`options`) and the settings layer reads them.
 
 One engine runs every method on one of two cache layouts, each algorithm written once; where the
-layouts need different code it sits in the layout (or, for a drafter, next to it as its growing
-and fixed half):
+layouts need different code it sits in the layout (or, for a drafter, in its layout's subclass or
+branch). Each package imports only those below it (acceptance and drafting share the tree type):
 
-    engine/
+    engine/            the decoding cycle
       engine.py        Engine: prefill, plain steps, one speculative cycle; the Proposer protocol
       growing.py       GrowingLayout: exact sizes, a growing cache (trim, compact), host reads (CPUs)
       fixed.py         FixedLayout: fixed capacity, bucketed sizes, captured steps, one read per cycle (CUDA)
-      envelope.py      the fixed layout's shapes: buckets, spans, windows, declared host inputs
-      graphs.py        fixed-shape steps captured as CUDA graphs and replayed
-    drafting/
+    drafting/          what each method drafts
       tree.py          the draft tree (one type for both layouts), a cycle's record, EAGLE-1's static trees
       shapes.py        what a head drafts: EAGLE-1 static, EAGLE-2, DEAGLE, Jakiro; the tree budget
       heads.py         drafting those shapes with a draft head (its cache on each layout)
@@ -22,16 +20,20 @@ and fixed half):
       prompt_lookup.py pld: a lookup chain as the draft
       draft_model.py   sps: chains from a small draft model (its cache on each layout)
       deagle.py        DEAGLE's dynamic depth and its trace (torch-free)
-    acceptance/
+    acceptance/        what the target accepts
       verify.py        which drafted tokens the target accepts (greedy and sampled, exact rules)
       sampling.py      temperature / top-p / top-k, the draw, greedy choices and margins
-    target.py          the target model at run time: its runtime, one forward
-    cache.py           the target's KV cache (transformers' Cache over `drafters.cache`'s storage)
-    forward.py         specchat's own forward for Llama-family targets (eager or compiled) and its cache
-    loading.py         loading it from a folder: device, dtype, quantization, attention
-    quantized.py       weight-only int5/int4 linear layers for the CPU: the packed format, the layers
-    woq_kernel.py      their kernel (kernels/woq_linear.cpp): its build and the CPU path it runs
-    calibrate.py       this machine's cost of verifying n tokens, which sizes CPU trees
-    machine.py         the CPU, devices and the cache folder
+    runtime/           the target model at run time
+      target.py        the target: its runtime, one forward (variable or fixed shape)
+      loading.py       loading it from a folder: device, dtype, quantization, attention
+      forward.py       specchat's own forward for Llama-family targets (eager or compiled) and its cache
+      cpu_decoder.py   that forward in one C++ call on a quantized CPU target; a draft head's layer likewise
+      cache.py         the target's KV cache (transformers' Cache over `drafters.cache`'s storage)
+      envelope.py      the fixed shapes: capacity, buckets, spans, windows, declared host inputs
+      graphs.py        fixed-shape steps captured as CUDA graphs and replayed
+      quantized.py     weight-only int5/int4 linear layers for the CPU: the packed format, the layers
+      woq_kernel.py    their kernel (kernels/: woq_linear.cpp, decoder.cpp): its build, the CPU path it runs
+      calibrate.py     this machine's cost of verifying n tokens, which sizes CPU trees (healed by live forwards)
+      machine.py       the CPU, devices, the cache folder, other processes' load
     options.py         what the core can be asked for, and its defaults (torch-free)
 """

@@ -37,7 +37,7 @@ import torch
 
 from specchat.decode.acceptance.sampling import SamplingParams, argmax, draw_rows, sample, sample_rows, target_probs
 from specchat.decode.drafting.tree import DraftTree
-from specchat.decode.engine.envelope import pick
+from specchat.decode.runtime.envelope import pick
 
 
 @dataclass

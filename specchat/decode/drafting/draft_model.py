@@ -22,8 +22,8 @@ import torch
 
 from specchat.decode.acceptance.sampling import sample_rows, target_probs
 from specchat.decode.drafting.tree import DraftTree
-from specchat.decode.engine.envelope import HostInputs, Window, device_chain
-from specchat.decode.target import Target
+from specchat.decode.runtime.envelope import HostInputs, Window
+from specchat.decode.runtime.target import Target
 
 DEFAULT_DRAFT_TOKENS = 3  # chain length; see the README's sps measurements on the 1.5B target
 PROMPT_CHUNK = 512  # prompt tokens the fixed layout feeds the draft at once (eagerly, padded to a bucket)
@@ -109,7 +109,7 @@ class DraftModelProposer:
             ids = token
         tokens, probs, q = torch.cat(tokens), torch.cat(probs), torch.stack(qs) if qs else None
         if self.envelope is not None:
-            return device_chain(tokens, torch.ones(self.k, dtype=torch.bool, device=tokens.device), probs, q)
+            return DraftTree.device_chain(tokens, torch.ones(self.k, dtype=torch.bool, device=tokens.device), probs, q)
         tree = DraftTree.chain(tokens.tolist(), probs.tolist())
         tree.q = q
         return tree

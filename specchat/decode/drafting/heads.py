@@ -31,15 +31,15 @@ import torch
 
 from drafters import DraftHead
 from drafters.cache import FixedHeadCache, HeadCache
-from specchat.decode.cache import causal_mask
-from specchat.decode.calibrate import Curve
+from specchat.decode.runtime.cache import causal_mask
+from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.lookup import LookupSource, Match
 from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust, LookupRates,
                                                 merge_lookup, select_fixed)
 from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree, tree_budget
 from specchat.decode.drafting.tree import Cycle, DraftTree
-from specchat.decode.engine.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
-from specchat.decode.target import Target
+from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
+from specchat.decode.runtime.target import Target
 
 PROMPT_CHUNK = 512  # prompt rows the fixed layout feeds the head at once (eagerly, padded to a bucket)
 

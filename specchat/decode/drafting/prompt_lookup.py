@@ -13,8 +13,8 @@ import torch
 
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LookupSource
 from specchat.decode.drafting.tree import DraftTree, Source
-from specchat.decode.engine.envelope import HostInputs, device_chain
-from specchat.decode.target import Target
+from specchat.decode.runtime.envelope import HostInputs
+from specchat.decode.runtime.target import Target
 
 
 class LookupProposer:
@@ -62,8 +62,8 @@ class LookupProposer:
         if self.envelope is None:
             return DraftTree.chain(self.chain, source=Source.LOOKUP)
         tokens = self.inputs.tokens[: self.width]
-        return device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,
-                            source=Source.LOOKUP)
+        return DraftTree.device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,
+                                      source=Source.LOOKUP)
 
     def commit(self, tree, acceptance, root, features) -> None:
         pass

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.decode.calibrate import Curve
+from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.shapes import CandidateTable
 from specchat.decode.drafting.tree import Cycle, DraftTree, Source

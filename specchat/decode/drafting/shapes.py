@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from drafters import DraftHead
-from specchat.decode.calibrate import Curve
+from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DeagleParams, DepthTrace, DepthVote
 
 # EAGLE-2 (Li et al. 2024, arXiv 2406.16858) reference settings: 60 tokens verified per cycle

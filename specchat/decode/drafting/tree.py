@@ -121,6 +121,17 @@ class DraftTree:
                    probs=list(probs) if probs is not None else [1.0] * n,
                    sources=[source] * n if source is not None else [])
 
+    @classmethod
+    def device_chain(cls, tokens: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor | None = None,
+                     q: torch.Tensor | None = None, source: Source | None = None) -> DraftTree:
+        """`chain` on the device (the fixed layout's): `valid` marks the real tokens. Tensor methods only,
+        so this module still loads without torch."""
+        ones = tokens.new_ones(len(tokens))
+        depths = ones.cumsum(0)
+        return cls(tokens, depths - 2, depths, ones.float() if probs is None else probs, q=q, valid=valid,
+                   depth=len(tokens), sources=None if source is None else tokens.new_full(tokens.shape, int(source)),
+                   evidence=None)
+
     def children(self) -> list[list[int]]:
         """children()[0] are the root's children; children()[i + 1] are node i's; in stored order."""
         kids: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]

@@ -38,7 +38,7 @@ from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.engine.fixed import FixedLayout
 from specchat.decode.engine.growing import GrowingLayout
 from specchat.decode.options import MAX_NEW_TOKENS
-from specchat.decode.target import ForwardTimes, Target
+from specchat.decode.runtime.target import ForwardTimes, Target
 from specchat.errors import ContextLengthError
 
 # Long prompts are prefilled in pieces of this many tokens, which bounds the size of the

@@ -1,8 +1,8 @@
 """The fixed layout: the target's cache at a fixed capacity, every step a fixed shape, replayed as a
-CUDA graph where there is one (`specchat.decode.engine.graphs`), one host read per step. What CUDA runs.
+CUDA graph where there is one (`specchat.decode.runtime.graphs`), one host read per step. What CUDA runs.
 
 A cycle is two steps. The *draft* step runs the proposer on the device and leaves a tree of a
-bucket's size (`specchat.decode.engine.envelope`) in static buffers; the *verify* step runs the
+bucket's size (`specchat.decode.runtime.envelope`) in static buffers; the *verify* step runs the
 target on it, accepts on the device (`acceptance.verify.accept_fixed`), compacts the accepted
 path in the cache, hands the proposer what it needs for the next cycle (the accepted path's
 features, still on the device) and writes one record: the accepted ids, the bonus token, their
@@ -25,10 +25,10 @@ import torch
 from specchat.decode.acceptance.sampling import SamplingParams, draw_rows, row_margins
 from specchat.decode.acceptance.verify import accept_fixed, ancestor_mask
 from specchat.decode.drafting.tree import Cycle, DraftTree, Source
-from specchat.decode.engine.envelope import Fields, HostInputs, Window, window_mask
-from specchat.decode.engine.graphs import StepGraphs
-from specchat.decode.machine import synchronize
-from specchat.decode.target import ForwardTimes, Target, TargetOutput
+from specchat.decode.runtime.envelope import Fields, HostInputs, Window, window_mask
+from specchat.decode.runtime.graphs import StepGraphs
+from specchat.decode.runtime.machine import synchronize
+from specchat.decode.runtime.target import ForwardTimes, Target, TargetOutput
 
 NODE_FIELDS = ("tokens", "parents", "depths", "valid", "probs", "sources", "evidence")  # a tree's, in a record
 

@@ -1,7 +1,7 @@
 """The growing layout: exact sizes, and a target cache that grows by each step's rows. What CPUs run.
 
 A step's tensors are exactly as large as its rows: a prefill chunk, one token, or the root and a
-draft tree's nodes, whose entries are appended to the cache (`specchat.decode.cache`'s storage
+draft tree's nodes, whose entries are appended to the cache (`specchat.decode.runtime.cache`'s storage
 keeps spare room at its end). After verification the accepted path's entries are compacted down
 next to the committed prefix and the rest are dropped, so trimming only moves a length. The host
 reads as it goes: the tree arrives as lists, acceptance walks it on the host
@@ -20,8 +20,8 @@ import torch
 from specchat.decode.acceptance.sampling import SamplingParams, argmax, margins, sample, target_probs
 from specchat.decode.acceptance.verify import accept
 from specchat.decode.drafting.tree import Cycle, DraftTree
-from specchat.decode.machine import synchronize
-from specchat.decode.target import ForwardTimes, Target, TargetOutput
+from specchat.decode.runtime.machine import synchronize
+from specchat.decode.runtime.target import ForwardTimes, Target, TargetOutput
 
 
 class GrowingLayout:

@@ -2,7 +2,7 @@
 
 A step is a function of no arguments that reads and writes only tensors that outlive it (static
 buffers: the caches, the inputs the host writes before a run, the record it reads after) and makes
-no host read; `specchat.decode.engine.envelope` shapes the steps that way. Each step has a key (its
+no host read; `specchat.decode.runtime.envelope` shapes the steps that way. Each step has a key (its
 rows, span and sampling). Its first run is eager, which also warms it up (cuBLAS handles,
 workspaces, lazily allocated buffers); the second is captured (capture runs nothing) and
 replayed; later runs replay. So capturing needs no scratch state and no dummy inputs.
@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from specchat.decode.machine import synchronize
+from specchat.decode.runtime.machine import synchronize
 
 log = logging.getLogger(__name__)
 # A capture fails on unsafe CUDA calls of its own thread only: the REPL's other threads (loading,

@@ -1,6 +1,6 @@
 """Loading the target from a Hugging Face folder onto a device in a dtype: specchat's quantized
 layers (or bitsandbytes'), one-query attention on a CPU, and the runtime it then runs on
-(`specchat.decode.target`). Every choice that is not the fastest here is said in one line.
+(`specchat.decode.runtime.target`). Every choice that is not the fastest here is said in one line.
 
 Where the folder comes from (an embedded model, a GGUF file converted once, the hub) is
 `specchat.sources`'s business; this module takes the folder as given.
@@ -23,11 +23,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging as transformers_logging
 
 from drafters.attention import grouped
-from specchat.decode import quantized, woq_kernel
-from specchat.decode.forward import unsupported_reason
-from specchat.decode.machine import cache_dir, cpu_has_bf16
+from specchat.decode.runtime import quantized, woq_kernel
+from specchat.decode.runtime.forward import unsupported_reason
+from specchat.decode.runtime.machine import cache_dir, cpu_has_bf16
 from specchat.decode.options import AUTO, BITSANDBYTES, KERNEL_BITS, QUANTIZE
-from specchat.decode.target import ModelSpec, Target, compiles, describe_runtime, dtype_name, fixed_steps
+from specchat.decode.runtime.target import ModelSpec, Target, compiles, describe_runtime, dtype_name, fixed_steps
 from specchat.errors import ModelLoadError
 
 log = logging.getLogger(__name__)

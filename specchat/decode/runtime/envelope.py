@@ -9,13 +9,13 @@ and which never waits on the host. So, on the fixed envelope:
   (a few sizes: powers of two) with the valid positions given by the mask; the context length
   reaches the step as a tensor;
 - a verify forward runs at a *bucket* of rows (powers of two): a tree is padded to its bucket with
-  invalid nodes that nothing may accept (`DraftTree.valid`);
+  invalid nodes that nothing may accept (`specchat.decode.drafting.tree.DraftTree.valid`);
 - the tree is built, verified and accepted on the device, and the accepted path is compacted in
   the cache there; the host reads one record per cycle (the accepted ids, with the tree for the
   statistics) and nothing else;
 - what the host tells a step reaches it as `HostInputs`, declared fields the step reads as tensors.
 
-Everything here works on any device (the tests run it on a CPU); `specchat.decode.engine.graphs`
+Everything here works on any device (the tests run it on a CPU); `specchat.decode.runtime.graphs`
 captures the steps on CUDA and `specchat.decode.engine.fixed` drives them.
 """
 
@@ -25,8 +25,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from specchat.decode.drafting.tree import DraftTree, Source
 
 SMALLEST_SPAN = 256  # attention windows: powers of two from here to the capacity
 LARGEST_BUCKET = 512  # rows in one forward: a prefill chunk at most (see PREFILL_CHUNK)
@@ -192,12 +190,3 @@ class Window:
         """`model.forward_at` (a `Target`) on `ids` [rows] in this window; `options`: logits_for, feature_layers."""
         return model.forward_at(self.pad(ids)[None], cache, positions=self.slots[None], slots=self.slots,
                                 span=self.span, mask=self.mask, **options)
-
-
-def device_chain(tokens: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor | None = None,
-                 q: torch.Tensor | None = None, source: Source | None = None) -> DraftTree:
-    """`DraftTree.chain` on the device: each token the child of the one before; `valid` marks the real ones."""
-    n, device = len(tokens), tokens.device
-    return DraftTree(tokens, torch.arange(-1, n - 1, device=device), torch.arange(1, n + 1, device=device),
-                     torch.ones(n, device=device) if probs is None else probs, q=q, valid=valid, depth=n,
-                     sources=None if source is None else torch.full_like(tokens, source), evidence=None)

@@ -12,7 +12,7 @@ d] that grows by `drafters.cache`'s rule (`LayerKV`); the forward writes the new
 and attends over the first `length + n`. With the length an argument, one compiled graph serves
 every context length and every number of new tokens (dynamic shapes).
 
-The fixed layout (`specchat.decode.engine.envelope`) calls the same layers through `DecoderForward.at`:
+The fixed layout (`specchat.decode.runtime.envelope`) calls the same layers through `DecoderForward.at`:
 the cache is allocated once at its full capacity, the new entries go to slots given as a tensor,
 and attention reads a fixed span of the buffers with the valid positions named by the mask, so a
 step's shapes never depend on the context length and a CUDA graph can replay it.
@@ -25,9 +25,9 @@ from torch import nn
 
 from drafters.attention import attention
 from drafters.cache import GrowingKV
-from specchat.decode import cpu_decoder
-from specchat.decode.cache import causal_mask
-from specchat.decode.quantized import SharedProjection
+from specchat.decode.runtime import cpu_decoder
+from specchat.decode.runtime.cache import causal_mask
+from specchat.decode.runtime.quantized import SharedProjection
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # decoders whose layers compute what `_layer` does
 
@@ -50,7 +50,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 class LayerKV:
     """The target's KV cache for `DecoderForward`: every layer's keys and values in one `GrowingKV`
     (its batch dimension is the layer). The owner changes its length only through `trim` and
-    `compact`, as with `specchat.decode.cache.KVCache`; forwards extend it."""
+    `compact`, as with `specchat.decode.runtime.cache.KVCache`; forwards extend it."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity: int | None = None):

@@ -7,7 +7,7 @@ integer products: verifying 8 tokens costs ~1.4x one, at a third of bf16's memor
 kernel is compiled once per machine (it needs a C++ compiler and an x86 CPU with AVX2, FMA and
 F16C) and cached.
 
-The kernel, its build and the instruction-set path it runs: `specchat.decode.woq_kernel`.
+The kernel, its build and the instruction-set path it runs: `specchat.decode.runtime.woq_kernel`.
 
 Plain decoding and verification both run through these layers, so speculative decoding stays
 exact relative to plain decoding of the same quantized model; what quantization changes is the
@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specchat.decode.woq_kernel import kernel_isa, traced_isa
+from specchat.decode.runtime.woq_kernel import kernel_isa, traced_isa
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-// The decoder layers around the quantized products, one call per forward (specchat/decode/cpu_decoder.py).
+// The decoder layers around the quantized products, one call per forward (specchat/decode/runtime/cpu_decoder.py).
 //
 // A decoding step of a small model on a CPU spends as long between its products as in them: a
 // Llama-family layer written as torch calls is ~40 of them (norms, rotary, the cache write,
@@ -161,7 +161,7 @@ void attend_group(const T* q, int64_t G, const T* keys, const T* values, const S
   }
 }
 
-// The quantized linear layers' packed weights (specchat/decode/quantized.py's QuantizedLinear).
+// The quantized linear layers' packed weights (specchat/decode/runtime/quantized.py's QuantizedLinear).
 struct Linear : torch::CustomClassHolder {
   at::Tensor low, high, scale, offset;
   c10::optional<at::Tensor> bias;
@@ -416,7 +416,7 @@ struct Block : torch::CustomClassHolder {
 
 }  // namespace
 
-// The classes as torch.classes.specchat.* (specchat/decode/cpu_decoder.py builds them from a model's layers).
+// The classes as torch.classes.specchat.* (specchat/decode/runtime/cpu_decoder.py builds them from a model's layers).
 TORCH_LIBRARY_FRAGMENT(specchat, m) {
   m.class_<Linear>("Linear").def(
       torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>());

@@ -258,7 +258,7 @@ std::vector<std::string> isas() {
 }  // namespace
 
 // The kernel as torch operators: torch.ops.specchat.woq_linear (which torch.compile captures inside
-// a graph, specchat/decode/quantized.py giving it its shape function) and .isas (the instruction
+// a graph, specchat/decode/runtime/quantized.py giving it its shape function) and .isas (the instruction
 // sets this build has a path for, best first). decoder.cpp adds its classes to the same library.
 TORCH_LIBRARY(specchat, m) {
   m.def("woq_linear(Tensor x, Tensor low, Tensor high, Tensor scale, Tensor offset, Tensor? bias, int N, int bits, "

@@ -2,7 +2,7 @@
 loading chose (specchat's own forward, compiled or not, or on the fixed envelope; transformers'
 forward otherwise), and how that choice is made and described.
 
-Loading it from a folder (device, dtype, quantization, attention) is `specchat.decode.loading`'s.
+Loading it from a folder (device, dtype, quantization, attention) is `specchat.decode.runtime.loading`'s.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.decode import woq_kernel
-from specchat.decode.cache import KVCache, causal_mask
-from specchat.decode.engine.envelope import Envelope
-from specchat.decode.forward import DecoderForward, LayerKV, unsupported_reason
-from specchat.decode.engine.graphs import capture_failure
-from specchat.decode.machine import synchronize
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.runtime.cache import KVCache, causal_mask
+from specchat.decode.runtime.envelope import Envelope
+from specchat.decode.runtime.forward import DecoderForward, LayerKV, unsupported_reason
+from specchat.decode.runtime.graphs import capture_failure
+from specchat.decode.runtime.machine import synchronize
 from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, KERNEL_BITS
 from specchat.errors import ModelLoadError
 
@@ -40,7 +40,7 @@ class ModelSpec:
 
 
 def fixed_steps(choice: str, device: torch.device) -> bool:
-    """Whether `--cuda-graphs choice` decodes on the fixed envelope (`specchat.decode.engine.envelope`),
+    """Whether `--cuda-graphs choice` decodes on the fixed envelope (`specchat.decode.runtime.envelope`),
     whose steps are captured as CUDA graphs on `device`. auto: on CUDA, where a small model's eager
     step is launch-bound (the 0.5B: ~40 ms per token on an H100, docs/bench-gpu); on a CPU, `on`
     runs the same fixed-shape steps eagerly (for tests: a CPU has no graphs and pays for padding)."""
@@ -106,7 +106,7 @@ class Target:
 
     Wraps a transformers `*ForCausalLM`: the decoder stack and the LM head are called
     separately, so logits are computed only where they are needed. The decoder stack is
-    specchat's own forward (`specchat.decode.forward`, compiled or not, with its `LayerKV` cache)
+    specchat's own forward (`specchat.decode.runtime.forward`, compiled or not, with its `LayerKV` cache)
     for the families it computes, transformers' otherwise (with `KVCache`); `new_cache` gives
     the cache that goes with it.
     """
@@ -141,7 +141,7 @@ class Target:
             self.max_context = self.envelope.max_context  # its cache holds no more (GPU memory may bound it)
         self.profiling = False  # time each forward's products and attention (`specchat bench --breakdown`)
         self.compile_seconds = 0.0  # spent compiling at load (`warm_up`), reported apart from decoding
-        self.capture_seconds = 0.0  # spent capturing steps as CUDA graphs (`specchat.decode.engine.graphs`), likewise
+        self.capture_seconds = 0.0  # spent capturing steps as CUDA graphs (`specchat.decode.runtime.graphs`), likewise
 
     def _envelope(self) -> Envelope:
         """Room in the cache for the model's context, or for what a share of the GPU's free memory holds."""

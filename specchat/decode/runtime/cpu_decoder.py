@@ -5,7 +5,7 @@ one call per draft step (`fuse_head`).
 Between its products a decoding step of the 0.5B spends about as long again in small torch calls
 (norms, rotary, the cache write, attention's steps, SwiGLU, residuals: ~40 per layer); the
 kernel's extension (`kernels/decoder.cpp`) runs each layer as its four products and plain loops
-between them, on the same weights and the same KV buffers as `specchat.decode.forward`, with every
+between them, on the same weights and the same KV buffers as `specchat.decode.runtime.forward`, with every
 row computed on its own (a verified draft token gets plain decoding's bits). The embedding and the
 rotary angles stay torch calls, once per forward.
 """
@@ -17,8 +17,8 @@ from torch import nn
 
 from drafters.cache import GrowingKV, HeadCache
 from drafters.layers import DecoderLayer
-from specchat.decode import woq_kernel
-from specchat.decode.quantized import GatedMLP, QuantizedLinear, SharedProjection
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.runtime.quantized import GatedMLP, QuantizedLinear, SharedProjection
 
 HEAD_SIZES = (16, 32, 64, 128)  # the attention loops decoder.cpp is compiled for
 MOST_HEADS_PER_KV_HEAD = 16
@@ -31,7 +31,7 @@ def packed(layer: QuantizedLinear):
 
 
 def unfused_reason(forward) -> str | None:
-    """Why `forward` (a `specchat.decode.forward.DecoderForward`) cannot run as one call, or None."""
+    """Why `forward` (a `specchat.decode.runtime.forward.DecoderForward`) cannot run as one call, or None."""
     if forward.device.type != "cpu" or forward.compiled:
         return "not an eager CPU forward"
     if forward.dtype not in (torch.float32, torch.bfloat16):

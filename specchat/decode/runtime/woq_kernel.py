@@ -1,5 +1,5 @@
 """The weight-only quantized linear kernel (`kernels/woq_linear.cpp`): compiled once per machine and
-cached, and the instruction-set path it runs (`specchat.decode.quantized` has the format and layers).
+cached, and the instruction-set path it runs (`specchat.decode.runtime.quantized` has the format and layers).
 
 It has a path per instruction set, named as `SPECCHAT_CPU_ISA` takes them: `avx512`
 (AVX512-VNNI: vpdpbusd on 512-bit registers; Intel Xeons since Cascade Lake, Ice/Tiger/Rocket Lake
@@ -27,7 +27,7 @@ import torch
 from filelock import FileLock
 from torch.utils import cpp_extension
 
-from specchat.decode import machine
+from specchat.decode.runtime import machine
 
 log = logging.getLogger(__name__)
 

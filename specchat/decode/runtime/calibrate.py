@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.decode import woq_kernel
-from specchat.decode.cache import causal_mask
-from specchat.decode.machine import cache_dir, device_name, other_processes_share, synchronize
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.runtime.cache import causal_mask
+from specchat.decode.runtime.machine import cache_dir, device_name, other_processes_share, synchronize
 from specchat.decode.options import KERNEL_BITS
 
 log = logging.getLogger(__name__)
