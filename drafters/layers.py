@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +19,20 @@ from torch import nn
 
 from drafters.checkpoint import HeadLoadError
 
-if TYPE_CHECKING:  # drafters.base imports this module: the annotation only names its Verifier
-    from drafters.base import Verifier
-
 DEFAULT_ROPE_THETA = 10000.0  # Llama's default; EAGLE/EAGLE-3 head configs often omit rope_theta
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """The target an exported head drafts for, as serving engines read it from the head's config
+    (`drafters.export_head`, through `LayerConfig.layout_dict`). vLLM's speculators layout names it;
+    every engine sizes the head's rotary positions by `max_position_embeddings`, and where the field
+    is absent takes a default far below a long prompt (vLLM's Llama layer 8192, transformers'
+    LlamaConfig 2048)."""
+
+    name: str | None = None  # its hub id
+    architectures: tuple[str, ...] = ()  # its config.json's, e.g. ("Qwen2ForCausalLM",)
+    max_position_embeddings: int | None = None  # its context
 
 
 class RMSNorm(nn.Module):
