@@ -26,7 +26,7 @@ from specchat.chat import ChatFormat
 from drafters import FORMATS, save_head
 from drafters.eagle3 import default_feature_layers
 from specchat.errors import UsageError
-from specchat.decode.machine import cache_dir, hardware
+from specchat.decode.runtime.machine import cache_dir, hardware
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, extract
 from specchat.train.datafolder import MANIFEST, DataFolder

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.decode.cache import KVCache
+from specchat.decode.runtime.cache import KVCache
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
 from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS
