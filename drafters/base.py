@@ -131,6 +131,15 @@ class DraftHead(nn.Module):
         """Draft only over `token_ids` (only if `uses_target_lm_head`)."""
         raise NotImplementedError(f"a {self.kind} head has its own draft vocabulary")
 
+    def draft_logits_layer(self) -> nn.Module | None:
+        """The linear layer `log_probs` draws logits from where the head derives it from the target's
+        weights (a restricted vocabulary's rows of its LM head; never saved), else None: a runtime
+        may replace it by a faster layer of the same function (`set_draft_logits_layer`)."""
+        return None
+
+    def set_draft_logits_layer(self, layer: nn.Module) -> None:
+        raise NotImplementedError(f"a {self.kind} head has no derived logits layer")
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint of this head holds (a shared target embedding is left out)."""
         return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}

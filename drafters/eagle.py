@@ -72,7 +72,9 @@ class EagleHead(DraftHead):
         self.rope = config.rope
         self._lm_head = [target_lm_head]  # a list: the target's head is used, never registered or saved
         self.draft_to_target: torch.Tensor | None = None  # None: drafts over the whole target vocabulary
-        self._draft_weight: torch.Tensor | None = None
+        # The target LM head's rows of the draft vocabulary as a layer of their own: derived, never
+        # saved or trained (a list, so that it is not registered); empty without a restriction.
+        self._draft_lm_head: list[nn.Module] = []
 
     @classmethod
     def fresh(cls, fields: dict, target, draft_vocab: torch.Tensor | None) -> EagleHead:
@@ -89,11 +91,20 @@ class EagleHead(DraftHead):
         Lossless either way, because the target verifies every draft token.
         """
         if token_ids is None:
-            self.draft_to_target = self._draft_weight = None
+            self.draft_to_target, self._draft_lm_head = None, []
             return
         weight = self._lm_head[0].weight
         self.draft_to_target = token_ids.to(weight.device)
-        self._draft_weight = weight[self.draft_to_target].contiguous()
+        rows = nn.Linear(weight.shape[1], len(token_ids), bias=False, device=weight.device, dtype=weight.dtype)
+        rows.weight = nn.Parameter(weight[self.draft_to_target].detach().contiguous(), requires_grad=False)
+        self._draft_lm_head = [rows]
+
+    def draft_logits_layer(self) -> nn.Module | None:
+        return self._draft_lm_head[0] if self._draft_lm_head else None
+
+    def set_draft_logits_layer(self, layer: nn.Module) -> None:
+        assert self._draft_lm_head, "only a restricted vocabulary has a layer of its own"
+        self._draft_lm_head = [layer]
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None, keys) -> torch.Tensor:
@@ -104,8 +115,8 @@ class EagleHead(DraftHead):
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [m, draft vocab] of the token after each position."""
-        if self._draft_weight is not None:  # the target's rows of the draft vocabulary, in the target's dtype
-            logits = out.to(self._draft_weight.dtype) @ self._draft_weight.T
+        if self._draft_lm_head:  # the target's rows of the draft vocabulary
+            logits = self._draft_lm_head[0](out)
         else:
             logits = self._lm_head[0](out)  # the target's LM head itself, whatever its weights' format
         return torch.log_softmax(logits.float(), dim=-1)

@@ -118,6 +118,9 @@ def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
                                    quantized_cache(folder, target.spec.quantize, loaded_on=target),
                                    what="the draft head's linear layers")
         cpu_decoder.fuse_head(head)  # each draft step's layer in one call
+        rows = head.draft_logits_layer()  # the target LM head's rows of a draft vocabulary (EAGLE, Jakiro)
+        if rows is not None and quantized.packable(rows):  # as float32 rows torch took ~10 ms a step on a Zen 3; packed <1
+            head.set_draft_logits_layer(quantized.QuantizedLinear.from_linear(rows, KERNEL_BITS[target.spec.quantize]))
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)

@@ -207,6 +207,12 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
             for name, child in module.named_children() if isinstance(child, nn.Linear)]
 
 
+def packable(layer: nn.Linear) -> bool:
+    """Whether the kernel's tiling fits a linear layer: blocks of 16 outputs, groups of 32 inputs."""
+    N, K = layer.weight.shape
+    return N % BLOCK == 0 and K % GROUP == 0
+
+
 def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, what: str = "the linear layers") -> None:
     """Replace every linear layer of a model in place by a `bits`-bit one: a causal LM's LM head too
     (a quarter of a small model's weights; docs/cpu-runtime.md gives what that costs in fidelity),
@@ -223,9 +229,9 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, wha
         log.info(f"packing {what} into {bits} bits once (seconds per hundred million weights)...")
     fresh = {}
     for module, name, child, key in _linears(model):
-        N, K = child.weight.shape
-        if N % BLOCK or K % GROUP:  # the kernel's tiling does not fit (a draft head's odd vocabulary): bf16
+        if not packable(child):  # the kernel's tiling does not fit (a draft head's odd vocabulary): as it is
             continue
+        N, K = child.weight.shape
         if stored is not None and f"{key}.low" in stored:
             packed = {part: stored[f"{key}.{part}"] for part in PACKED_PARTS}
             layer = QuantizedLinear(K, N, bits, packed, child.bias, child.weight.dtype)
