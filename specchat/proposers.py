@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from specchat import methods
 from specchat.decode.runtime import cpu_decoder, quantized
-from specchat.decode.runtime.calibrate import cached_curve
+from specchat.decode.runtime.calibrate import Curve, cached_curve
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.drafting.draft_model import (DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch,
                                                   check_tokenizers)
@@ -63,10 +63,16 @@ def plain(settings: Settings, target: Target, load_model: LoadModel | None) -> N
     return None
 
 
+def verify_cost_curve(target: Target) -> Curve | None:
+    """This machine's verify-cost curve where drafts are sized by it: the growing layout on a CPU,
+    where every verified token costs (on a GPU a few more rows cost next to nothing)."""
+    return cached_curve(target) if target.device.type == "cpu" and target.envelope is None else None
+
+
 def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> LookupProposer:
     try:
         return LookupProposer(target, settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
-                              settings.pld_min_ngram)
+                              settings.pld_min_ngram, curve=verify_cost_curve(target))
     except ValueError as error:
         raise MethodError(str(error)) from error
 
@@ -124,7 +130,7 @@ def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
-        curve = cached_curve(target) if target.device.type == "cpu" and target.envelope is None else None
+        curve = verify_cost_curve(target)
     try:
         return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve)
     except ValueError as error:

@@ -209,3 +209,32 @@ def test_pld_proposes_what_followed_the_latest_match():
     assert pld.prepare(root=42, max_depth=10, max_nodes=10) == 0  # no match: a plain step
     pld.rewind(4)
     assert pld.prepare(root=1, max_depth=2, max_nodes=10) == 2 and pld.draft(1, 4, None, None, None).tokens == [2, 3]
+
+
+def test_pld_verifies_the_part_of_a_chain_worth_its_cost_on_this_machine(qwen_dir):
+    """On a CPU whose verified tokens are dear (two AVX2 cores: a fifth of a forward each) a chain of
+    lookup tokens accepted half the time is cut to one, where verifying is nearly free it is verified
+    whole, and a chat that quotes its own text verifies longer chains on the dear machine too; the
+    output stays plain decoding's either way."""
+    from specchat.decode.runtime.calibrate import Curve
+
+    flat = Curve({1: 20.0, 2: 20.5, 4: 21.0, 8: 22.0, 16: 24.0})
+    dear = Curve({1: 20.0, 2: 25.0, 4: 35.0, 8: 55.0, 16: 95.0})  # docs/bench-cpu-peers: ~5 ms a row
+    copying = [258] + list(range(60, 90)) * 3  # the answer repeats the prompt: lookup tokens are accepted
+    target = load_tiny_target(qwen_dir)
+    settings = GenerationSettings(max_new_tokens=30)
+    plain = tokens_of(Engine(target), copying, settings)
+    drafted = {}
+    for name, curve in (("flat", flat), ("dear", dear)):
+        pld = LookupProposer(target, draft_tokens=8, curve=curve)
+        pld.rates.counts = [[5.0, 10.0] for _ in pld.rates.BUCKETS]  # lookup tokens accepted half the time
+        pld.observe(copying, None)
+        pld.prepare(root=60, max_depth=20, max_nodes=20)
+        drafted[name] = len(pld.chain)
+        assert tokens_of(Engine(target, LookupProposer(target, draft_tokens=8, curve=curve)), copying, settings) == plain
+    assert drafted["flat"] > 4 and drafted["dear"] == 1
+    pld = LookupProposer(target, draft_tokens=8, curve=dear)
+    pld.rates.counts = [[19.0, 20.0] for _ in pld.rates.BUCKETS]  # a chat that quotes its own text
+    pld.observe(copying, None)
+    pld.prepare(root=60, max_depth=20, max_nodes=20)
+    assert len(pld.chain) > 4
