@@ -229,7 +229,7 @@ class SlotDecoder:
             self.host_temperatures[slot] = request.temperature
             self.answers[slot, 0], self.counts[slot] = token, 1
         self.generated += len(chosen)
-        return self._finished([slot for slot, _ in chosen])
+        return self._finished(np.array([slot for slot, _ in chosen]))
 
     @torch.inference_mode()
     def _prefill(self, chosen: list[tuple[int, Request]]) -> list[int]:
@@ -272,7 +272,7 @@ class SlotDecoder:
         for static, host in ((self.tokens, self.host_tokens), (self.positions, self.host_positions),
                              (self.temperatures, self.host_temperatures)):
             static.copy_(torch.from_numpy(host))
-        self.graphs.run((span, sampled), lambda: self._decode(span, sampled), self.generator)
+        self.graphs.run((span, sampled), lambda: self._decode(span, sampled), self.generator if sampled else None)
         drawn = self.drawn.cpu().numpy()
         slots = np.flatnonzero(busy)
         self.answers[slots, self.counts[slots]] = drawn[slots]
@@ -280,18 +280,17 @@ class SlotDecoder:
         self.host_tokens[slots] = drawn[slots]
         self.host_positions[slots] += 1
         self.generated += len(slots)
-        return self._finished(slots.tolist())
+        return self._finished(slots)
 
-    def _finished(self, slots: list[int]) -> list[Answer]:
+    def _finished(self, slots: np.ndarray) -> list[Answer]:
         """The answers of `slots` that have ended (their slots freed)."""
+        counts = self.counts[slots]
+        stopped = np.isin(self.answers[slots, counts - 1], self.stops)
+        ended = stopped | (counts >= self.max_new_tokens)
         answers = []
-        for slot in slots:
-            count = int(self.counts[slot])
-            stopped = bool(np.isin(self.answers[slot, count - 1], self.stops))
-            if not stopped and count < self.max_new_tokens:
-                continue
-            tokens = self.answers[slot, : count - 1 if stopped else count].tolist()
-            answers.append(Answer(self.requests[slot], tokens, "stop" if stopped else "length"))
+        for slot, count, stop in zip(slots[ended].tolist(), counts[ended].tolist(), stopped[ended].tolist()):
+            tokens = self.answers[slot, : count - 1 if stop else count].tolist()
+            answers.append(Answer(self.requests[slot], tokens, "stop" if stop else "length"))
             self.requests[slot] = None
             self.host_tokens[slot], self.host_positions[slot], self.host_temperatures[slot] = 0, self.scratch, 0.0
         return answers
