@@ -83,6 +83,18 @@ def test_loss_mask_covers_the_assistant_turns_only(tokenizer):
     assert trained == "yo<|im_end|>\nok<|im_end|>\n"
 
 
+def test_many_conversations_are_encoded_on_every_core_as_one_process_would(tokenizer, monkeypatch):
+    from specchat.train import data
+
+    conversations = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a" * i},
+                      {"role": "user", "content": "and?"}, {"role": "assistant", "content": f"then {i}"}]
+                     for i in range(1, 7)]
+    alone = [encode(messages, tokenizer, 40) for messages in conversations]
+    monkeypatch.setattr(data, "ENCODE_CHUNK", 3)
+    monkeypatch.setattr(data.os, "cpu_count", lambda: 2)
+    assert data.encode_all(conversations, tokenizer, 40) == alone and None not in alone
+
+
 def test_unrolled_steps_see_what_tree_nodes_see(target):
     """Training-time test step i at position t equals drafting a depth-i node under the context up to t."""
     head = random_head("eagle3", target, seed=5)

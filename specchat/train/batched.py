@@ -196,7 +196,6 @@ class SlotDecoder:
         self.host_temperatures = np.zeros(slots, dtype=np.float32)
         self.answers = np.zeros((slots, max_new_tokens), dtype=np.int64)
         self.counts = np.zeros(slots, dtype=np.int64)
-        self.generated = 0  # tokens drawn, for throughput reports
 
     def run(self, pending: deque, admit: Callable[[], bool] = lambda: True) -> Iterator[Answer]:
         """Answer the requests of `pending` (the caller may append more between answers) until none
@@ -228,7 +227,6 @@ class SlotDecoder:
             self.host_tokens[slot], self.host_positions[slot] = token, len(request.ids)
             self.host_temperatures[slot] = request.temperature
             self.answers[slot, 0], self.counts[slot] = token, 1
-        self.generated += len(chosen)
         return self._finished(np.array([slot for slot, _ in chosen]))
 
     @torch.inference_mode()
@@ -250,8 +248,8 @@ class SlotDecoder:
             ending = [(row, i) for row, i in enumerate(rows) if lengths[i] <= start + width]
             if ending:
                 last = final[[row for row, _ in ending], [lengths[i] - 1 - start for _, i in ending]]
-                temperatures = torch.tensor([chosen[i][1].temperature for _, i in ending], device=device)
-                drawn = draw(self.target.lm_head(last), temperatures, self.generator, bool((temperatures > 0).any()))
+                hot = [chosen[i][1].temperature for _, i in ending]
+                drawn = draw(self.target.lm_head(last), torch.tensor(hot, device=device), self.generator, any(hot))
                 for (_, i), token in zip(ending, drawn.tolist()):
                     first[i] = token
         return first
@@ -279,7 +277,6 @@ class SlotDecoder:
         self.counts[slots] += 1
         self.host_tokens[slots] = drawn[slots]
         self.host_positions[slots] += 1
-        self.generated += len(slots)
         return self._finished(slots)
 
     def _finished(self, slots: np.ndarray) -> list[Answer]:

@@ -1,4 +1,5 @@
-"""`specchat train` from files to a head folder: read, (regenerate,) encode, extract, train, save.
+"""`specchat train` from files to a head folder: read, (regenerate,) encode, extract (or not: live
+features), train, save.
 
 `run` is the command's one entry point, once the target is loaded: it holds the policy (defaults
 by device, the work folder, --prepare-only, the training recipe's config, the exports) and says
@@ -184,11 +185,8 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log,
             log(f"skipped {len(prompt_only)} prompt-only records: they need --regenerate")
         conversations = [c for c in conversations if c.has_responses]
     summary["regenerate_seconds"] = round(time.perf_counter() - started, 1)
-    sequences = []
-    for conversation in conversations:
-        encoded = data_mod.encode(conversation.messages, target.tokenizer, options.max_tokens)
-        if encoded is not None and len(encoded[0]) >= 4:
-            sequences.append(encoded)
+    encoded = data_mod.encode_all([c.messages for c in conversations], target.tokenizer, options.max_tokens)
+    sequences = [pair for pair in encoded if pair is not None and len(pair[0]) >= 4]
     if len(sequences) < 2:
         raise TrainError(f"only {len(sequences)} usable conversations; training needs at least 2")
     summary["used"] = len(sequences)

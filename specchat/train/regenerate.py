@@ -143,7 +143,7 @@ def regenerate(prompts: list[PromptRecord], target, folder: DataFolder, options:
                 progress(finished, total)
     report.stopped = report.stopped and any(c.done < c.limit and not c.too_long for c in conversations)
     report.too_long = sum(c.too_long for c in conversations)
-    report.pending = {temperature_name(t): sum(c.limit - c.done for c in conversations
+    report.pending = {temperature_name(t): sum(max(0, c.limit - c.done) for c in conversations
                                                if c.temperature == t and not c.too_long)
                       for t in options.temperatures}
     report.scan = folder.scan()  # the manifest says what this run added

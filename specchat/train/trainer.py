@@ -1,4 +1,4 @@
-"""Training a draft head on stored target features: the head, its optimiser and the loop.
+"""Training a draft head on the target's features: the head, its optimiser and the loop.
 
 The recipes' losses and the held-out evaluation are in `specchat.train.losses`, the batches and
 the data order in `specchat.train.batches`; the head is built from its format's class, so this
@@ -6,8 +6,9 @@ module has no per-format code either. Optimiser: AdamW with betas (0.9, 0.95), l
 cosine decay, gradients clipped by value to 0.5 (EAGLE's trainer); the weights stay float32.
 
 Every tensor is placed on one `device` (the target's), decided once in `train`; the feature store
-stays on the CPU and each batch is moved where it is used. The only host reads are the progress
-report, evaluations and checkpoints.
+stays on the CPU and each batch is moved where it is used (or, with `LiveFeatures`, the target
+computes each batch's features there). The only host reads are the progress report, evaluations,
+checkpoints and, with live features, each pass's argmax (which chooses the scored positions).
 """
 
 from __future__ import annotations
