@@ -167,6 +167,31 @@ def test_sampled_answers_follow_the_targets_distribution(target):
     assert_follows(sample, {(a, b): float(joint[a, b]) for a, b in joint.nonzero().tolist()}, seed=11)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_steps_answer_as_eager_ones(qwen_dir):
+    """On CUDA the decoding step is captured as a CUDA graph per span: the same greedy answers as
+    the eager steps (float32), and sampled ones are drawn through the graph's random stream."""
+    from specchat.decode.target import ModelSpec
+    from specchat.sources import load_target
+
+    gpu = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cuda", compile="off", cuda_graphs="off"))
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 17, 140, 5, 300, 9)]
+
+    def answers(capture: bool, temperature: float):
+        decoder = SlotDecoder(gpu, slots=4, max_prompt_tokens=400, max_new_tokens=40, stop_ids=frozenset(), seed=3,
+                              capture=capture)
+        done = {a.request.tag: a.tokens for a in decoder.run(deque(Request(ids, temperature, i)
+                                                                    for i, ids in enumerate(prompts)))}
+        return [done[i] for i in range(len(prompts))], decoder.graphs
+
+    eager, _ = answers(False, 0.0)
+    captured, graphs = answers(True, 0.0)
+    assert graphs.graphs and graphs.failure is None and captured == eager
+    sampled, _ = answers(True, 1.0)
+    assert all(len(tokens) == 40 for tokens in sampled) and sampled != captured
+
+
 # --- regeneration ----------------------------------------------------------------------------------
 
 
