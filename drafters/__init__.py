@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from drafters import eagle, eagle3, jakiro
-from drafters.base import DraftHead, TargetParts
+from drafters.base import DraftHead, TargetParts, Verifier
 from drafters.checkpoint import HeadLoadError, read_config, read_safetensors, read_weights, write_weights
 
 FORMATS = {module.KIND: module for module in (eagle, eagle3, jakiro)}
@@ -46,7 +46,7 @@ LAYOUTS = ("eagle", "sglang", "speculators")  # what `export_head` writes (each 
 # Files a head folder may hold beside its weights and config, carried over by `export_head`.
 CARRIED_FILES = (DRAFT_VOCAB_FILE, "training.json")
 
-__all__ = ["DraftHead", "TargetParts", "HeadLoadError", "load_head", "save_head", "export_head", "FORMATS", "LAYOUTS"]
+__all__ = ["DraftHead", "TargetParts", "Verifier", "HeadLoadError", "load_head", "save_head", "export_head", "FORMATS", "LAYOUTS"]
 
 
 def known_formats() -> str:
@@ -114,15 +114,17 @@ def save_head(head: DraftHead, folder, dtype=None, max_shard_bytes: int | None =
         save_file({"token_ids": head.draft_to_target.cpu()}, folder / DRAFT_VOCAB_FILE)
 
 
-def export_head(source, output, layout: str, verifier: str | None = None, speculative_tokens: int = 5,
+def export_head(source, output, layout: str, verifier: Verifier = Verifier(), speculative_tokens: int = 5,
                 feature_layers: tuple[int, ...] | None = None, max_shard_bytes: int | None = None) -> list[Path]:
     """Write the head in folder `source` in a published `layout` other engines load as it is (no
     conversion by hand), into folder `output`; returns the files written.
 
     "eagle" is the reference repositories' layout; "sglang" the same files, which SGLang reads as
-    they are; "speculators" vLLM's (EAGLE-3 heads). `verifier` is the target's name for the
-    speculators layout; `feature_layers`, the target layers to capture where the head does not
-    say (the defaults for its target, so that the file says them). The weights keep their dtype.
+    they are; "speculators" vLLM's (EAGLE-3 heads). `verifier` is the target: the speculators
+    layout names it, and every layout says its context (max_position_embeddings; the head's own
+    where the target's is not given, an error where neither is). `feature_layers`: the target
+    layers to capture where the head does not say (the defaults for its target, so that the file
+    says them). The weights keep their dtype.
     """
     source, output = Path(source), Path(output)
     raw, (state, where) = read_config(source), read_weights(source)
@@ -130,11 +132,17 @@ def export_head(source, output, layout: str, verifier: str | None = None, specul
     if layout not in module.LAYOUTS:
         raise HeadLoadError(f"{where}: a {module.NAME} head is written in the {', '.join(module.LAYOUTS)} "
                             f"layout{'s' if len(module.LAYOUTS) > 1 else ''}, not {layout}")
+    context = verifier.max_position_embeddings or layer_fields(raw).get("max_position_embeddings")
+    if not context:
+        raise HeadLoadError(f"{source}: neither the head's config nor the target given says the target's context "
+                            f"(max_position_embeddings); without it serving engines size the head's positions "
+                            f"for 2048 or 8192 tokens and accept nothing beyond: give it")
     config = module.CONFIG.from_dict(raw, str(source / "config.json"))
     try:
         config_dict = config.layout_dict(layout, verifier, speculative_tokens, feature_layers)
     except HeadLoadError as error:
         raise HeadLoadError(f"{source}: {error}") from error
+    layer_fields(config_dict)["max_position_embeddings"] = context
     state = map_keys(map_keys(state, module.KEY_MAP), module.LAYOUTS[layout])
     output.mkdir(parents=True, exist_ok=True)
     written = write_weights({key: tensor.contiguous() for key, tensor in state.items()}, output, max_shard_bytes)
@@ -145,3 +153,8 @@ def export_head(source, output, layout: str, verifier: str | None = None, specul
             shutil.copyfile(source / name, output / name)
             written.append(output / name)
     return written
+
+
+def layer_fields(config: dict) -> dict:
+    """The Llama fields of a head's config.json: at its top, or nested where the speculators layout puts them."""
+    return config.get("transformer_layer_config", config)

@@ -34,13 +34,14 @@ Two published layouts hold these weights, and both are read and written here:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from drafters.base import DraftHead, TargetParts, check_target_fit, read_layer_config
+from drafters.base import DraftHead, TargetParts, Verifier, check_target_fit, read_layer_config
 from drafters.checkpoint import HeadLoadError, load_strict
 from drafters.layers import DecoderLayer, LayerConfig, RMSNorm
 
@@ -114,20 +115,22 @@ class Eagle3Config(LayerConfig):
             out["max_position_embeddings"] = self.max_position_embeddings
         return out
 
-    def layout_dict(self, layout: str, verifier: str | None = None, speculative_tokens: int = 5,
+    def layout_dict(self, layout: str, verifier: Verifier | None = None, speculative_tokens: int = 5,
                     feature_layers: tuple[int, ...] | None = None) -> dict:
         if layout == "speculators":
-            if not verifier:
+            if verifier is None or not verifier.name:
                 raise HeadLoadError("the speculators layout names the head's verifier: give the target's hub id")
             return self.to_speculators(verifier, speculative_tokens, feature_layers)
         if self.norm_before_residual:  # the reference layer takes the residual before the norm: it would compute another head
             raise HeadLoadError(f"this head normalizes the feature before its residual, which the {layout} layout "
                                 f"cannot say: only the speculators layout holds it")
-        return self.to_dict()
+        return dataclasses.replace(self, feature_layer_ids=self.feature_layer_ids or feature_layers).to_dict()
 
-    def to_speculators(self, verifier: str, speculative_tokens: int, feature_layers: tuple[int, ...] | None) -> dict:
-        """vLLM's speculators layout. `verifier`: the target's name (hub id); `feature_layers`: the
-        hidden-state indices to capture, when the head does not say (the defaults for its target)."""
+    def to_speculators(self, verifier: Verifier, speculative_tokens: int,
+                       feature_layers: tuple[int, ...] | None) -> dict:
+        """vLLM's speculators layout. `verifier`: the target (its hub id and architectures);
+        `feature_layers`: the hidden-state indices to capture, when the head does not say (the
+        defaults for its target)."""
         layer = {key: value for key, value in self.layer_dict().items() if key not in ("architectures", "qkv_bias")}
         layer.update(attention_bias=self.qkv_bias, mlp_bias=False, tie_word_embeddings=False,
                      max_position_embeddings=self.max_position_embeddings)
@@ -139,7 +142,7 @@ class Eagle3Config(LayerConfig):
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-                "verifier": {"name_or_path": verifier, "architectures": []},
+                "verifier": {"name_or_path": verifier.name, "architectures": list(verifier.architectures)},
             },
         }
         ids = self.feature_layer_ids or feature_layers
@@ -163,8 +166,7 @@ class Eagle3Layer(DecoderLayer):
     def forward(self, embedded, hidden, cos, sin, mask, keys) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embedded), normed], dim=-1)
-        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, mask, keys)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.block(x, normed if self.norm_before_residual else hidden, cos, sin, mask, keys)
 
 
 class Eagle3Head(DraftHead):

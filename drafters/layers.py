@@ -145,7 +145,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A Llama decoder layer without the input norm, as EAGLE's layer 0 is (fc's output goes straight in)."""
+    """A Llama decoder layer without the input norm, as EAGLE's layer 0 is (fc's output goes straight in).
+
+    Its `block` (attention from an input, the residual, the MLP of its norm) is what a runtime may
+    compute faster: where `fast_block` is set (specchat sets it on a CPU for heads whose linear
+    layers are its quantized ones, `specchat.decode.cpu_decoder`), `block` calls it instead, with
+    the layer itself (it falls back to `torch_block` for key stores it does not handle).
+    """
 
     def __init__(self, config: LayerConfig, attention_in: int | None = None):
         super().__init__()
@@ -153,7 +159,17 @@ class DecoderLayer(nn.Module):
                                    config.num_key_value_heads, config.head_dim, config.qkv_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.fast_block = None  # a runtime's block(layer, attention_input, residual, cos, sin, mask, keys); not a weight
 
     def forward(self, x, cos, sin, mask, keys) -> torch.Tensor:
-        h = x + self.self_attn(x, cos, sin, mask, keys)
+        return self.block(x, x, cos, sin, mask, keys)
+
+    def block(self, attention_input, residual, cos, sin, mask, keys) -> torch.Tensor:
+        """residual + attention over `attention_input`, plus the MLP of that sum's norm."""
+        if self.fast_block is not None:
+            return self.fast_block(self, attention_input, residual, cos, sin, mask, keys)
+        return self.torch_block(attention_input, residual, cos, sin, mask, keys)
+
+    def torch_block(self, attention_input, residual, cos, sin, mask, keys) -> torch.Tensor:
+        h = residual + self.self_attn(attention_input, cos, sin, mask, keys)
         return h + self.mlp(self.post_attention_layernorm(h))

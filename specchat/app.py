@@ -16,7 +16,7 @@ from specchat.decode.engine import GenerationSettings
 from specchat.decode.fixed_engine import new_engine
 from specchat.live import LiveChat
 from specchat.methods import MethodError, effective_draft, needs_draft
-from specchat import peers  # noqa: F401  (attaches the peers' builders to their methods)
+from specchat import peers, peers_openvino, peers_vllm  # noqa: F401  (attach the peers' builders to their methods)
 from specchat.proposers import LoadModel, build_proposer
 from specchat.decode.sampling import SamplingParams, make_generator
 from specchat.settings import Settings

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specchat import bench_breakdown
 from specchat.chat import ChatSession, Turn
 from specchat.inputs import PromptRecord
 from specchat.methods import PLAIN
@@ -248,6 +249,7 @@ def _aggregate(rows: list[TurnResult], compared: bool) -> dict:
         # Depth of the deepest verified node per cycle, and (DEAGLE) the depth where drafting stopped.
         "tree_depth": _mean([max(c["depths"]) for r in rows for c in r.cycles if c.get("depths")]),
         "stop_depth": _mean([c["stop_depth"] for r in rows for c in r.cycles if "stop_depth" in c]),
+        "breakdown": bench_breakdown.cycle_breakdown(total, len(rows)),  # ms per cycle by part (--breakdown)
     }
     checked = [r for r in rows if r.compared]
     if compared and checked:
@@ -339,6 +341,8 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
         ax.bar(list(memory), list(memory.values()))
         ax.tick_params(axis="x", rotation=30)
         save(fig, ax, "memory.png", None, "peak memory (MiB)", legend=False)
+    # 5. Where a cycle's time goes (--breakdown).
+    written += [path for path in [bench_breakdown.plot(plt, folder, summary)] if path]
     return written
 
 

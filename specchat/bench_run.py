@@ -31,11 +31,11 @@ from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, 
 
 # What `bench.write_outputs` writes into the output folder (checked before the model loads).
 OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png",
-                "memory.png")
+                "memory.png", "breakdown.png")
 
 
 def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: Settings, profile: str, limit, repeat: int,
-              warmup: int, output_dir: str, interleave: bool = False) -> None:
+              warmup: int, output_dir: str, interleave: bool = False, breakdown: bool = False) -> None:
     check_output_folder("--output", output_dir, inputs, OUTPUT_FILES)
     # Runs repeat exactly: a run without --seed samples with seed 0.
     settings = dataclasses.replace(settings, method=PLAIN, seed=0 if settings.seed is None else settings.seed)
@@ -44,6 +44,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     checked = app.check(settings)
     console = Console(stderr=True)
     target, chat_format = app.load_chat_model(settings, checked)
+    target.profiling = breakdown  # time each forward's products and attention (bench_breakdown)
     generation = app.generation_settings(settings, checked, chat_format)
     for method, reason in skipped.items():
         console.print(f"skipping {method}: {reason}", style="yellow", markup=False, highlight=False, soft_wrap=True)
@@ -54,7 +55,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "runtime": target.runtime,
         "compile_seconds": round(target.compile_seconds, 2),  # at load, before any timed turn: not in tok/s
         "max_new_tokens": generation.max_new_tokens, "temperature": settings.temperature, "repeat": repeat,
-        "warmup": warmup, "interleave": interleave, "profile": profile, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "warmup": warmup, "interleave": interleave, "breakdown": breakdown, "profile": profile,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
     measure = BenchRuns(runs, target, chat_format, generation, app.model_loader(settings), console, skipped)

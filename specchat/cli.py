@@ -240,17 +240,20 @@ def profiles_show(name, **options):
 @click.option("--warmup", type=int, default=1, show_default=True, help="Warm-up answers per method (not measured).")
 @click.option("--interleave", is_flag=True,
               help="Every method answers each question in turn (a drifting machine slows all alike); no peak memory.")
+@click.option("--breakdown", is_flag=True,
+              help="Time where each decoding cycle goes (products, attention, rest of the forward, drafting, "
+                   "bookkeeping): results.json and breakdown.png.")
 @click.option("--output", "-o", "output_dir", type=click.Path(file_okay=False), default="bench-results", show_default=True,
               help="Folder for results.json, results.csv and the plots.")
 @settings_options
-def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave, output_dir, **options):
+def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave, breakdown, output_dir, **options):
     """Measure methods against plain decoding on prompt files (Spec-Bench protocol)."""
     from specchat.bench_run import run_bench  # torch and transformers load here
 
     settings, profile = resolve_settings(options)
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     run_bench(list(inputs), chosen, dict(item.split("=", 1) for item in draft_for if "=" in item), settings,
-              profile, limit, repeat, warmup, output_dir, interleave)
+              profile, limit, repeat, warmup, output_dir, interleave, breakdown)
 
 
 cli.add_command(cli_train.data)

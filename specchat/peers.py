@@ -8,8 +8,10 @@
   to beat. Prompts are the same token ids (the model's own chat template), sampling is the plain
   distribution (temperature only: no top-k 40, min-p or repetition penalty of its defaults).
 
-Each builder (attached to its entry of `specchat.methods`) returns a runner with the interface of
-`specchat.bench.SessionRunner` and whatever it loaded, to be let go when the method is done.
+OpenVINO GenAI and vLLM, which live in environments of their own, are in `specchat.peers_openvino`
+and `specchat.peers_vllm`. Each builder (attached to its entry of `specchat.methods`) returns a
+runner (a `ConversationRunner`: the interface of `specchat.bench.SessionRunner`) and whatever it
+loaded, to be let go when the method is done.
 Target forwards are counted (a forward hook, or llama.cpp's evaluation calls), so τ means the
 same as for specchat's methods; the time to the first token is the prefill.
 """
@@ -63,7 +65,32 @@ class FirstTokenClock(BaseStreamer):
         pass
 
 
-class GenerateRunner:
+class ConversationRunner:
+    """What every peer's bench runner shares (the interface of `specchat.bench.SessionRunner`): one
+    conversation per question, whose turns it answers with token ids of the model's own chat template."""
+
+    chat_format: ChatFormat
+
+    def __init__(self):
+        self.conversation: Conversation | None = None
+
+    def close(self) -> None:
+        pass
+
+    def start(self, record: PromptRecord, system: str | None) -> None:
+        self.conversation = Conversation(system=record.system if record.system is not None else system)
+        self.conversation.messages.extend(record.history)
+
+    def answered(self, tokens: list[int], stats: Stats) -> Turn:
+        """The turn that answered with `tokens`, added to the conversation."""
+        decoder = self.chat_format.decoder()
+        decoder.push(tokens)
+        decoder.flush()
+        self.conversation.add_assistant(decoder.text)
+        return Turn(text=decoder.text, tokens=tokens, stats=stats, finished=True)
+
+
+class GenerateRunner(ConversationRunner):
     """A transformers `generate` peer (assisted generation or prompt lookup) on the same target."""
 
     def __init__(self, target: Target, chat_format: ChatFormat, settings: GenerationSettings, generate_kwargs: dict,
@@ -73,17 +100,13 @@ class GenerateRunner:
         self.seed = rng_seed
         self.forwards = 0
         self._hook = target.model.register_forward_pre_hook(self._count)  # every target forward passes here
-        self.conversation: Conversation | None = None
+        super().__init__()
 
     def close(self) -> None:
         self._hook.remove()
 
     def _count(self, module, args) -> None:
         self.forwards += 1
-
-    def start(self, record: PromptRecord, system: str | None) -> None:
-        self.conversation = Conversation(system=record.system if record.system is not None else system)
-        self.conversation.messages.extend(record.history)
 
     @torch.inference_mode()
     def turn(self, prompt: str) -> Turn:
@@ -102,13 +125,8 @@ class GenerateRunner:
             **self.kwargs)
         seconds = time.perf_counter() - clock.start
         new = output[0, ids.shape[1]:].tolist()
-        decoder = self.chat_format.decoder()
-        decoder.push(new)
-        decoder.flush()
-        self.conversation.add_assistant(decoder.text)
-        stats = Stats(new_tokens=len(new), seconds=seconds, prefill_seconds=clock.first_token_seconds,
-                      target_forwards=self.forwards)
-        return Turn(text=decoder.text, tokens=new, stats=stats, finished=True)
+        return self.answered(new, Stats(new_tokens=len(new), seconds=seconds, prefill_seconds=clock.first_token_seconds,
+                                        target_forwards=self.forwards))
 
 
 @builds(methods.HF_ASSISTED)
@@ -125,7 +143,7 @@ def hf_prompt_lookup(settings: Settings, target: Target, chat_format: ChatFormat
     return GenerateRunner(target, chat_format, generation, kwargs, settings.seed), None
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(ConversationRunner):
     """llama.cpp on the target's GGUF file: a conversation's turns through the high-level generator,
     which reuses its cache for the shared prefix, as our engine does."""
 
@@ -151,14 +169,10 @@ class LlamaCppRunner:
             return evaluate(tokens)
 
         self.llm.eval = counted
-        self.conversation: Conversation | None = None
+        super().__init__()
 
     def close(self) -> None:
         self.llm.close()
-
-    def start(self, record: PromptRecord, system: str | None) -> None:
-        self.conversation = Conversation(system=record.system if record.system is not None else system)
-        self.conversation.messages.extend(record.history)
 
     def turn(self, prompt: str) -> Turn:
         self.conversation.add_user(prompt)
@@ -175,13 +189,8 @@ class LlamaCppRunner:
             if token in self.settings.stop_ids or len(new) >= budget:
                 break
         seconds = time.perf_counter() - start
-        decoder = self.chat_format.decoder()
-        decoder.push(new)
-        decoder.flush()
-        self.conversation.add_assistant(decoder.text)
-        stats = Stats(new_tokens=len(new), seconds=seconds, prefill_seconds=first_token_seconds,
-                      target_forwards=self.forwards)
-        return Turn(text=decoder.text, tokens=new, stats=stats, finished=True)
+        return self.answered(new, Stats(new_tokens=len(new), seconds=seconds, prefill_seconds=first_token_seconds,
+                                        target_forwards=self.forwards))
 
 
 def _llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,

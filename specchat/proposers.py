@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 
 from specchat import methods
-from specchat.decode import quantized
+from specchat.decode import cpu_decoder, quantized
 from specchat.decode.calibrate import cached_curve
 from specchat.decode.deagle import DeagleParams
 from specchat.decode.engine import Proposer
@@ -127,6 +127,7 @@ def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
         quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize],
                                    quantized_cache(folder, target.spec.quantize, loaded_on=target),
                                    what="the draft head's linear layers")
+        cpu_decoder.fuse_head(head)  # each draft step's layer in one call
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)

@@ -32,6 +32,10 @@ class Stats:
     accepted_tokens: int = 0  # of those, accepted
     accepted_from_lookup: int = 0  # of those, proposed by the lookup (alone, or the head too): hybrid drafting
     lookup_seconds: float = 0.0  # spent finding lookup continuations
+    # After the prefill: the target's forwards, and with the target profiling their products and attention
+    forward_seconds: float = 0.0
+    products_seconds: float = 0.0
+    attention_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens per speculative cycle, bonus included
     finish_reason: str | None = None  # of the latest reply counted
 
@@ -46,7 +50,11 @@ class Stats:
         self.accepted_tokens += sum(step.drafted)
         if step.prefill:
             self.prefill_seconds += step.seconds
-        elif step.cycle is not None:
+        else:
+            self.forward_seconds += step.forward_seconds
+            self.products_seconds += step.products_seconds
+            self.attention_seconds += step.attention_seconds
+        if not step.prefill and step.cycle is not None:
             self.accept_lengths.append(len(step.tokens))
             tree = step.cycle.tree
             if tree.sources:  # the accepted nodes this step kept (an end of turn or the budget may cut the path)

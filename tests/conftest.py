@@ -46,7 +46,7 @@ def build_tokenizer():
 
 
 def tiny_config(arch: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
@@ -54,7 +54,7 @@ def tiny_config(arch: str, **overrides):
         bos_token_id=257, eos_token_id=256, pad_token_id=257, tie_word_embeddings=False,
     )
     common.update(overrides)
-    return (Qwen2Config if arch == "qwen2" else LlamaConfig)(**common)
+    return {"qwen2": Qwen2Config, "qwen3": Qwen3Config}.get(arch, LlamaConfig)(**common)
 
 
 def build_model(arch: str, seed: int = 0, **overrides):

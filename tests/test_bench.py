@@ -273,3 +273,26 @@ def test_each_method_gets_its_draft_as_chat_would_unless_draft_for_says():
     assert [run.method for run in runs.values()] == ["vanilla", "eagle2", "deagle", "sps", "pld"]
     runs, skipped = method_settings(["eagle2"], {}, Settings(model="some/model"))  # no head for this model
     assert list(runs) == ["vanilla"] and "--draft-for eagle2=PATH" in skipped["eagle2"]
+
+
+def test_a_cycles_breakdown_adds_up_to_the_cycle_and_is_drawn(qwen_dir, tmp_path, capsys):
+    """--breakdown on the quantized tiny model: per method, the parts of a decoding cycle (products
+    and attention timed inside the fused forward) add up to the cycle's time; peers have none."""
+    from specchat.decode import woq_kernel
+
+    if woq_kernel.unavailable_reason() is not None:
+        pytest.skip("the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("hi\nmore\n")
+    out = tmp_path / "bench"
+    code, _, err = invoke(["bench", str(prompts), "--model", str(qwen_dir), "--quantize", "int5", "--max-new-tokens", "8",
+                           "--methods", "pld,hf-pld", "--warmup", "0", "--breakdown", "--output", str(out)], capsys)
+    assert code == 0, err
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    for method in ("vanilla", "pld"):
+        parts = summary[method]["overall"]["breakdown"]
+        assert parts["products"] > 0 and parts["attention"] > 0 and parts["cycles"] > 0
+        total = sum(parts[name] for name in ("products", "attention", "forward_rest", "drafting", "bookkeeping"))
+        assert total == pytest.approx(parts["cycle_ms"], abs=0.01)
+    assert summary["hf-pld"]["overall"]["breakdown"] is None  # transformers' generate: not timed
+    assert (out / "breakdown.png").stat().st_size > 1000

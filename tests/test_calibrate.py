@@ -1,5 +1,7 @@
 """The verify-cost curve and the tree size it picks."""
 
+import pytest
+
 from conftest import load_tiny_target
 from specchat.decode import calibrate
 from specchat.decode.calibrate import Curve
@@ -19,7 +21,21 @@ def test_less_trusted_drafts_get_a_smaller_budget():
     assert avx2.best_total_tokens() == avx2.best_total_tokens(1.0)
 
 
+class Load:
+    """`machine.other_processes_share` as a test sets it: what the tests assert may not hang on what
+    else the machine runs."""
+
+    share = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_the_curve_is_measured_once_and_cached(qwen_dir, monkeypatch):
+    monkeypatch.setattr(calibrate, "other_processes_share", Load)
     target = load_tiny_target(qwen_dir)
     calls = []
     real = calibrate.measure
@@ -46,3 +62,80 @@ def test_sizes_are_timed_in_turn_and_the_fastest_run_kept(qwen_dir, monkeypatch)
     curve = calibrate.measure(target, sizes=(1, 4, 6), context=8, repeats=3)
     assert order == [8] + [1, 4, 6] * 4  # the prefill, then the sizes in turn, round after round
     assert curve.milliseconds == {1: 1.0, 4: 4.0, 6: 6.0}
+
+
+def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypatch):
+    """A curve measured on a busy machine (monotonic, so it is not measured again at load) is far
+    dearer than what live verify forwards take: the first reply rescales it, and the rescaled one
+    is what the cache keeps."""
+    import json
+
+    import torch
+
+    from conftest import random_head
+    from specchat.decode.engine import Engine, GenerationSettings
+    from specchat.decode.head_proposer import TreeProposer
+    from specchat.decode.lookup import LookupSource
+    from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
+
+    target = load_tiny_target(qwen_dir)
+    path = calibrate.cache_dir() / "verify-cost.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    poisoned = {1: 2000.0, 2: 2100.0, 4: 2400.0, 8: 3000.0, 16: 4500.0}
+    path.write_text(json.dumps({calibrate._key(target): poisoned}))
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("a plausible stored curve is not measured"))
+    curve = calibrate.cached_curve(target)
+    assert curve.milliseconds == poisoned
+    proposer = TreeProposer(random_head("eagle3", target), target.num_layers, DynamicTree(DynamicTreeParams(4, 3, 2)),
+                            lookup=LookupSource(), curve=curve)
+    steps = list(Engine(target, proposer).generate([258, 10, 20, 30, 40], GenerationSettings(max_new_tokens=24)))
+    assert sum(step.draft_tokens > 0 for step in steps) >= calibrate.LIVE_EVIDENCE
+    kept = {int(n): ms for n, ms in json.loads(path.read_text())[calibrate._key(target)].items()}
+    assert kept == curve.milliseconds and kept[1] < 0.1 * poisoned[1]  # tiny-model forwards take milliseconds
+    assert calibrate.cached_curve(target).milliseconds == kept
+
+
+def test_a_curve_measured_on_a_busy_machine_or_of_no_machine_s_shape_is_not_kept(qwen_dir, monkeypatch):
+    target = load_tiny_target(qwen_dir)
+    shapes = iter([{1: 10.0, 4: 120.0, 8: 30.0}, {1: 10.0, 4: 12.0, 8: 15.0}, {1: 10.0, 4: 12.0, 8: 15.0}])
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: Curve(next(shapes)))
+    monkeypatch.setattr(calibrate, "other_processes_share", Load)
+    first = calibrate.cached_curve(target)  # 4 tokens dearer per token than 1: not kept, made monotonic
+    assert first.milliseconds == {1: 10.0, 4: 120.0, 8: 120.0}
+    monkeypatch.setattr(Load, "share", 0.5)
+    assert calibrate.cached_curve(target).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}  # measured again, not kept
+    monkeypatch.setattr(Load, "share", 0.0)
+    assert calibrate.cached_curve(target).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}  # measured again, kept
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("kept: not measured again"))
+    assert calibrate.cached_curve(target).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}
+
+
+def test_live_forwards_rescale_a_curve_they_contradict_and_only_a_too_dear_one_is_kept():
+    kept = []
+    curve = Curve({1: 10.0, 4: 20.0}, on_rescaled=kept.append)
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(4, 21.0)  # agrees: nothing changes
+    assert curve.milliseconds == {1: 10.0, 4: 20.0} and not kept
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(4, 60.0)  # the machine is busy now: dearer for this session, not kept
+    assert curve.milliseconds == {1: 30.0, 4: 60.0} and not kept
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(4, 6.0)
+    assert curve.milliseconds == {1: 3.0, 4: 6.0} and kept == [curve]
+
+
+def test_another_process_s_work_is_seen_as_the_machine_being_busy():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from specchat.decode.machine import other_processes_share
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc here: the share cannot be told (and counts as 0)")
+    with other_processes_share() as quiet:
+        time.sleep(0.3)
+    with other_processes_share() as busy:  # a child spins one core for a second while this one sleeps
+        subprocess.run([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1: pass"], check=True)
+    assert busy.share > 0.5 / os.cpu_count() and 0.0 <= quiet.share <= 1.0

@@ -26,7 +26,8 @@ def fake_chunks(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     model = embedded.EmbeddedModel(
         name="fake", description="", packages=("fake_chunk_part1", "fake_chunk_part2"), extra="demo",
-        size=len(payload), sha256=hashlib.sha256(payload).hexdigest(), hub_id="fake/fake")
+        size=len(payload), sha256=hashlib.sha256(payload).hexdigest(), hub_id="fake/fake",
+        architectures=("LlamaForCausalLM",), max_position_embeddings=4096)
     return model, payload
 
 
@@ -47,7 +48,8 @@ def test_a_wrong_checksum_is_an_error_that_says_how_to_fix_it(fake_chunks, tmp_p
 
 def test_a_missing_package_names_the_install_command(monkeypatch):
     model = embedded.EmbeddedModel(name="fake", description="", packages=("no_such_chunk_package",),
-                                   extra="demo", size=1, sha256="0" * 64, hub_id="fake/fake")
+                                   extra="demo", size=1, sha256="0" * 64, hub_id="fake/fake",
+                                   architectures=("LlamaForCausalLM",), max_position_embeddings=4096)
     monkeypatch.setitem(embedded.EMBEDDED_MODELS, "fake", model)
     with pytest.raises(ModelLoadError, match=r"no-such-chunk-package, which is not installed.*specchat\[demo\]"):
         locate(ModelSpec(model="fake"), None)

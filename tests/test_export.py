@@ -23,6 +23,15 @@ The fields and key names are pinned against the loader code, read on 2026-11-24:
   front and otherwise *silently skipped*; the layer is `model.midlayer`; `fc` bias only with
   `config.bias`; `tie_word_embeddings` makes the LM head the embedding) and its targets'
   `set_eagle3_layers_to_capture` (captures at id + 1: the ids name layer outputs).
+
+The context, read on 2026-11-25: vLLM's draft layer is its Llama layer
+(`vllm/model_executor/models/llama.py`, `LlamaAttention`: `max_position_embeddings =
+getattr(config, "max_position_embeddings", 8192)` sizes the rotary table), so a head whose config
+lacks the field accepts nothing past 8,192 tokens (measured: 0 of 300 drafts on an 8,641-token
+prompt, 1.36 once set). SGLang (`python/sglang/srt/configs/model_config.py`,
+`ModelConfig._derive_context_length`) refuses at start-up a draft whose derived context
+(`max_position_embeddings`, transformers' LlamaConfig default 2048) is below the target's, unless
+SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set. So every layout says the target's context.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import pytest
 import torch
 
 from conftest import invoke, load_tiny_target, random_head, tokens_of
-from drafters import HeadLoadError, export_head, load_head, save_head
+from drafters import HeadLoadError, Verifier, export_head, load_head, save_head, layer_fields
 from drafters.eagle3 import default_feature_layers
 from specchat.decode.engine import Engine, GenerationSettings
 from specchat.decode.head_proposer import TreeProposer
@@ -41,6 +50,8 @@ from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]
 VERIFIER = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+# Its config.json says Qwen2ForCausalLM, max_position_embeddings 32768 and rope_theta 1e6.
+QWEN = Verifier(VERIFIER, ("Qwen2ForCausalLM",), 32768)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +119,7 @@ SGLANG_PARAMETERS = {
 
 def test_the_speculators_layout_holds_what_vllm_reads(eagle3_dir, target, tmp_path):
     out = tmp_path / "speculators"
-    export_head(eagle3_dir, out, "speculators", VERIFIER, 5, default_feature_layers(target.num_layers))
+    export_head(eagle3_dir, out, "speculators", QWEN, 5, default_feature_layers(target.num_layers))
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
     layer = config["transformer_layer_config"]
@@ -117,7 +128,8 @@ def test_the_speculators_layout_holds_what_vllm_reads(eagle3_dir, target, tmp_pa
     assert config["draft_vocab_size"] == 100
     assert config["norm_before_residual"] is False  # said: vLLM reads an absent field as True, another layer
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
-    assert config["speculators_config"]["verifier"]["name_or_path"] == VERIFIER
+    assert config["speculators_config"]["verifier"] == {"name_or_path": VERIFIER, "architectures": ["Qwen2ForCausalLM"]}
+    assert layer["max_position_embeddings"] == 32768  # vLLM's Llama layer: 8192 when absent
     # vLLM captures the input of layer id: the hidden-state indices here, as they are
     assert config["eagle_aux_hidden_state_layer_ids"] == list(default_feature_layers(target.num_layers))
     keys = set(weights(out))
@@ -130,9 +142,10 @@ def test_the_sglang_layout_holds_what_sglang_reads(target, tmp_path):
     head = random_head("eagle3", target)
     head.config = type(head.config)(**{**head.config.__dict__, "feature_layer_ids": (1, 3, 5)})
     save_head(head, tmp_path / "head")
-    export_head(tmp_path / "head", tmp_path / "sglang", "sglang")
+    export_head(tmp_path / "head", tmp_path / "sglang", "sglang", QWEN)
     config = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["max_position_embeddings"] == 32768  # SGLang refuses a draft below the target's context
     assert config["tie_word_embeddings"] is False  # else SGLang makes the LM head the embedding
     assert config["draft_vocab_size"] == 100 and "bias" not in config
     # SGLang captures at id + 1: the ids name layer outputs, one below the hidden-state indices
@@ -148,7 +161,7 @@ def test_the_sglang_layout_holds_what_sglang_reads(target, tmp_path):
 def test_exported_heads_load_back_strictly_and_draft_the_same(kind, layout, target, tmp_path):
     head = random_head(kind, target)
     save_head(head, tmp_path / "head")
-    export_head(tmp_path / "head", tmp_path / layout, layout, VERIFIER, 5, default_feature_layers(target.num_layers))
+    export_head(tmp_path / "head", tmp_path / layout, layout, QWEN, 5, default_feature_layers(target.num_layers))
     back = load_head(tmp_path / layout, target, kind)
     assert back.feature_layers(target.num_layers) == head.feature_layers(target.num_layers)
     ours, theirs = head.trainable_state_dict(), back.trainable_state_dict()
@@ -163,7 +176,7 @@ def test_exported_heads_load_back_strictly_and_draft_the_same(kind, layout, targ
 
 
 def test_a_speculators_head_that_norms_before_its_residual_loads_as_such_and_stays_there(eagle3_dir, target, tmp_path):
-    export_head(eagle3_dir, tmp_path / "spec", "speculators", VERIFIER)
+    export_head(eagle3_dir, tmp_path / "spec", "speculators", QWEN)
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     del config["norm_before_residual"]  # absent: vLLM's default, true
     (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
@@ -176,26 +189,66 @@ def test_a_speculators_head_that_norms_before_its_residual_loads_as_such_and_sta
     outputs = [h(hidden, tokens, positions, None, HeadCache()) for h in (before, plain)]
     assert not torch.allclose(outputs[0], outputs[1])  # another layer: another output
     with pytest.raises(HeadLoadError, match="only the speculators layout holds it"):
-        export_head(tmp_path / "spec", tmp_path / "sglang", "sglang")
+        export_head(tmp_path / "spec", tmp_path / "sglang", "sglang", QWEN)
 
 
 def test_what_a_layout_cannot_hold_is_refused_in_one_line(eagle3_dir, target, tmp_path):
     save_head(random_head("jakiro", target), tmp_path / "jakiro")
     with pytest.raises(HeadLoadError, match="written in the eagle layout, not speculators"):
-        export_head(tmp_path / "jakiro", tmp_path / "out", "speculators", VERIFIER)
+        export_head(tmp_path / "jakiro", tmp_path / "out", "speculators", QWEN)
     with pytest.raises(HeadLoadError, match="names the head's verifier"):
-        export_head(eagle3_dir, tmp_path / "out", "speculators")
+        export_head(eagle3_dir, tmp_path / "out", "speculators", Verifier(max_position_embeddings=32768))
+    with pytest.raises(HeadLoadError, match=r"says the target's context \(max_position_embeddings\)"):
+        export_head(eagle3_dir, tmp_path / "out", "sglang")  # neither the head nor the caller says it
 
 
-def test_export_head_command_writes_a_bundled_head_for_vllm(capsys, tmp_path):
-    """The bundled EAGLE-3 head, for vLLM: its verifier and target layers come from its training record."""
+@pytest.mark.parametrize("layout", ["speculators", "sglang", "eagle"])
+def test_every_layout_says_the_targets_context_over_the_heads_own(eagle3_dir, tmp_path, layout):
+    """The target's context wins (the head's positions must reach the target's); the head's own
+    config's is the fallback."""
+    config = json.loads((eagle3_dir / "config.json").read_text())
+    (tmp_path / "head").mkdir()
+    for name in ("model.safetensors", "training.json"):
+        (tmp_path / "head" / name).write_bytes((eagle3_dir / name).read_bytes())
+    (tmp_path / "head" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    export_head(tmp_path / "head", tmp_path / "a", layout, QWEN)
+    assert layer_fields(json.loads((tmp_path / "a" / "config.json").read_text()))["max_position_embeddings"] == 32768
+    export_head(tmp_path / "head", tmp_path / "b", layout, Verifier(VERIFIER))
+    assert layer_fields(json.loads((tmp_path / "b" / "config.json").read_text()))["max_position_embeddings"] == 2048
+
+
+def test_bundled_heads_say_their_targets_context_and_rotary_base():
+    """Their configs (not their weights) carry Qwen2.5-Coder-0.5B-Instruct's max_position_embeddings
+    and rope_theta, as the target's config.json says them."""
+    from specchat.heads import bundled_heads
+
+    for name, folder in bundled_heads().items():
+        config = json.loads((folder / "config.json").read_text())
+        assert config["max_position_embeddings"] == 32768 and config["rope_theta"] == 1e6, name
+        assert config.get("rope_scaling") is None, name  # Qwen2.5's is none: the head's must be none too
+
+
+def test_export_head_command_writes_a_bundled_head_for_vllm_and_sglang(capsys, tmp_path):
+    """The bundled EAGLE-3 head, for vLLM: its verifier, the verifier's architectures, the target's
+    context and the target layers come from its training record (the embedded model's facts)."""
     status, _, err = invoke(["export-head", "qwen2.5-coder-0.5b-eagle3", "--format", "speculators",
                              "-o", str(tmp_path / "vllm")], capsys)
     assert status == 0, err
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
-    assert config["speculators_config"]["verifier"]["name_or_path"] == VERIFIER
+    assert config["speculators_config"]["verifier"] == {"name_or_path": VERIFIER, "architectures": ["Qwen2ForCausalLM"]}
+    assert config["transformer_layer_config"]["max_position_embeddings"] == 32768
+    assert config["transformer_layer_config"]["rope_theta"] == 1e6
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 12, 21]  # Qwen2.5-0.5B's 24 layers
     assert (tmp_path / "vllm" / "training.json").is_file()
+    status, _, err = invoke(["export-head", "qwen2.5-coder-0.5b-eagle3", "--format", "sglang",
+                             "-o", str(tmp_path / "sglang")], capsys)
+    assert status == 0, err
+    config = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32768 and config["rope_theta"] == 1e6
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 11, 20]  # outputs of those layers
+    status, _, err = invoke(["export-head", "qwen2.5-coder-0.5b-eagle3", "--format", "sglang",
+                             "--max-position-embeddings", "65536", "-o", str(tmp_path / "longer")], capsys)
+    assert status == 0 and json.loads((tmp_path / "longer" / "config.json").read_text())["max_position_embeddings"] == 65536
     status, _, err = invoke(["export-head", "qwen2.5-coder-0.5b-jakiro", "--format", "speculators",
                              "-o", str(tmp_path / "no")], capsys)
     assert status != 0 and "not speculators" in err and "Traceback" not in err

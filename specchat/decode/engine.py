@@ -62,6 +62,9 @@ class StepResult:
         target_forwards: target forward passes spent (one per step; the prefill counts as one).
         draft_seconds / verify_seconds: the drafting and the verification part of `seconds`.
         draft_tokens: draft tokens the target verified in this step (the tree size).
+        forward_seconds: the step's target forward (plain or verifying), of `seconds`; with the
+            target `profiling`, its products' and attention's parts (`products_seconds`,
+            `attention_seconds`).
         finish_reason: "stop" (end-of-turn token), "length" (token budget or context full), or
             None while the reply goes on.
         prefill: True for the first step of a reply (prompt processing plus the first token).
@@ -77,6 +80,9 @@ class StepResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_tokens: int = 0
+    forward_seconds: float = 0.0
+    products_seconds: float = 0.0
+    attention_seconds: float = 0.0
     finish_reason: str | None = None
     prefill: bool = False
     cycle: object | None = None
@@ -252,11 +258,13 @@ class Engine:
         """Plain decoding: append `root` to the context and draw the token after it."""
         start = time.perf_counter()
         out = self.target.forward(torch.tensor([[root]], device=self.target.device), self.cache, logits_for="last")
+        self._sync()
+        forwarded = time.perf_counter()
         self.context_ids.append(root)
         token = self._draw(out.logits[-1], settings.sampling, rng)
         self._sync()
         return StepResult(tokens=[token], drafted=[False], seconds=time.perf_counter() - start,
-                          margins=margins(out.logits[-1:]))
+                          margins=margins(out.logits[-1:]), **_forward_times(out, forwarded - start))
 
     @torch.inference_mode()
     def speculative_step(self, root: int, settings: GenerationSettings, rng, room: int) -> StepResult:
@@ -275,6 +283,7 @@ class Engine:
         self._sync()
         drafted = time.perf_counter()
         ids, positions, mask = verify_inputs(tree, root, cached, self.target.device)
+        forward_started = time.perf_counter()
         out = self.target.forward(ids, self.cache, positions=positions, mask=mask, logits_for="all",
                                   feature_layers=self.proposer.feature_layers)
         self._sync()
@@ -286,7 +295,7 @@ class Engine:
         self.cache.compact(cached, torch.tensor(keep))
         committed = [root] + [tree.tokens[node] for node in acceptance.path]
         self.context_ids.extend(committed)
-        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus)
+        cycle = Cycle(root, tree, acceptance.path, acceptance.bonus, forward_seconds=verified - forward_started)
         self.proposer.observe(committed, None if out.features is None else out.features[keep], cycle)
         self._sync()
         return StepResult(
@@ -294,6 +303,7 @@ class Engine:
             seconds=time.perf_counter() - start, draft_seconds=drafted - start, verify_seconds=verified - drafted,
             draft_tokens=len(tree), cycle=cycle,
             margins=margins(out.logits[keep]),  # row 0 chose the first token, node i's row the token after it
+            **_forward_times(out, verified - forward_started),
         )
 
     @torch.inference_mode()
@@ -318,3 +328,8 @@ class Engine:
         if sampling.greedy:
             return argmax(logits[None])[0]
         return sample(target_probs(logits, sampling), rng)
+
+
+def _forward_times(out: TargetOutput, seconds: float) -> dict:
+    """A step's target forward timings (`StepResult.forward_seconds` and its parts)."""
+    return dict(forward_seconds=seconds, products_seconds=out.products_seconds, attention_seconds=out.attention_seconds)

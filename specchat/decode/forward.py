@@ -25,6 +25,7 @@ from torch import nn
 
 from drafters.attention import attention
 from drafters.cache import GrowingKV
+from specchat.decode import cpu_decoder
 from specchat.decode.cache import causal_mask
 from specchat.decode.quantized import SharedProjection
 
@@ -137,6 +138,7 @@ class DecoderForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.projections = [Projections(layer.self_attn) for layer in self.layers]
         self.scaling = self.layers[0].self_attn.scaling
+        self.activation = getattr(config, "hidden_act", None)
         # Qwen3 normalizes each head's query and key before the rotation
         self.normalizes_heads = hasattr(self.layers[0].self_attn, "q_norm")
         embedding = self.embed_tokens.weight
@@ -145,6 +147,8 @@ class DecoderForward:
         # dynamic: the cached length and the number of new tokens vary every call, so one graph serves
         # them all (dynamo specializes 0 and 1 only: a first prefill, one token, several tokens).
         self._run = torch.compile(self._forward, fullgraph=True, dynamic=True) if compile else self._forward
+        # Quantized layers on a CPU: the whole forward as one call into the kernel's extension.
+        self.fused = None if cpu_decoder.unfused_reason(self) else cpu_decoder.build(self)
 
     def new_cache(self, capacity: int | None = None) -> LayerKV:
         return LayerKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
@@ -158,6 +162,8 @@ class DecoderForward:
         keys, values = cache.reserve(start + n)
         if positions is None:
             positions = torch.arange(start, start + n, device=input_ids.device)[None]
+        if self.fused is not None and (mask is None or mask.dtype == torch.bool):
+            return self._fused(input_ids, cache, positions, mask, feature_layers)
         if mask is None and (self.compiled or n > 1):  # compiled: always a mask, so one graph serves
             mask = causal_mask(start, n, input_ids.device)  # plain and tree steps; eager one-token steps need none
         if self.compiled:
@@ -165,6 +171,18 @@ class DecoderForward:
         final, hidden = self._run(input_ids, positions, mask, keys, values, start)
         cache.extend(n)
         return final, [hidden[i] for i in feature_layers]
+
+    def _fused(self, input_ids, cache: LayerKV, positions, mask, feature_layers):
+        """`__call__` in one call into the extension. The engine's masks show every new row the whole
+        cached prefix (`verify_inputs`, `causal_mask`): only their part over the new rows is passed."""
+        start, n = cache.length, input_ids.shape[1]
+        keys, values = cache.storage.buffers
+        x = self.embed_tokens(input_ids)[0]
+        cos, sin = self.rotary_emb(x, positions)
+        block = None if mask is None else mask[0, 0, :, start:].contiguous()
+        final, features = self.fused.forward(x, cos[0], sin[0], keys, values, start, block, list(feature_layers))
+        cache.extend(n)
+        return final, features
 
     def at(self, input_ids: torch.Tensor, cache: LayerKV, positions: torch.Tensor, mask: torch.Tensor,
            slots: torch.Tensor, span: int, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -85,6 +85,8 @@ class TreeProposer:
             if cycle is not None:
                 self.rates.learn(cycle)
                 self.trust.learn(cycle)
+        if self.curve is not None and cycle is not None and cycle.forward_seconds:
+            self.curve.observe(len(cycle.tree) + 1, 1000 * cycle.forward_seconds)
 
     @torch.inference_mode()
     def propose(self, root: int, settings: GenerationSettings, rng, max_depth: int, max_nodes: int) -> DraftTree:

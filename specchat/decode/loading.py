@@ -96,7 +96,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
         except (woq_kernel.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
     target = Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
-    if quantize in KERNEL_BITS and woq_kernel.forced_isa():
+    if quantize in KERNEL_BITS and woq_kernel.forced_isa() not in (None, woq_kernel.runnable_isas()[0]):
         log.warning(f"{target.runtime}: {woq_kernel.ISA_VARIABLE} forces the path (this CPU's best: "
                     f"{woq_kernel.runnable_isas()[0]})")
     if spec.compile == "on" and not target.compiled:

@@ -6,9 +6,11 @@ that do (bf16 on a CPU) read it here, once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,3 +67,32 @@ def hardware() -> dict:
     return {"machine": platform.machine(), "processor": platform.processor(), "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+@dataclass
+class OtherLoad:
+    share: float = 0.0  # of the machine's CPU time, used by other processes (0 where /proc cannot tell)
+
+
+def _cpu_ticks() -> tuple[int, int, int] | None:
+    """(all CPUs' busy ticks, all ticks, this process's ticks) from /proc, or None elsewhere."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait; steal counts as busy: another's
+    return sum(fields[:8]) - idle, sum(fields[:8]), int(own[11]) + int(own[12])  # utime + stime
+
+
+@contextlib.contextmanager
+def other_processes_share():
+    """How much of the machine's CPU other processes (or the hypervisor) took while the block ran:
+    what makes a timing on a small machine mean nothing (two torch processes on two cores slow each
+    other 5-10x)."""
+    load, before = OtherLoad(), _cpu_ticks()
+    yield load
+    after = _cpu_ticks()
+    if before is not None and after is not None and after[1] > before[1]:
+        others = (after[0] - before[0]) - (after[2] - before[2])
+        load.share = max(0.0, others / (after[1] - before[1]))

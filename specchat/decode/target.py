@@ -82,6 +82,9 @@ def describe_runtime(quantize: str, device: torch.device, dtype: torch.dtype) ->
 class TargetOutput:
     logits: torch.Tensor | None  # [n, vocab] for the positions asked for
     features: torch.Tensor | None  # [n_tokens, feature_size] for every input position
+    # Where the forward's time went, when the target is `profiling` (products: the kernel's, the LM head's included)
+    products_seconds: float = 0.0
+    attention_seconds: float = 0.0
 
 
 class Target:
@@ -122,6 +125,7 @@ class Target:
         if self.envelope is not None:
             self.runtime += ", CUDA graphs" if self.captures else ", fixed-shape steps (eager)"
             self.max_context = self.envelope.max_context  # its cache holds no more (GPU memory may bound it)
+        self.profiling = False  # time each forward's products and attention (`specchat bench --breakdown`)
         self.compile_seconds = 0.0  # spent compiling at load (`warm_up`), reported apart from decoding
         self.capture_seconds = 0.0  # spent capturing steps as CUDA graphs (`specchat.decode.graphs`), likewise
 
@@ -193,11 +197,22 @@ class Target:
             feature_layers: hidden-state indices to return, concatenated, as the drafter's features
                 (0 = embeddings, i = output of layer i-1, num_layers = the final normed state).
         """
+        fused = self.own_forward.fused if self.own_forward is not None else None
+        if fused is not None:
+            fused.set_profiling(self.profiling)
         if self.own_forward is not None:
             final, parts = self.own_forward(input_ids, cache, positions, mask, tuple(feature_layers or ()))
         else:
             final, parts = self._transformers_forward(input_ids, cache, positions, mask, feature_layers)
-        return self._output(final, parts, logits_for)
+        if not self.profiling:
+            return self._output(final, parts, logits_for)
+        started = time.perf_counter()
+        output = self._output(final, parts, logits_for)  # the LM head: products too
+        output.products_seconds = time.perf_counter() - started
+        if fused is not None:  # (other runtimes time the forward as a whole only)
+            products, output.attention_seconds = fused.take_timings()
+            output.products_seconds += products
+        return output
 
     @torch.inference_mode()
     def forward_at(self, input_ids: torch.Tensor, cache: LayerKV, *, positions: torch.Tensor, mask: torch.Tensor,

@@ -134,6 +134,7 @@ class Cycle:
     tree: DraftTree
     accepted: list[int]  # indices into tree.tokens, root to leaf
     bonus: int
+    forward_seconds: float = 0.0  # the verify forward's wall time (what the cost curve learns from)
 
     def record(self) -> dict:
         return {

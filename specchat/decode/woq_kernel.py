@@ -31,7 +31,10 @@ from specchat.decode import machine
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "woq_linear.cpp"
+KERNELS = Path(__file__).parent / "kernels"
+SOURCE = KERNELS / "woq_linear.cpp"  # the products; decoder.cpp, the layers around them (one call per forward)
+SOURCES = (SOURCE, KERNELS / "decoder.cpp")
+HEADERS = (KERNELS / "woq_linear.h",)
 EXTENSION = "specchat_woq_isa"  # torch's build folder; the single-ISA kernel was "specchat_woq"
 ISA_VARIABLE = "SPECCHAT_CPU_ISA"
 # The kernel's paths, best first, and the CPU flags (as /proc/cpuinfo spells them) each needs.
@@ -112,7 +115,8 @@ _BUILD = threading.Lock()  # one build at a time: `start_build`'s thread, or who
 
 @functools.cache
 def kernel():
-    """The compiled extension (built on first use into the cache, keyed by the source's hash)."""
+    """The compiled extension's classes (built on first use into the cache, keyed by the sources'
+    hash); its operators are torch.ops.specchat's."""
     with _BUILD:  # (cached outside the lock: every linear layer of every forward asks)
         return _built_kernel()
 
@@ -137,15 +141,18 @@ def _built_kernel():
         build.mkdir(parents=True, exist_ok=True)
         with FileLock(build / "specchat-build.lock"):
             (build / "lock").unlink(missing_ok=True)
-            module = cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
-                                        verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
+            # Loaded as a library of torch operators and classes (torch.ops.specchat, torch.classes.specchat),
+            # not a Python module: its sources then need no pybind11 (kernels/woq_linear.h says why).
+            cpp_extension.load(name=EXTENSION, sources=[str(source) for source in SOURCES],
+                               extra_include_paths=[str(KERNELS)], extra_cflags=COMPILE_FLAGS, is_python_module=False,
+                               verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
         raise KernelUnavailable(f"cannot compile {SOURCE.name} ({first_line}; SPECCHAT_DEBUG_BUILD=1 shows the "
                                 f"compiler's output)") from error
     # Loading the module defined torch.ops.specchat.woq_linear; torch.compile traces it by its shape.
     torch.library.register_fake("specchat::woq_linear")(_woq_linear_shape)
-    return module
+    return torch.classes.specchat
 
 
 def _woq_linear_shape(x, low, high, scale, offset, bias, N, bits, isa):
@@ -161,7 +168,8 @@ def traced_isa() -> str:
 
 @functools.cache
 def _compiled_isas() -> tuple[str, ...]:
-    return tuple(kernel().isas())
+    kernel()
+    return tuple(torch.ops.specchat.isas())
 
 
 @functools.cache
@@ -190,14 +198,17 @@ def kernel_info() -> KernelInfo:
 
 
 def kernel_version() -> str:
-    """A short hash of the kernel's source and the path it runs: what it costs per forward changes
-    with either."""
+    """A short hash of the kernel's sources and the path it runs: what a forward costs changes with
+    either."""
     return f"{_source_hash()}-{kernel_isa()}"
 
 
 @functools.cache
 def _source_hash() -> str:
-    return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
+    digest = hashlib.sha1()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def unavailable_reason() -> str | None:

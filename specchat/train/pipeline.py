@@ -248,7 +248,11 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "kind": config.kind,
             "target": {"name": target.name, "layers": target.num_layers, "hidden_size": target.hidden_size,
-                       "vocab_size": target.vocab_size, "dtype": str(target.dtype).removeprefix("torch.")},
+                       "vocab_size": target.vocab_size, "dtype": str(target.dtype).removeprefix("torch."),
+                       # what an exported head says of its target (`drafters.Verifier`)
+                       "architectures": list(target.config.architectures or []),
+                       "max_position_embeddings": getattr(target.config.get_text_config(), "max_position_embeddings",
+                                                          None)},
             "data": {**data_summary, "train_conversations": len(train_ids), "held_out_conversations": len(held_out)},
             "draft_vocab": {"size": None if vocab is None else len(vocab), "assistant_token_coverage": round(coverage, 4)},
             "recipe": recipe_description(config),

@@ -48,9 +48,12 @@
 
 #ifndef WOQ_ISA  // ================================ the shared part ================================
 
-#include <torch/extension.h>
+#include "woq_linear.h"
+
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -183,11 +186,11 @@ inline void store_outputs(at::BFloat16* out, const float* tile, const float* bia
 }
 
 template <typename T>
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
-                     const torch::Tensor& scale, const torch::Tensor& offset, const c10::optional<torch::Tensor>& bias,
+at::Tensor linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
+                     const at::Tensor& scale, const at::Tensor& offset, const c10::optional<at::Tensor>& bias,
                      int64_t N, int64_t bits, MultiplyRows multiply) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup, blocks = N / 16;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const QuantizedRows rows = quantize_rows(x.data_ptr<T>(), M, K);
   const auto* low_ptr = low.data_ptr<uint8_t>();
   const auto* high_ptr = bits == 5 ? high.data_ptr<uint8_t>() : nullptr;
@@ -208,14 +211,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& low, const tor
   return y;
 }
 
-std::vector<std::string> isas() {
-  std::vector<std::string> names{"avx512"};
-  if (WOQ_HAS_AVX_VNNI) names.push_back("avx-vnni");
-  names.push_back("avx-vnni-evex");
-  names.push_back("avx2");
-  return names;
-}
-
 MultiplyRows multiply_rows(const std::string& isa, int64_t bits) {
   if (isa == "avx512") return bits == 5 ? avx512::multiply_rows<5> : avx512::multiply_rows<4>;
 #if WOQ_HAS_AVX_VNNI
@@ -226,10 +221,12 @@ MultiplyRows multiply_rows(const std::string& isa, int64_t bits) {
   return bits == 5 ? avx2::multiply_rows<5> : avx2::multiply_rows<4>;
 }
 
+}  // namespace
+
 // The caller (specchat/quantized.py) has checked that the CPU has `isa`'s instructions.
-torch::Tensor woq_linear(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
-                         const torch::Tensor& scale, const torch::Tensor& offset, const c10::optional<torch::Tensor>& bias,
-                         int64_t N, int64_t bits, const std::string& isa) {
+at::Tensor specchat::woq_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
+                                const at::Tensor& scale, const at::Tensor& offset, const c10::optional<at::Tensor>& bias,
+                                int64_t N, int64_t bits, const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x: contiguous bf16 or float32 [M, K]");
   TORCH_CHECK(x.size(1) % kGroup == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
@@ -241,27 +238,33 @@ torch::Tensor woq_linear(const torch::Tensor& x, const torch::Tensor& low, const
   return linear<at::BFloat16>(x, low, high, scale, offset, bias, N, bits, multiply);
 }
 
-// The operator's signature spells the ISA as a string_view; the pybind entry point takes a string.
-torch::Tensor woq_linear_op(const torch::Tensor& x, const torch::Tensor& low, const torch::Tensor& high,
-                            const torch::Tensor& scale, const torch::Tensor& offset,
-                            const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits, c10::string_view isa) {
-  return woq_linear(x, low, high, scale, offset, bias, N, bits, std::string(isa));
+namespace {
+
+// The operator's signature spells the ISA as a string_view.
+at::Tensor woq_linear_op(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scale,
+                         const at::Tensor& offset, const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits,
+                         c10::string_view isa) {
+  return specchat::woq_linear(x, low, high, scale, offset, bias, N, bits, std::string(isa));
+}
+
+std::vector<std::string> isas() {
+  std::vector<std::string> names{"avx512"};
+  if (WOQ_HAS_AVX_VNNI) names.push_back("avx-vnni");
+  names.push_back("avx-vnni-evex");
+  names.push_back("avx2");
+  return names;
 }
 
 }  // namespace
 
-// The kernel as a torch operator, torch.ops.specchat.woq_linear: torch.compile captures a call to
-// it inside a graph (specchat/decode/quantized.py gives it its shape function) where a call into
-// this module's pybind function would break the graph.
+// The kernel as torch operators: torch.ops.specchat.woq_linear (which torch.compile captures inside
+// a graph, specchat/decode/quantized.py giving it its shape function) and .isas (the instruction
+// sets this build has a path for, best first). decoder.cpp adds its classes to the same library.
 TORCH_LIBRARY(specchat, m) {
   m.def("woq_linear(Tensor x, Tensor low, Tensor high, Tensor scale, Tensor offset, Tensor? bias, int N, int bits, "
         "str isa) -> Tensor");
-  m.impl("woq_linear", torch::kCPU, &woq_linear_op);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("woq_linear", &woq_linear, "weight-only 4/5-bit quantized linear, int8 products, on one instruction set");
-  m.def("isas", &isas, "the instruction sets this build has a path for, best first");
+  m.impl("woq_linear", c10::DispatchKey::CPU, &woq_linear_op);
+  m.def("isas() -> str[]", &isas);
 }
 
 #else  // ====================== one instruction set: WOQ_ISA, compiled for WOQ_TARGET ======================

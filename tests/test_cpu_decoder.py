@@ -1,0 +1,122 @@
+"""The quantized target's forward as one call into the kernel's extension (decode/cpu_decoder.py):
+it computes what specchat's Python forward computes, and every row on its own, so a verified draft
+token gets the very bits plain decoding gives it."""
+
+import pytest
+import torch
+
+from conftest import load_tiny_target, save_model_folder
+from specchat.decode import cpu_decoder, woq_kernel
+from specchat.decode.cache import causal_mask
+from specchat.decode.verify import verify_inputs
+from specchat.decode.tree import DraftTree
+
+pytestmark = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
+                                reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
+FEATURES = (0, 1, 6)  # the embeddings, the first layer's output, the final normed state
+
+
+@pytest.fixture(scope="module", params=[("qwen2", "float32"), ("qwen2", "bfloat16"), ("qwen3", "float32"),
+                                        ("llama", "bfloat16")])
+def target(request, tmp_path_factory):
+    arch, dtype = request.param
+    folder = save_model_folder(tmp_path_factory.mktemp(f"fused-{arch}"), arch, **(
+        {"head_dim": 32} if arch == "qwen3" else {}))
+    target = load_tiny_target(folder, dtype=dtype, quantize="int5")
+    assert cpu_decoder.unfused_reason(target.own_forward) is None and target.own_forward.fused is not None
+    return target
+
+
+def run(target, fused: bool, steps):
+    """`steps(cache)` with the forward fused or in Python."""
+    forward = target.own_forward
+    kept, forward.fused = forward.fused, forward.fused if fused else None
+    try:
+        return steps(target.new_cache())
+    finally:
+        forward.fused = kept
+
+
+def prefill_decode_and_tree(cache, target):
+    outputs = [target.forward(torch.tensor([[5, 9, 3, 17, 2, 11, 8, 100, 33]]), cache, feature_layers=FEATURES)]
+    outputs.append(target.forward(torch.tensor([[12]]), cache, logits_for="last", feature_layers=FEATURES))
+    tree = DraftTree(tokens=[40, 41, 90], parents=[-1, -1, 1], depths=[1, 1, 2], probs=[1.0] * 3)
+    ids, positions, mask = verify_inputs(tree, 7, cache.length, "cpu")
+    outputs.append(target.forward(ids, cache, positions=positions, mask=mask, feature_layers=FEATURES))
+    return outputs
+
+
+def test_the_fused_forward_computes_what_the_python_forward_computes(target):
+    """Layer by layer the same arithmetic, a few sums in another order. The kernel quantizes each
+    layer's input to int8, where a difference in the last bit may move a value one step, so
+    differences grow with depth: the first layer's output (from identical inputs) is compared
+    closely, the final state and the logits within a few percent of their scale."""
+    fused = run(target, True, lambda cache: prefill_decode_and_tree(cache, target))
+    python = run(target, False, lambda cache: prefill_decode_and_tree(cache, target))
+    hidden = target.hidden_size
+    close = dict(rtol=0.02, atol=0.02) if target.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    for mine, reference in zip(fused, python):
+        torch.testing.assert_close(mine.features[:, : 2 * hidden], reference.features[:, : 2 * hidden], **close)
+        for ours, theirs in ((mine.features[:, 2 * hidden :], reference.features[:, 2 * hidden :]),
+                             (mine.logits, reference.logits)):
+            assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+
+
+def test_a_verified_token_gets_exactly_the_logits_plain_decoding_gives_it(target):
+    """Each node of a branching tree, verified on top of a cache, against decoding its path one
+    token at a time: bit for bit, whatever its siblings, in bf16 too."""
+    prompt = torch.tensor([[5, 9, 3, 17, 2, 11, 8, 100, 33, 4, 60]])
+    tree = DraftTree(tokens=[40, 41, 90, 91, 7], parents=[-1, -1, 0, 1, 3], depths=[1, 1, 2, 2, 3], probs=[1.0] * 5)
+    cache = target.new_cache()
+    target.forward(prompt, cache, logits_for="none")
+    cached = cache.length
+    ids, positions, mask = verify_inputs(tree, 77, cached, "cpu")
+    verified = target.forward(ids, cache, positions=positions, mask=mask, logits_for="all").logits
+    for node, line in enumerate(tree.ancestors()):
+        cache.trim(cached)
+        for token in [77] + [tree.tokens[i] for i in line]:
+            alone = target.forward(torch.tensor([[token]]), cache, logits_for="last").logits
+        assert torch.equal(alone[0], verified[node + 1]), f"node {node}"
+    cache.trim(cached)
+    root = target.forward(torch.tensor([[77]]), cache, logits_for="last").logits
+    assert torch.equal(root[0], verified[0])
+
+
+def test_a_forward_over_several_tokens_gets_each_row_as_one_token_would(target):
+    """A prefill's rows equal one-token steps over the same prompt (causal, no mask given)."""
+    prompt = [5, 9, 3, 17, 2, 11, 8, 100]
+    whole = target.forward(torch.tensor([prompt]), target.new_cache()).logits
+    cache = target.new_cache()
+    for index, token in enumerate(prompt):
+        step = target.forward(torch.tensor([[token]]), cache, mask=causal_mask(index, 1, "cpu")).logits
+        assert torch.equal(step[0], whole[index])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_quantized_head_s_layer_runs_in_one_call_and_computes_what_its_torch_code_does(target, kind):
+    """A draft step through `FusedBlock` against the layer's own torch code, on the head's growing
+    cache: a context pass and then tree nodes that see some of the entries before them."""
+    from conftest import random_head
+    from drafters.cache import HeadCache
+    from specchat.decode.quantized import quantize_linears
+
+    head = random_head(kind, target).to(target.dtype)
+    quantize_linears(head, 5)
+    cpu_decoder.fuse_head(head)
+    layer = head.midlayer if kind == "eagle3" else head.layers[0]
+    assert isinstance(layer.fast_block, cpu_decoder.FusedBlock)
+    features = torch.randn(6, 3 * 64 if kind == "eagle3" else 64, dtype=target.dtype)
+    tree_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)[None, None]
+
+    def steps(fused: bool):
+        kept, layer.fast_block = layer.fast_block, layer.fast_block if fused else None
+        try:
+            cache = HeadCache()
+            context = head(features, torch.arange(6) + 30, torch.arange(6), causal_mask(0, 6, "cpu"), cache)
+            tree = head(context[-2:], torch.tensor([50, 51]), torch.tensor([6, 6]), tree_mask, cache)
+            return torch.cat([context, tree])
+        finally:
+            layer.fast_block = kept
+
+    tolerance = dict(rtol=0.02, atol=0.02) if target.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps(True), steps(False), **tolerance)
