@@ -1,11 +1,11 @@
 """Regeneration's throughput: the slot decoder (continuous batching, `specchat data regenerate`)
 against transformers' `generate` (the path it replaced, `regenerate._generated`), in one process
-on the same prompts, alternating, twice over.
+on the same prompts, alternating (`--rounds` times over). Run from a checkout (it reads the prompts in docs/).
 
     A: 8 prompts, batch 8, 64 new tokens each, no stop token: both decode the same tokens (cost per token)
     B: 16 prompts, batch 8, up to 128 new tokens, ending at the chat's stop tokens (useful tokens/s)
 
-    python benchmarks/regeneration_cpu.py [--dtype auto|float32|bfloat16]
+    python -m specchat.train.regeneration_cpu [--dtype auto|float32|bfloat16] [--rounds N]
 
 Each line gives wall time, CPU time and the cores kept busy: a run another job paused shows few.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -22,25 +21,22 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without installing it
-    sys.path.insert(0, str(ROOT))
+from specchat.chat import ChatFormat
+from specchat.cli_train import training_target
+from specchat.train.batched import Request, SlotDecoder
+from specchat.train.regenerate import _generated
 
-from specchat.chat import ChatFormat  # noqa: E402
-from specchat.cli_train import training_target  # noqa: E402
-from specchat.train.batched import Request, SlotDecoder  # noqa: E402
-from specchat.train.regenerate import _generated  # noqa: E402
-
-PROMPTS = ("docs/prompts/cpu10.jsonl", "docs/prompts/low-copy10.jsonl")
+PROMPTS = (Path("docs/prompts/cpu10.jsonl"), Path("docs/prompts/low-copy10.jsonl"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     target = training_target(None, None, args.dtype, "cpu", None)
     print(target.name, target.dtype, "threads", torch.get_num_threads(), flush=True)
-    texts = [json.loads(line)["prompt"] for name in PROMPTS for line in open(ROOT / name)]
+    texts = [json.loads(line)["prompt"] for name in PROMPTS for line in open(name)]
     prompts = [ids for ids in (list(target.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
         for text in texts) if len(ids) < 200]
@@ -58,7 +54,7 @@ def main() -> None:
     scenarios = {"A": (prompts[:8], 8, 64, frozenset()), "B": (prompts[:16], 8, 128, ChatFormat(target.tokenizer).stop_ids)}
     answers = {}
     with torch.inference_mode():
-        for round_ in range(2):
+        for round_ in range(args.rounds):
             for scenario, setting in scenarios.items():
                 for name, decode in (("generate", generate), ("slots", slots)):
                     wall, cpu = time.perf_counter(), time.process_time()
