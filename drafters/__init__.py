@@ -30,8 +30,9 @@ import torch
 from safetensors.torch import save_file
 
 from drafters import eagle, eagle3, jakiro
-from drafters.base import DraftHead, TargetParts, Verifier
+from drafters.base import DraftHead, TargetParts
 from drafters.checkpoint import HeadLoadError, read_config, read_safetensors, read_weights, write_weights
+from drafters.layers import Verifier
 
 FORMATS = {module.KIND: module for module in (eagle, eagle3, jakiro)}
 # Told apart most specific first: a Jakiro checkpoint also has every key an EAGLE one has.

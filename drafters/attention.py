@@ -11,7 +11,7 @@ and 0.12 grouped; docs/cpu-runtime.md). So on a CPU every shape goes through `gr
 heads that share a KV head are multiplied with it together, in float32, without copies.
 
 specchat registers `grouped` with transformers' attention interface for its targets
-(`specchat.decode.loading`); the heads here and specchat's own forward call `attention`.
+(`specchat.decode.runtime.loading`); the heads here and specchat's own forward call `attention`.
 """
 
 from __future__ import annotations

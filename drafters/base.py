@@ -1,12 +1,10 @@
 """What every draft head is: the interface the drafter and the trainer use (`DraftHead`), so neither
-needs to probe a head for what it can do; what a head needs of its target (`TargetParts`), and what
-an exported head says of it (`Verifier`); and the checks of the config fields every head shares
+needs to probe a head for what it can do; what a head needs of its target (`TargetParts`); and the checks of the config fields every head shares
 (`LayerConfig`, in layers.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -27,18 +25,6 @@ class TargetParts(Protocol):
     dtype: torch.dtype
     embed_tokens: nn.Embedding
     lm_head: nn.Module
-
-
-@dataclass(frozen=True)
-class Verifier:
-    """The target an exported head drafts for, as serving engines read it from the head's config
-    (`drafters.export_head`). vLLM's speculators layout names it; every engine sizes the head's
-    rotary positions by `max_position_embeddings`, and where the field is absent takes a default
-    far below a long prompt (vLLM's Llama layer 8192, transformers' LlamaConfig 2048)."""
-
-    name: str | None = None  # its hub id
-    architectures: tuple[str, ...] = ()  # its config.json's, e.g. ("Qwen2ForCausalLM",)
-    max_position_embeddings: int | None = None  # its context
 
 
 def read_layer_config(raw: dict, where: str) -> dict:

@@ -7,7 +7,7 @@ the length of a cache, so whoever owns it always knows what it holds.
 
 `GrowingKV` is one layer's keys and values; `HeadCache` is a draft head's cache, one `GrowingKV`
 per layer, which also attends. specchat's target cache wraps the same storage in transformers'
-`Cache` API (`specchat.decode.cache`). `FixedHeadCache` is the head's cache for steps of fixed
+`Cache` API (`specchat.decode.runtime.cache`). `FixedHeadCache` is the head's cache for steps of fixed
 shape (a CUDA graph replays them): allocated once, written at slots the step names, never trimmed;
 its owner knows which entries count.
 """

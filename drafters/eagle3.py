@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafters.base import DraftHead, TargetParts, Verifier, check_target_fit, read_layer_config
+from drafters.base import DraftHead, TargetParts, check_target_fit, read_layer_config
 from drafters.checkpoint import HeadLoadError, load_strict
-from drafters.layers import DecoderLayer, LayerConfig, RMSNorm
+from drafters.layers import DecoderLayer, LayerConfig, RMSNorm, Verifier
 
 KIND = "eagle3"
 NAME = "EAGLE-3"

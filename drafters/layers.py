@@ -22,6 +22,19 @@ from drafters.checkpoint import HeadLoadError
 DEFAULT_ROPE_THETA = 10000.0  # Llama's default; EAGLE/EAGLE-3 head configs often omit rope_theta
 
 
+@dataclass(frozen=True)
+class Verifier:
+    """The target an exported head drafts for, as serving engines read it from the head's config
+    (`drafters.export_head`, through `LayerConfig.layout_dict`). vLLM's speculators layout names it;
+    every engine sizes the head's rotary positions by `max_position_embeddings`, and where the field
+    is absent takes a default far below a long prompt (vLLM's Llama layer 8192, transformers'
+    LlamaConfig 2048)."""
+
+    name: str | None = None  # its hub id
+    architectures: tuple[str, ...] = ()  # its config.json's, e.g. ("Qwen2ForCausalLM",)
+    max_position_embeddings: int | None = None  # its context
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -99,7 +112,7 @@ class LayerConfig:
     def rope(self) -> Rope:
         return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
 
-    def layout_dict(self, layout: str, verifier: str | None = None, speculative_tokens: int = 5,
+    def layout_dict(self, layout: str, verifier: Verifier | None = None, speculative_tokens: int = 5,
                     feature_layers: tuple[int, ...] | None = None) -> dict:
         """config.json in a published layout (`drafters.export_head`); the reference layout here."""
         return self.to_dict()
@@ -113,6 +126,7 @@ class LayerConfig:
             "num_hidden_layers": 1, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling, "qkv_bias": self.qkv_bias,
         }
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
@@ -149,7 +163,7 @@ class DecoderLayer(nn.Module):
 
     Its `block` (attention from an input, the residual, the MLP of its norm) is what a runtime may
     compute faster: where `fast_block` is set (specchat sets it on a CPU for heads whose linear
-    layers are its quantized ones, `specchat.decode.cpu_decoder`), `block` calls it instead, with
+    layers are its quantized ones, `specchat.decode.runtime.cpu_decoder`), `block` calls it instead, with
     the layer itself (it falls back to `torch_block` for key stores it does not handle).
     """
 

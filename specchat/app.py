@@ -12,15 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specchat.chat import ChatFormat, ChatSession, resolve_template
-from specchat.decode.engine import GenerationSettings
-from specchat.decode.fixed_engine import new_engine
+from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.live import LiveChat
-from specchat.methods import MethodError, effective_draft, needs_draft
-from specchat import peers, peers_openvino, peers_vllm  # noqa: F401  (attach the peers' builders to their methods)
+from specchat.methods import checked_draft
 from specchat.proposers import LoadModel, build_proposer
-from specchat.decode.sampling import SamplingParams, make_generator
+from specchat.decode.acceptance.sampling import SamplingParams, make_generator
 from specchat.settings import Settings
-from specchat.decode.target import ModelSpec, Target
+from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.sources import load_target
 
 
@@ -46,11 +44,9 @@ class Checked:
 def check(settings: Settings) -> Checked:
     """What can be checked before any model loads: the method's draft, the template file (each value
     was checked where it was parsed, `settings`)."""
-    sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
-    wanted = needs_draft(settings.method)
-    if wanted and not effective_draft(settings):
-        raise MethodError(f"--method {settings.method} needs --draft: {wanted}")
-    return Checked(sampling, resolve_template(settings.chat_template))
+    checked_draft(settings)
+    return Checked(SamplingParams(settings.temperature, settings.top_p, settings.top_k),
+                   resolve_template(settings.chat_template))
 
 
 def load_chat_model(settings: Settings, checked: Checked) -> tuple[Target, ChatFormat]:
@@ -67,7 +63,7 @@ def generation_settings(settings: Settings, checked: Checked, chat_format: ChatF
 def open_session(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                  load_model: LoadModel) -> ChatSession:
     """A chat session on a loaded target, decoding with the settings' method (its draft loads here)."""
-    engine = new_engine(target, build_proposer(settings, target, load_model))
+    engine = Engine(target, build_proposer(settings, target, load_model))
     return ChatSession(engine, chat_format, generation, make_generator(settings.seed, target.device),
                        system=settings.system)
 

@@ -5,7 +5,7 @@ for every method, warm-up runs first, multi-turn questions answered turn by turn
 conversation (each method continues from its own answers). Per question, speed = its new tokens /
 its wall time (prefill included); a method's speedup = mean per-question speed / that of vanilla
 measured in the same run. The decoding phase is also reported on its own (tokens after the first
-per second after the first token; `specchat.decode.speedup`), since prefill cost depends on the cache
+per second after the first token; `specchat.speedup`), since prefill cost depends on the cache
 and not on the method. tau = new tokens / target forward passes (bonus included). At temperature
 0 the identical-output rate counts the turns whose answer equals vanilla's, and each answer that
 differs from vanilla's in the same conversation is located: the first differing token and
@@ -35,7 +35,7 @@ from specchat import bench_breakdown
 from specchat.chat import ChatSession, Turn
 from specchat.inputs import PromptRecord
 from specchat.methods import PLAIN
-from specchat.decode.speedup import Divergence, decoding_rate, divergence
+from specchat.speedup import Divergence, decoding_rate, divergence
 from specchat.stats import Stats
 
 RSS_SAMPLE_SECONDS = 0.05

@@ -20,14 +20,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from specchat import app, bench
+from specchat import app, bench, peers, peers_openvino, peers_vllm
 from specchat.bench import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import check_output_folder, read_prompts
-from specchat.decode.machine import hardware
-from specchat.methods import METHODS, PLAIN, MethodError, effective_draft, needs_draft
+from specchat.decode.runtime.machine import hardware
+from specchat.methods import METHODS, PLAIN, MethodError, MissingDraft, checked_draft
 from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 
+
+# What runs each of the other tools' methods (specchat's own: `specchat.proposers.BUILDERS`).
+RUNNERS = {**peers.RUNNERS, **peers_openvino.RUNNERS, **peers_vllm.RUNNERS}
 
 # What `bench.write_outputs` writes into the output folder (checked before the model loads).
 OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png",
@@ -89,10 +92,10 @@ def method_settings(labels: list[str], draft_for: dict, settings: Settings) -> t
         given = draft_for.get(label) or draft_for.get(name)
         if given:
             run = dataclasses.replace(run, draft=given)
-        wanted = needs_draft(name)
-        draft = effective_draft(run) if wanted else None
-        if wanted and not draft:
-            skipped[label] = f"needs a draft ({wanted}); give one with --draft-for {label}=PATH"
+        try:
+            draft = checked_draft(run) if METHODS[name].draft else None
+        except MissingDraft as missing:
+            skipped[label] = f"needs a draft ({missing.draft}); give one with --draft-for {label}=PATH"
             continue
         runs[label] = dataclasses.replace(run, draft=draft)
     return runs, skipped
@@ -250,6 +253,6 @@ def _runner(settings: Settings, target, chat_format, generation, load_model):
     """The runner for `settings.method`, and whatever it loaded that should be let go afterwards."""
     entry = METHODS[settings.method]
     if entry.peer:
-        return entry.build(settings, target, chat_format, generation, load_model)
+        return RUNNERS[entry](settings, target, chat_format, generation, load_model)
     session = app.open_session(settings, target, chat_format, generation, load_model)
     return SessionRunner(session), session.engine.proposer

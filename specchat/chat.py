@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import jinja2
 import torch
 
-from specchat.decode.engine import Engine, GenerationSettings, StepResult
-from specchat.decode.tree import Cycle
+from specchat.decode.engine.engine import Engine, GenerationSettings, StepResult
+from specchat.decode.drafting.tree import Cycle
 from specchat.errors import ContextLengthError, SpecchatError, UsageError
 from specchat.stats import Stats
 

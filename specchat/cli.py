@@ -1,8 +1,9 @@
-"""The `specchat` command line: `chat`, `run`, `bench` and `profiles` here; `data`, `train` and
-`export-head` (the draft heads' commands) in `specchat.cli_train`, registered below.
+"""The `specchat` command line: `chat`, `run`, `bench`, `profiles` and `runtime-check` here; `data`,
+`train` and `export-head` (the draft heads' commands) in `specchat.cli_train`, registered below.
 
 Commands only parse their options and hand them to the assembly layer (`specchat.app`), the
-batch runner (`specchat.batch`) or the bench (`specchat.bench_run`). Exit status: 0 success;
+batch runner (`specchat.batch`), the bench (`specchat.bench_run`) or the runtime check
+(`specchat.runtime_check`, which parses its own). Exit status: 0 success;
 1 a runtime error (a model or head that cannot be loaded, a prompt longer than the context, ...);
 2 a usage error (bad option, profile or prompt file); 130 interrupted (Ctrl-C); 143 terminated
 (SIGTERM, handled like Ctrl-C: finished records kept, temporary files removed). Errors are one
@@ -254,6 +255,15 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     run_bench(list(inputs), chosen, dict(item.split("=", 1) for item in draft_for if "=" in item), settings,
               profile, limit, repeat, warmup, output_dir, interleave, breakdown)
+
+
+@cli.command(name="runtime-check", add_help_option=False, context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def runtime_check_command(args):
+    """Measure the decoding runtime's own cost: a real model's shape, random weights, an oracle drafter."""
+    from specchat import runtime_check  # torch and transformers load here; it parses its own options (--help)
+
+    runtime_check.main(list(args))
 
 
 cli.add_command(cli_train.data)

@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.chat import ChatSession, Conversation, Turn, TurnEvent
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.fixed_engine import new_engine
+from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.errors import SpecchatError
 from specchat.settings import (FIELDS, LIVE_KEYS, METHOD_SECTIONS, LiveChatError, Settings, method_key, parse_value,
                                show_value, with_method_of)
-from specchat.methods import CHAT_METHODS, METHODS, PLAIN, effective_draft, needs_draft
+from specchat.methods import CHAT_METHODS, METHODS, PLAIN, MissingDraft, checked_draft, effective_draft
 from specchat.proposers import build_proposer
-from specchat.decode.sampling import SamplingParams, make_generator
-from specchat.decode.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
+from specchat.decode.acceptance.sampling import SamplingParams, make_generator
+from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
 from specchat.stats import Stats
 from specchat.transcript import load_transcript, save_transcript
 
@@ -37,7 +36,7 @@ class MethodTotals(Stats):
     turns: int = 0
     drafted_at_depth: list[int] = field(default_factory=list)  # [d-1]: cycles whose tree reached depth d
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: ... and had d tokens accepted
-    # Decoding time (prefill left out, see `specchat.decode.speedup`) of the replies with an estimate,
+    # Decoding time (prefill left out, see `specchat.speedup`) of the replies with an estimate,
     # and plain decoding's estimated time for them; then the replies that were compared.
     estimate_seconds: float = 0.0
     estimate_plain_seconds: float = 0.0
@@ -100,7 +99,7 @@ class LiveChat:
         self.totals: dict[str, MethodTotals] = {}
         self.last_turn: Turn | None = None  # the latest reply, and the method that gave it
         self.last_method: str | None = None
-        self.last_cycle = None  # the newest `specchat.decode.tree.Cycle`, for /tree
+        self.last_cycle = None  # the newest `specchat.decode.drafting.tree.Cycle`, for /tree
         self.clock = PlainStepClock(session.engine)
         self._plain_engine: Engine | None = None
         self._proposers = {method_key(settings): session.engine.proposer}  # loaded once, reused on switching back
@@ -151,7 +150,7 @@ class LiveChat:
         if turn is None or not turn.finished:
             return None
         if self._plain_engine is None:
-            self._plain_engine = new_engine(self.engine.target)
+            self._plain_engine = Engine(self.engine.target)
         rng = None
         if turn.rng_state is not None:
             rng = torch.Generator(device=self.engine.target.device)
@@ -180,11 +179,7 @@ class LiveChat:
         changes = {"method": name}
         if draft is not None:
             changes.update(draft=draft, draft_kind=None)
-        candidate = dataclasses.replace(self.settings, **changes)
-        wanted = needs_draft(name)
-        if wanted and not effective_draft(candidate):
-            raise LiveChatError(f"{name} needs {wanted}: /method {name} DRAFT")
-        self._apply(candidate)
+        self._apply(dataclasses.replace(self.settings, **changes))
 
     def set_value(self, key: str, value) -> None:
         """`/set KEY VALUE`: check the value, then apply it (or change nothing)."""
@@ -226,7 +221,10 @@ class LiveChat:
 
     def _build_proposer(self, candidate: Settings):
         try:
+            checked_draft(candidate)
             return build_proposer(candidate, self.engine.target, self.load_model)
+        except MissingDraft as missing:
+            raise LiveChatError(f"{missing.method} needs {missing.draft}: /method {missing.method} DRAFT") from missing
         except SpecchatError as error:  # a method that cannot run, a head or model that cannot load
             raise LiveChatError(str(error)) from error
 

@@ -1,21 +1,20 @@
 """Decoding methods by name: what each drafts with, what it needs, which draft it takes by default.
 
 The one registry the rest reads: the choices of `--method` (settings), the command line's help,
-`bench` (which methods exist and which are other tools' peers), `/method`, and the draft a method
-uses when none is given. It imports nothing heavy, so the command line uses it before torch
-loads; each entry holds its builder once the module that writes it is imported (`builds`):
-`specchat.proposers` for specchat's methods, `specchat.peers`, `specchat.peers_openvino` and
-`specchat.peers_vllm` for other tools' implementations, which only `bench` runs. The assembly layer
-(`specchat.app`) imports them all.
+`bench` (which methods exist and which are other tools' peers), `/method`, the draft a method
+uses when none is given, and the rule that a method needing a draft has one (`checked_draft`). It
+imports nothing heavy, so the command line uses it before torch loads. What builds each method is
+a table next to the builders: `specchat.proposers.BUILDERS` for specchat's methods,
+`specchat.bench_run.RUNNERS` for other tools' implementations (`specchat.peers`,
+`specchat.peers_openvino`, `specchat.peers_vllm`), which only `bench` runs.
 
 eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
-Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.verify`).
+Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.acceptance.verify`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specchat.embedded import DEFAULT_MODEL
@@ -41,21 +40,6 @@ class Method:
     bundled: dict[str, str] = field(default_factory=dict)  # target model -> its draft when none is given
     peer: bool = False  # another tool's implementation on the same target, run only by `bench`
     static_tree: bool = False  # it can draft a --static-tree
-    # What builds it, attached where the builder is written (`builds`): for specchat's methods
-    # build(settings, target, load_model) -> the engine's Proposer (None: plain decoding), in
-    # `specchat.proposers`; for a peer build(settings, target, chat_format, generation, load_model)
-    # -> (a bench runner, what it loaded), in `specchat.peers`.
-    build: Callable | None = field(default=None, repr=False)
-
-
-def builds(*entries: Method):
-    """Decorator: the function builds these methods (each entry then holds it as `build`)."""
-    def attach(builder: Callable) -> Callable:
-        for entry in entries:
-            entry.build = builder
-        return builder
-
-    return attach
 
 
 VANILLA = Method(PLAIN, "plain decoding")
@@ -92,6 +76,14 @@ class MethodError(UsageError):
     """A method cannot run with the given settings (unknown, or it needs a draft it was not given)."""
 
 
+class MissingDraft(MethodError):
+    """A method that needs a draft has none: none given, none bundled for the model."""
+
+    def __init__(self, entry: Method):
+        super().__init__(f"--method {entry.name} needs --draft: {entry.draft}")
+        self.method, self.draft = entry.name, entry.draft
+
+
 def method(name: str) -> Method:
     if name not in METHODS:
         raise MethodError(f"unknown method {name!r} (known: {', '.join(METHODS)})")
@@ -118,6 +110,16 @@ def effective_draft(settings) -> str | None:
     if not needs_draft(settings.method):
         return settings.draft
     return settings.draft or default_draft(settings.method, settings.model)
+
+
+def checked_draft(settings) -> str | None:
+    """The draft `settings.method` runs with (`effective_draft`), refused (`MissingDraft`) where the
+    method needs one and has none: the rule, checked where settings are (`specchat.app.check` before
+    any model loads, a mid-chat change in `specchat.live`, each method of a bench)."""
+    draft = effective_draft(settings)
+    if needs_draft(settings.method) and not draft:
+        raise MissingDraft(METHODS[settings.method])
+    return draft
 
 
 def plain_unless_drafted(settings, given: dict) -> tuple[object, str | None]:

@@ -9,9 +9,9 @@
   distribution (temperature only: no top-k 40, min-p or repetition penalty of its defaults).
 
 OpenVINO GenAI and vLLM, which live in environments of their own, are in `specchat.peers_openvino`
-and `specchat.peers_vllm`. Each builder (attached to its entry of `specchat.methods`) returns a
-runner (a `ConversationRunner`: the interface of `specchat.bench.SessionRunner`) and whatever it
-loaded, to be let go when the method is done.
+and `specchat.peers_vllm`. Each builder (`RUNNERS`, by entry of `specchat.methods`; all the peers'
+tables are joined in `specchat.bench_run.RUNNERS`) returns a runner (a `ConversationRunner`: the
+interface of `specchat.bench.SessionRunner`) and whatever it loaded, to be let go when the method is done.
 Target forwards are counted (a forward hook, or llama.cpp's evaluation calls), so τ means the
 same as for specchat's methods; the time to the first token is the prefill.
 """
@@ -25,14 +25,13 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from specchat.chat import ChatFormat, Conversation, Turn
-from specchat.decode.engine import GenerationSettings
+from specchat.decode.engine.engine import GenerationSettings
 from specchat.errors import SpecchatError
 from specchat.inputs import PromptRecord
 from specchat import methods
-from specchat.methods import builds
 from specchat.settings import Settings
 from specchat.stats import Stats
-from specchat.decode.target import Target
+from specchat.decode.runtime.target import Target
 from specchat.sources import source_gguf
 
 HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens default
@@ -129,14 +128,12 @@ class GenerateRunner(ConversationRunner):
                                         target_forwards=self.forwards))
 
 
-@builds(methods.HF_ASSISTED)
 def hf_assisted(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                 load_model) -> tuple[GenerateRunner, Target]:
     assistant = load_model(settings.draft)
     return GenerateRunner(target, chat_format, generation, {"assistant_model": assistant.model}, settings.seed), assistant
 
 
-@builds(methods.HF_PLD)
 def hf_prompt_lookup(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                      load_model) -> tuple[GenerateRunner, None]:
     kwargs = {"prompt_lookup_num_tokens": HF_PLD_TOKENS}
@@ -204,14 +201,16 @@ def _llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, gener
     return LlamaCppRunner(gguf, chat_format, generation, settings.seed, torch.get_num_threads(), context, lookup), None
 
 
-@builds(methods.LLAMACPP)
 def llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
              load_model) -> tuple[LlamaCppRunner, None]:
     return _llamacpp(settings, target, chat_format, generation, lookup=False)
 
 
-@builds(methods.LLAMACPP_LOOKUP)
 def llamacpp_lookup(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
                     load_model) -> tuple[LlamaCppRunner, None]:
     return _llamacpp(settings, target, chat_format, generation, lookup=True)
 
+
+# What runs each of these tools' methods (all peers': `specchat.bench_run.RUNNERS`).
+RUNNERS = {methods.HF_ASSISTED: hf_assisted, methods.HF_PLD: hf_prompt_lookup, methods.LLAMACPP: llamacpp,
+           methods.LLAMACPP_LOOKUP: llamacpp_lookup}

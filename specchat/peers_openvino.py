@@ -34,12 +34,11 @@ import drafters
 from drafters import Verifier
 from specchat import exports
 from specchat.chat import ChatFormat
-from specchat.decode.engine import GenerationSettings
-from specchat.decode.machine import cache_dir
+from specchat.decode.engine.engine import GenerationSettings
+from specchat.decode.runtime.machine import cache_dir
 from specchat import methods
-from specchat.decode.target import ModelSpec, Target
+from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import SpecchatError
-from specchat.methods import builds
 from specchat.peers import PeerUnavailable
 from specchat.peer_process import Worker, WorkerRunner, exported_once, find_python, run_tool
 from specchat.settings import Settings
@@ -161,25 +160,26 @@ def _runner(settings: Settings, target: Target, chat_format: ChatFormat, generat
     return WorkerRunner(worker, chat_format, generation, settings.seed), None
 
 
-@builds(methods.OPENVINO)
 def openvino(settings, target, chat_format, generation, load_model):
     return _runner(settings, target, chat_format, generation, "int4")
 
 
-@builds(methods.OPENVINO_INT8)
 def openvino_int8(settings, target, chat_format, generation, load_model):
     return _runner(settings, target, chat_format, generation, "int8")
 
 
-@builds(methods.OPENVINO_LOOKUP)
 def openvino_lookup(settings, target, chat_format, generation, load_model):
     return _runner(settings, target, chat_format, generation, "int4", lookup=True)
 
 
-@builds(methods.OPENVINO_EAGLE3)
 def openvino_eagle3(settings, target, chat_format, generation, load_model):
     if not generation.sampling.greedy:
         raise PeerUnavailable(f"OpenVINO GenAI {VERSION}'s EAGLE-3 decoding fails when it samples (its check "
                               f"content_length <= prompt_ids.size() + m_generated_ids.size() in sequence_group.cpp): "
                               f"greedy only")
     return _runner(settings, target, chat_format, generation, "int4", head=settings.draft)
+
+
+# What runs each of its methods (all peers': `specchat.bench_run.RUNNERS`).
+RUNNERS = {methods.OPENVINO: openvino, methods.OPENVINO_INT8: openvino_int8, methods.OPENVINO_LOOKUP: openvino_lookup,
+           methods.OPENVINO_EAGLE3: openvino_eagle3}

@@ -20,8 +20,7 @@ import torch
 
 from specchat import exports
 from specchat import methods
-from specchat.decode.target import Target
-from specchat.methods import builds
+from specchat.decode.runtime.target import Target
 from specchat.peer_process import Worker, WorkerRunner, exported_once, find_python
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder
@@ -69,11 +68,13 @@ def _runner(settings: Settings, target: Target, chat_format, generation, head: s
     return WorkerRunner(worker, chat_format, generation, settings.seed), None
 
 
-@builds(methods.VLLM)
 def vllm(settings, target, chat_format, generation, load_model):
     return _runner(settings, target, chat_format, generation, None)
 
 
-@builds(methods.VLLM_EAGLE3)
 def vllm_eagle3(settings, target, chat_format, generation, load_model):
     return _runner(settings, target, chat_format, generation, settings.draft)
+
+
+# What runs each of its methods (all peers': `specchat.bench_run.RUNNERS`).
+RUNNERS = {methods.VLLM: vllm, methods.VLLM_EAGLE3: vllm_eagle3}

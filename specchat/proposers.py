@@ -1,9 +1,11 @@
-"""Building a method's proposer from the settings: each builder attaches itself to its methods' entries.
+"""Building a method's proposer from the settings: one builder per method, in one table (`BUILDERS`).
 
-Tree budgets: on CUDA the papers' numbers; on a CPU the verified size comes from the machine's
-measured cost curve (`specchat.decode.calibrate`), since a CPU verifies a handful of tokens for the
-price of one but pays every draft step in full. Every combination of settings that makes no
-sense for a method is refused here, in one place.
+Each proposer drafts on the layout of the target it is built for (`specchat.decode.engine`). Tree
+budgets: on CUDA the papers' numbers; on a CPU the verified size comes from the machine's measured
+cost curve (`specchat.decode.runtime.calibrate`), since a CPU verifies a handful of tokens for the price of
+one but pays every draft step in full. Every combination of settings that makes no sense for a
+method is refused here, in one place; the draft a method needs was checked with the settings
+(`methods.checked_draft`).
 """
 
 from __future__ import annotations
@@ -12,29 +14,28 @@ import dataclasses
 from collections.abc import Callable
 
 from specchat import methods
-from specchat.decode import cpu_decoder, quantized
-from specchat.decode.calibrate import cached_curve
-from specchat.decode.deagle import DeagleParams
-from specchat.decode.engine import Proposer
-from specchat.decode.fixed_drafters import FixedLookupProposer, FixedModelProposer
-from specchat.decode.fixed_engine import FixedProposer
-from specchat.decode.fixed_heads import FixedTreeProposer
-from specchat.decode.head_proposer import TreeProposer
-from specchat.decode.tree_shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree,
-                                         DynamicTreeParams, JakiroTree, StaticTree)
-from specchat.decode.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource, PromptLookupProposer
-from specchat.decode.model_proposer import DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.decode.loading import quantized_cache
+from specchat.decode.runtime import cpu_decoder, quantized
+from specchat.decode.runtime.calibrate import cached_curve
+from specchat.decode.drafting.deagle import DeagleParams
+from specchat.decode.drafting.draft_model import (DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch,
+                                                  check_tokenizers)
+from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource
+from specchat.decode.drafting.prompt_lookup import LookupProposer
+from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree,
+                                             DynamicTreeParams, JakiroTree, StaticTree)
+from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
+from specchat.decode.engine.engine import Proposer
+from specchat.decode.runtime.loading import quantized_cache
 from specchat.decode.options import KERNEL_BITS
-from specchat.decode.target import Target
-from specchat.decode.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
-from specchat.methods import MethodError, builds, effective_draft, method
+from specchat.decode.runtime.target import Target
+from specchat.methods import MethodError, effective_draft, method
 from specchat.settings import Settings
 from specchat.sources import load_head
 
 # A CPU verifies a handful of tokens for little more than one, and every draft step is paid in
 # full, so CPU trees are smaller than the papers' GPU settings; their size comes from the measured
-# cost curve (specchat.decode.calibrate), within this range. Its floor is the smallest tree: where
+# cost curve (specchat.decode.runtime.calibrate), within this range. Its floor is the smallest tree: where
 # each verified token costs a fifth of a forward (the AVX2 path: 21.5 ms for one token, 32.8 for
 # four), the head's one best node (plus the lookup chains that pay for themselves) answered fastest
 # (cpu10, T=0, 2-core Zen 4 held to AVX2: 56-57 tok/s with 2-3 tokens verified, 50 with 4, 46 with 6).
@@ -44,82 +45,71 @@ CPU_TOTAL_TOKENS_RANGE = (2, 32)
 LoadModel = Callable[[str], Target]
 
 
-def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None
-                   ) -> Proposer | FixedProposer | None:
-    """The proposer for `settings.method` (None for plain decoding): the fixed envelope's where the
-    target was loaded for it (`Target.envelope`), the host engine's otherwise.
+def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None) -> Proposer | None:
+    """The proposer for `settings.method` (None for plain decoding), on `target`'s layout.
 
     `load_model(name)` loads a draft model (sps) the way the target was loaded.
     """
     entry = method(settings.method)
     if entry.peer:
         raise MethodError(f"{entry.name} is another tool's implementation; only `specchat bench` runs it")
-    draft = effective_draft(settings)
-    if entry.draft and not draft:
-        raise MethodError(f"--method {entry.name} needs --draft: {entry.draft}")
     if settings.static_tree and not entry.static_tree:
         takes = ", ".join(name for name, other in methods.METHODS.items() if other.static_tree)
         raise MethodError(f"--static-tree applies to {takes}, not {entry.name}")
-    return entry.build(dataclasses.replace(settings, draft=draft), target, load_model)
+    return BUILDERS[entry](dataclasses.replace(settings, draft=effective_draft(settings)), target, load_model)
 
 
-@builds(methods.VANILLA)
 def plain(settings: Settings, target: Target, load_model: LoadModel | None) -> None:
     return None
 
 
-@builds(methods.PLD)
-def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> PromptLookupProposer:
+def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> LookupProposer:
     try:
-        if target.envelope is not None:
-            return FixedLookupProposer(target.envelope, target.device, settings.draft_tokens or DEFAULT_LOOKUP_TOKENS,
-                                       settings.pld_max_ngram, settings.pld_min_ngram)
-        return PromptLookupProposer(settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
-                                    settings.pld_min_ngram)
+        return LookupProposer(target, settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
+                              settings.pld_min_ngram)
     except ValueError as error:
         raise MethodError(str(error)) from error
 
 
-@builds(methods.SPS)
 def draft_model(settings: Settings, target: Target, load_model: LoadModel | None) -> DraftModelProposer:
     draft = load_model(settings.draft)
     try:
         check_tokenizers(target, draft)
     except TokenizerMismatch as error:
         raise MethodError(str(error)) from error
-    if target.envelope is not None:
-        if draft.own_forward is None:
-            raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
-        return FixedModelProposer(draft, target.vocab_size, target.envelope, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
-    return DraftModelProposer(draft, target.vocab_size, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
+    if target.envelope is not None and draft.own_forward is None:
+        raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
+    return DraftModelProposer(draft, target, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
 
 
-@builds(methods.EAGLE)
-def static_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
-    return _tree_proposer(settings, target, lambda: StaticTree(_static_paths(settings, target)))
+def static_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
+    return _head_proposer(settings, target, lambda: StaticTree(_static_paths(settings, target)))
 
 
-@builds(methods.EAGLE2)
-def dynamic_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
-    return _tree_proposer(settings, target, lambda: DynamicTree(dynamic_params(settings, target)))
+def dynamic_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
+    return _head_proposer(settings, target, lambda: DynamicTree(dynamic_params(settings, target)))
 
 
-@builds(methods.DEAGLE)
-def deagle_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
-    return _tree_proposer(settings, target,
+def deagle_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
+    return _head_proposer(settings, target,
                           lambda: DeagleTree(dynamic_params(settings, target), deagle_params(settings)))
 
 
-@builds(methods.JAKIRO)
-def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> TreeProposer:
+def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
     if settings.static_tree:  # a Jakiro head drafts a given static tree like any head
         return static_tree(settings, target, load_model)
-    return _tree_proposer(settings, target,
+    return _head_proposer(settings, target,
                           lambda: JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
 
 
-def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], object]
-                   ) -> TreeProposer | FixedTreeProposer:
+# What builds each of specchat's methods (the peers' are `specchat.bench_run.RUNNERS`).
+BUILDERS: dict[methods.Method, Callable[[Settings, Target, LoadModel | None], Proposer | None]] = {
+    methods.VANILLA: plain, methods.PLD: lookup, methods.SPS: draft_model, methods.EAGLE: static_tree,
+    methods.EAGLE2: dynamic_tree, methods.DEAGLE: deagle_tree, methods.JAKIRO: jakiro_tree,
+}
+
+
+def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], object]) -> HeadProposer:
     """The head's proposer; the tree's shape is made once the head has loaded (a head that cannot
     load fails before this machine's verify cost is measured for the shape's size)."""
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
@@ -133,9 +123,7 @@ def _tree_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
         curve = cached_curve(target) if target.device.type == "cpu" and target.envelope is None else None
     try:
-        if target.envelope is not None:
-            return FixedTreeProposer(head, target.num_layers, make_shape(), target.envelope, lookup=lookup)
-        return TreeProposer(head, target.num_layers, make_shape(), lookup=lookup, curve=curve)
+        return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve)
     except ValueError as error:
         raise MethodError(str(error)) from error
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specchat.decode import deagle, lookup, options
+from specchat.decode import options
+from specchat.decode.drafting import deagle, lookup
 from specchat.embedded import DEFAULT_MODEL
 from specchat.errors import SpecchatError, UsageError
 from specchat.methods import CHAT_METHODS, HEAD_FORMATS, PLAIN

@@ -5,7 +5,7 @@ folders, hub ids and bundled heads, found, fetched and converted into the cache.
 folder, or a hub id. GGUF weights are dequantized once into the chosen dtype and saved as a
 normal Hugging Face folder in the cache (keyed by the file's sha256), so later starts load in
 about a second instead of a minute. A lock makes concurrent first starts wait for one conversion.
-Loading and running the model is `specchat.decode.loading`'s and `.target`'s; `load_target` joins them.
+Loading and running the model is `specchat.decode.runtime.loading`'s and `.target`'s; `load_target` joins them.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 import drafters
 from specchat import embedded
-from specchat.decode import woq_kernel
-from specchat.decode.machine import cache_dir
-from specchat.decode.loading import kernel_candidate, load_folder, quiet_transformers, resolve_device, resolve_dtype
-from specchat.decode.target import ModelSpec, Target, dtype_name
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.runtime.machine import cache_dir
+from specchat.decode.runtime.loading import kernel_candidate, load_folder, quiet_transformers, resolve_device, resolve_dtype
+from specchat.decode.runtime.target import ModelSpec, Target, dtype_name
 from specchat.errors import ModelLoadError, SpecchatError
 from specchat import heads
 from specchat.hub import HUB_ID, HubError, hub_file, hub_folder

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from specchat.decode.tree import Source
+from specchat.decode.drafting.tree import Source
 
 
 @dataclass
@@ -51,9 +51,9 @@ class Stats:
         if step.prefill:
             self.prefill_seconds += step.seconds
         else:
-            self.forward_seconds += step.forward_seconds
-            self.products_seconds += step.products_seconds
-            self.attention_seconds += step.attention_seconds
+            self.forward_seconds += step.forward.forward_seconds
+            self.products_seconds += step.forward.products_seconds
+            self.attention_seconds += step.forward.attention_seconds
         if not step.prefill and step.cycle is not None:
             self.accept_lengths.append(len(step.tokens))
             tree = step.cycle.tree

@@ -90,7 +90,7 @@ def stats_line(stats, estimated_speedup: float | None = None, comparison=None) -
 
     tau counts the bonus token (1.00 for plain decoding); the acceptance rate is accepted draft
     tokens over the draft tokens the target verified. The speedup is the decoding phase's (see
-    `specchat.decode.speedup`): estimated, marked "est.", or measured when a `comparison` (the reply
+    `specchat.speedup`): estimated, marked "est.", or measured when a `comparison` (the reply
     decoded plainly too) is given.
     """
     parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s", f"τ {stats.tau:.2f}"]

@@ -108,9 +108,20 @@ def isolated_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
-def load_tiny_target(path, dtype: str = "float32", **spec):
-    """A tiny model folder loaded on the CPU (`spec`: more `ModelSpec` fields, e.g. cuda_graphs="on")."""
-    from specchat.decode.target import ModelSpec
+LAYOUTS = {"growing": "off", "fixed": "on"}  # the engine's layouts, by the --cuda-graphs that gives each on a CPU
+
+
+@pytest.fixture(params=list(LAYOUTS), scope="module")
+def layout(request) -> str:
+    """Each of the engine's layouts in turn (the fixed one runs its steps eagerly on a CPU)."""
+    return request.param
+
+
+def load_tiny_target(path, dtype: str = "float32", layout: str | None = None, **spec):
+    """A tiny model folder loaded on the CPU, for `layout` (`spec`: more `ModelSpec` fields, e.g. cuda_graphs="on")."""
+    if layout is not None:
+        spec["cuda_graphs"] = LAYOUTS[layout]
+    from specchat.decode.runtime.target import ModelSpec
     from specchat.sources import load_target
 
     return load_target(ModelSpec(model=str(path), dtype=dtype, device="cpu", **spec))
@@ -188,7 +199,7 @@ def bigram_dir(tmp_path_factory):
 
 
 class ScriptedProposer:
-    """Drafts the known plain-greedy continuation as the best path of a branching tree.
+    """Drafts the known plain-greedy continuation as the best path of a branching tree, on either layout.
 
     Each level holds the right token plus `siblings` wrong ones (some listed before it), each with
     a wrong child of its own, so trees have real branches: verification must follow the right
@@ -196,22 +207,32 @@ class ScriptedProposer:
     """
 
     feature_layers = None
+    reach = 0
 
-    def __init__(self, prompt: list[int], continuation: list[int], depth: int = 5, siblings: int = 2, seed: int = 0):
+    def __init__(self, prompt: list[int], continuation: list[int], depth: int = 5, siblings: int = 2, seed: int = 0,
+                 device=None):
+        """`device`: where the fixed layout wants its trees (None: the growing layout's lists)."""
         self.script = list(prompt) + list(continuation)
-        self.depth, self.siblings = depth, siblings
+        self.depth, self.siblings, self.device = depth, siblings, device
         self.context: list[int] = []
         self.rng = torch.Generator().manual_seed(seed)
+        self.tree = None
 
     def rewind(self, length: int) -> int:
         del self.context[length:]
         return len(self.context)
 
-    def observe(self, tokens, features, cycle=None) -> None:
+    def observe(self, tokens, features) -> None:
         self.context.extend(tokens)
 
-    def propose(self, root, settings, rng, max_depth, max_nodes):
-        from specchat.decode.tree import DraftTree
+    def committed(self, tokens, cycle) -> None:
+        self.context.extend(tokens)
+
+    def commit(self, tree, acceptance, root, features) -> None:
+        pass
+
+    def prepare(self, root, max_depth, max_nodes) -> int:
+        from specchat.decode.drafting.tree import DraftTree
 
         start = len(self.context) + 1  # the script position right after the root
         right = self.script[start : start + min(self.depth, max_depth)]
@@ -233,8 +254,21 @@ class ScriptedProposer:
                     depths.append(level + 1)
             parent = here
         keep = _topological_prefix(parents, max_nodes)
-        return DraftTree(tokens=[tokens[i] for i in keep], parents=[keep.index(parents[i]) if parents[i] >= 0 else -1 for i in keep],
-                         depths=[depths[i] for i in keep], probs=[0.5] * len(keep))
+        self.tree = DraftTree(tokens=[tokens[i] for i in keep], probs=[0.5] * len(keep),
+                              parents=[keep.index(parents[i]) if parents[i] >= 0 else -1 for i in keep],
+                              depths=[depths[i] for i in keep])
+        return len(self.tree)
+
+    def draft(self, root, length, span, sampling, rng):
+        if self.device is None:
+            return self.tree
+        from specchat.decode.drafting.tree import DraftTree
+
+        tree, device = self.tree, self.device
+        return DraftTree(*(torch.tensor(values, device=device) for values in (tree.tokens, tree.parents, tree.depths)),
+                         torch.tensor(tree.probs, device=device), valid=torch.ones(len(tree), dtype=torch.bool,
+                                                                                     device=device),
+                         depth=max(tree.depths), sources=None, evidence=None)
 
 
 def _topological_prefix(parents, limit):
@@ -271,7 +305,7 @@ def tiny(model_dir, *extra):
 
 def interrupt_the_prompt_with(monkeypatch, word: str) -> None:
     """Ctrl-C arrives as the engine starts on a prompt that holds `word`."""
-    from specchat.decode.engine import Engine
+    from specchat.decode.engine.engine import Engine
 
     generate = Engine.generate
 
@@ -372,8 +406,8 @@ def first_two_tokens(engine, prompt, top_k, runs, seed, drafted=None):
     Three tokens each, so the second one can come from an accepted draft (the first is the
     prefill's); `drafted`, a list, receives how many second tokens were drafted ones.
     """
-    from specchat.decode.engine import GenerationSettings
-    from specchat.decode.sampling import SamplingParams, make_generator
+    from specchat.decode.engine.engine import GenerationSettings
+    from specchat.decode.acceptance.sampling import SamplingParams, make_generator
 
     settings = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=top_k))
     rng, counts, from_drafts = make_generator(seed), {}, 0

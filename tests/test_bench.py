@@ -278,7 +278,7 @@ def test_each_method_gets_its_draft_as_chat_would_unless_draft_for_says():
 def test_a_cycles_breakdown_adds_up_to_the_cycle_and_is_drawn(qwen_dir, tmp_path, capsys):
     """--breakdown on the quantized tiny model: per method, the parts of a decoding cycle (products
     and attention timed inside the fused forward) add up to the cycle's time; peers have none."""
-    from specchat.decode import woq_kernel
+    from specchat.decode.runtime import woq_kernel
 
     if woq_kernel.unavailable_reason() is not None:
         pytest.skip("the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")

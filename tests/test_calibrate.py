@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import load_tiny_target
-from specchat.decode import calibrate
-from specchat.decode.calibrate import Curve
+from specchat.decode.runtime import calibrate
+from specchat.decode.runtime.calibrate import Curve
 
 
 def test_the_size_with_the_best_expected_rate_is_picked():
@@ -73,10 +73,10 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
     import torch
 
     from conftest import random_head
-    from specchat.decode.engine import Engine, GenerationSettings
-    from specchat.decode.head_proposer import TreeProposer
-    from specchat.decode.lookup import LookupSource
-    from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
+    from specchat.decode.engine.engine import Engine, GenerationSettings
+    from specchat.decode.drafting.heads import HeadProposer
+    from specchat.decode.drafting.lookup import LookupSource
+    from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 
     target = load_tiny_target(qwen_dir)
     path = calibrate.cache_dir() / "verify-cost.json"
@@ -86,8 +86,8 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("a plausible stored curve is not measured"))
     curve = calibrate.cached_curve(target)
     assert curve.milliseconds == poisoned
-    proposer = TreeProposer(random_head("eagle3", target), target.num_layers, DynamicTree(DynamicTreeParams(4, 3, 2)),
-                            lookup=LookupSource(), curve=curve)
+    proposer = HeadProposer.for_target(random_head("eagle3", target), target, DynamicTree(DynamicTreeParams(4, 3, 2)),
+                                       lookup=LookupSource(), curve=curve)
     steps = list(Engine(target, proposer).generate([258, 10, 20, 30, 40], GenerationSettings(max_new_tokens=24)))
     assert sum(step.draft_tokens > 0 for step in steps) >= calibrate.LIVE_EVIDENCE
     kept = {int(n): ms for n, ms in json.loads(path.read_text())[calibrate._key(target)].items()}
@@ -130,7 +130,7 @@ def test_another_process_s_work_is_seen_as_the_machine_being_busy():
     import sys
     import time
 
-    from specchat.decode.machine import other_processes_share
+    from specchat.decode.runtime.machine import other_processes_share
 
     if not os.path.exists("/proc/stat"):
         pytest.skip("no /proc here: the share cannot be told (and counts as 0)")

@@ -37,7 +37,7 @@ def test_streamed_pieces_add_up_to_the_text_even_across_split_characters(tokeniz
 def test_streamed_reply_text_equals_the_reply(tokenizer):
     """What a consumer concatenates from the stream is exactly the answer kept in the conversation,
     even when the reply ends inside a multi-byte character (here: cut by the token budget)."""
-    from specchat.decode.engine import GenerationSettings, StepResult
+    from specchat.decode.engine.engine import GenerationSettings, StepResult
     from specchat.chat import ChatSession
 
     emoji = tokenizer.encode("ok 😀", add_special_tokens=False)

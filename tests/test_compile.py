@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import ScriptedProposer, build_model, build_tokenizer, random_head, tokens_of
-from specchat.decode import quantized
-from specchat.decode import woq_kernel
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.head_proposer import TreeProposer
-from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
-from specchat.decode.lookup import PromptLookupProposer
-from specchat.decode.target import ModelSpec, Target, compiles
+from specchat.decode.runtime import quantized
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
+from specchat.decode.drafting.prompt_lookup import LookupProposer
+from specchat.decode.runtime.target import ModelSpec, Target, compiles
 
 pytestmark = pytest.mark.compile  # the slowest tests after the real model's: -m "not compile" leaves them out
 
@@ -97,9 +97,9 @@ def test_speculative_greedy_through_the_compiled_forward_equals_plain_greedy():
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
     assert tokens_of(Engine(compiled), PROMPT, settings) == plain
-    head = TreeProposer(random_head("eagle", compiled), compiled.num_layers,
+    head = HeadProposer.for_target(random_head("eagle", compiled), compiled,
                         DynamicTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3)))
-    proposers = {"eagle2": head, "pld": PromptLookupProposer(),
+    proposers = {"eagle2": head, "pld": LookupProposer(compiled),
                  "scripted": ScriptedProposer(PROMPT, plain, depth=4)}  # deep acceptance through tree masks
     for name, proposer in proposers.items():
         assert tokens_of(Engine(compiled, proposer), PROMPT, settings) == plain, name
@@ -115,5 +115,5 @@ def test_on_cuda_the_compiled_forward_is_the_default_and_lossless():
     eager = Target(model, target.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
-    assert tokens_of(Engine(target, PromptLookupProposer()), PROMPT, settings) == plain
+    assert tokens_of(Engine(target, LookupProposer(target)), PROMPT, settings) == plain
     assert_compiled_whole()

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import load_tiny_target, save_model_folder
-from specchat.decode import cpu_decoder, woq_kernel
-from specchat.decode.cache import causal_mask
-from specchat.decode.verify import verify_inputs
-from specchat.decode.tree import DraftTree
+from specchat.decode.runtime import cpu_decoder, woq_kernel
+from specchat.decode.runtime.cache import causal_mask
+from specchat.decode.engine.growing import verify_inputs
+from specchat.decode.drafting.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
                                 reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
@@ -98,7 +98,7 @@ def test_a_quantized_head_s_layer_runs_in_one_call_and_computes_what_its_torch_c
     cache: a context pass and then tree nodes that see some of the entries before them."""
     from conftest import random_head
     from drafters.cache import HeadCache
-    from specchat.decode.quantized import quantize_linears
+    from specchat.decode.runtime.quantized import quantize_linears
 
     head = random_head(kind, target).to(target.dtype)
     quantize_linears(head, 5)

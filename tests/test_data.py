@@ -171,7 +171,7 @@ def test_sampled_answers_follow_the_targets_distribution(target):
 def test_captured_steps_answer_as_eager_ones(qwen_dir):
     """On CUDA the decoding step is captured as a CUDA graph per span: the same greedy answers as
     the eager steps (float32), and sampled ones are drawn through the graph's random stream."""
-    from specchat.decode.target import ModelSpec
+    from specchat.decode.runtime.target import ModelSpec
     from specchat.sources import load_target
 
     gpu = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cuda", compile="off", cuda_graphs="off"))

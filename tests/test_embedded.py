@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from specchat import embedded, sources
-from specchat.decode.target import ModelSpec
+from specchat.decode.runtime.target import ModelSpec
 from specchat.errors import ModelLoadError
 from specchat.sources import locate
 

@@ -1,12 +1,13 @@
-"""Plain decoding on the engine: identical to a cache-free reference, and the caches stay right."""
+"""Plain decoding on the engine, on both of its layouts: identical to a cache-free reference, and the
+caches stay right."""
 
 import pytest
 import torch
 
 from conftest import load_tiny_target
 from specchat.chat import ChatFormat, Conversation
-from specchat.decode.engine import ContextLengthError, Engine, GenerationSettings
-from specchat.decode.sampling import SamplingParams, make_generator
+from specchat.decode.engine.engine import ContextLengthError, Engine, GenerationSettings
+from specchat.decode.acceptance.sampling import SamplingParams, make_generator
 
 
 def reference_greedy(model, prompt, n):
@@ -24,8 +25,8 @@ def collect(engine, prompt, settings, rng=None):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_tiny_target(tiny_model_dir)
+def target(tiny_model_dir, layout):
+    return load_tiny_target(tiny_model_dir, layout=layout)
 
 
 def test_greedy_equals_cache_free_decoding(target):

@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, Qwen3Config
 
 from conftest import TINY_VOCAB, build_tokenizer, save_model_folder
-from specchat.decode import quantized
-from specchat.decode import woq_kernel
-from specchat.decode.cache import KVCache, causal_mask
-from specchat.decode.forward import LayerKV, unsupported_reason
-from specchat.decode.target import Target
+from specchat.decode.runtime import quantized
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.runtime.cache import KVCache, causal_mask
+from specchat.decode.runtime.forward import LayerKV, unsupported_reason
+from specchat.decode.runtime.target import Target
 
 FEATURES = (0, 2, 6)  # the embeddings, a middle layer's output and the final normed state (6 layers)
 EXACT = dict(rtol=1e-5, atol=1e-5)  # float32; the two forwards order a few sums differently

@@ -1,17 +1,18 @@
 """Hybrid drafting: lookup continuations and head drafts in one tree, lossless whatever the lookup
-proposes, with the lookup found in the conversation and in the chat's earlier text."""
+proposes (on both of the engine's layouts), with the lookup found in the conversation and in the
+chat's earlier text."""
 
 import pytest
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
-from specchat.decode.calibrate import Curve
-from specchat.decode.head_proposer import TreeProposer
-from specchat.decode.hybrid import Candidates, HeadTrust
-from specchat.decode.tree_shapes import DeagleTree, DynamicTreeParams
-from specchat.decode.deagle import DeagleParams
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.lookup import LookupSource, Match
-from specchat.decode.tree import Cycle, DraftTree, Source
+from specchat.decode.runtime.calibrate import Curve
+from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting.selection import Candidates, HeadTrust
+from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
+from specchat.decode.drafting.deagle import DeagleParams
+from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode.drafting.lookup import LookupSource, Match
+from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 from specchat.stats import Stats
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]
@@ -19,8 +20,8 @@ FLAT = Curve({1: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 14.0})  # verifying more 
 
 
 @pytest.fixture(scope="module")
-def bigram(bigram_dir):
-    return load_tiny_target(bigram_dir)
+def bigram(bigram_dir, layout):
+    return load_tiny_target(bigram_dir, layout=layout)
 
 
 class ScriptedLookup(LookupSource):
@@ -41,9 +42,10 @@ class ScriptedLookup(LookupSource):
 
 
 def hybrid(target, lookup, curve=FLAT):
+    """A hybrid drafter (the cost curve is the growing layout's: the fixed one verifies its whole budget)."""
     head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
-    return TreeProposer(head, target.num_layers, shape, lookup=lookup, curve=curve)
+    return HeadProposer.for_target(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None)
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong", "half"])

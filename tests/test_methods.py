@@ -1,47 +1,50 @@
-"""DEAGLE, Jakiro, SpS and PLD: lossless greedy output, exact sampling, and their own mechanics."""
+"""DEAGLE, Jakiro, SpS and PLD on both of the engine's layouts: lossless greedy output, exact sampling,
+and their own mechanics."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
-from specchat.decode.deagle import DeagleParams, DepthVote
-from specchat.decode.model_proposer import DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.decode.head_proposer import TreeProposer
-from specchat.decode.tree_shapes import DeagleTree, DynamicTreeParams, JakiroTree
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.lookup import PromptLookupProposer
+from specchat.decode.drafting.deagle import DeagleParams, DepthVote
+from specchat.decode.drafting.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
+from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting.prompt_lookup import LookupProposer
+from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams, JakiroTree
+from specchat.decode.engine.engine import Engine, GenerationSettings
 
 PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110)) + list(range(60, 80))]
 TREE = DynamicTreeParams(total_tokens=16, depth=5, top_k=4)
 
 
 @pytest.fixture(scope="module")
-def target(qwen_dir):
-    return load_tiny_target(qwen_dir)
+def target(qwen_dir, layout):
+    return load_tiny_target(qwen_dir, layout=layout)
 
 
 @pytest.fixture(scope="module")
-def bigram(bigram_dir):
-    return load_tiny_target(bigram_dir)
+def bigram(bigram_dir, layout):
+    return load_tiny_target(bigram_dir, layout=layout)
 
 
 def make(method, model, head=None, draft=None):
     if method == "deagle":
-        return TreeProposer(head or random_head("eagle3", model), model.num_layers, DeagleTree(TREE, DeagleParams()))
+        return HeadProposer.for_target(head or random_head("eagle3", model), model, DeagleTree(TREE, DeagleParams()))
     if method == "jakiro":
-        return TreeProposer(head or random_head("jakiro", model), model.num_layers, JakiroTree(TREE))
+        return HeadProposer.for_target(head or random_head("jakiro", model), model, JakiroTree(TREE))
     if method == "jakiro-reference":
-        return TreeProposer(head or random_head("jakiro", model), model.num_layers,
-                            JakiroTree(TREE, reference_attach=True))
+        return HeadProposer.for_target(head or random_head("jakiro", model), model,
+                                       JakiroTree(TREE, reference_attach=True))
     if method == "sps":
-        return DraftModelProposer(draft or model, model.vocab_size, draft_tokens=4)
-    return PromptLookupProposer(draft_tokens=6)
+        return DraftModelProposer(draft or model, model, draft_tokens=4)
+    return LookupProposer(model, draft_tokens=6)
 
 
 @pytest.mark.parametrize("method", ["deagle", "jakiro", "jakiro-reference", "sps", "pld"])
 @pytest.mark.parametrize("max_new", [1, 3, 30])
-def test_greedy_equals_plain_decoding(method, max_new, target, tiny_model_dir):
-    draft = load_tiny_target(tiny_model_dir)  # a different tiny model as the sps draft
+def test_greedy_equals_plain_decoding(method, max_new, target, tiny_model_dir, layout):
+    draft = load_tiny_target(tiny_model_dir, layout=layout)  # a different tiny model as the sps draft
     settings = GenerationSettings(max_new_tokens=max_new)
     engine = Engine(target, make(method, target, draft=draft))
     for prompt in PROMPTS:
@@ -83,7 +86,7 @@ def run_vote(beam_probs_per_depth, verified=15, params=DeagleParams()):
         history.append(scores)
         everything = torch.cat(history)
         if vote.decide(depth, scores, scores, everything, everything, verified):
-            return depth, vote.history()[-1]["votes"]
+            return depth, vote.history()[-1].votes
     return None, vote.history()
 
 
@@ -98,7 +101,7 @@ def test_a_confident_tree_runs_to_the_maximum_depth():
     depth, history = run_vote([[0.99], [0.98], [0.97], [0.96], [0.95], [0.94]])
     assert depth is None and len(history) == 6
     # E_d grows along with d here, so saturation may vote, but alone it never stops the tree.
-    assert all("mass" not in h["votes"] and "momentum" not in h["votes"] for h in history)
+    assert all("mass" not in h.votes and "momentum" not in h.votes for h in history)
 
 
 def test_saturation_and_mass_can_stop_a_tree_without_momentum():
@@ -117,22 +120,25 @@ def test_momentum_readings_differ_as_documented():
         scores = torch.tensor(probs).log()
         lenient.decide(depth, scores, scores, scores, scores, 100)
         strict.decide(depth, scores, scores, scores, scores, 100)
-    assert "momentum" in lenient.history()[3]["votes"] and "momentum" not in strict.history()[3]["votes"]
+    assert "momentum" in lenient.history()[3].votes and "momentum" not in strict.history()[3].votes
 
 
-def test_deagle_trace_records_the_stop_depth_and_votes(bigram):
+def test_deagle_trace_records_the_stop_depth_and_votes(bigram_dir):
+    bigram = load_tiny_target(bigram_dir)  # the growing layout's drafter reads the votes (the fixed one reads once)
     engine = Engine(bigram, make("deagle", bigram))  # a random head: low confidence, early stops
     steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=12)))
-    infos = [s.cycle.tree.info for s in steps[1:] if s.cycle is not None and len(s.cycle.tree)]
-    assert infos and all("stop_depth" in info and "depth_votes" in info for info in infos)
-    assert any(info.get("votes") for info in infos)
+    records = [s.cycle.record() for s in steps[1:] if s.cycle is not None and len(s.cycle.tree)]
+    assert records and all("stop_depth" in record and "depth_votes" in record for record in records)
+    assert any(record.get("votes") for record in records)
 
 
 # --- Jakiro's parallel last level --------------------------------------------------------------
 
 
-def test_jakiro_drafts_its_last_level_without_a_forward(bigram):
-    """Depth D costs D - 1 draft forwards; the last level hangs under the nodes expanded last."""
+def test_jakiro_drafts_its_last_level_without_a_forward(bigram_dir):
+    """Depth D costs D - 1 draft forwards; the last level hangs under the nodes expanded last (the
+    growing layout: the fixed one feeds the prompt through the head in a forward of its own)."""
+    bigram = load_tiny_target(bigram_dir)
     head = random_head("jakiro", bigram)
     calls = []
     original = head.forward
@@ -144,7 +150,7 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram):
     head.forward = counting
     both = head.forward_both
     head.forward_both = lambda *a, **k: (calls.append("both"), both(*a, **k))[1]
-    proposer = TreeProposer(head, bigram.num_layers, JakiroTree(DynamicTreeParams(total_tokens=40, depth=5, top_k=3)))
+    proposer = HeadProposer.for_target(head, bigram, JakiroTree(DynamicTreeParams(total_tokens=40, depth=5, top_k=3)))
     engine = Engine(bigram, proposer)
     steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=20)))
     tree = steps[1].cycle.tree
@@ -154,9 +160,9 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram):
     assert max(tree.depths) == 5
 
 
-def test_parent_correct_and_reference_attachment(bigram):
+def test_parent_correct_and_reference_attachment():
     """Beam nodes whose parents sit in other rows get their own parent's row only when parent-correct."""
-    from specchat.decode.tree_shapes import Growth
+    from specchat.decode.drafting.shapes import Growth
 
     # The two-ahead predictions were made at the fed beam's rows 0, 1, 2; the last beam's parents
     # sit in rows 2, 0, 1 of it.
@@ -184,20 +190,22 @@ def test_sps_refuses_a_draft_with_another_tokenizer(target, tmp_path):
         check_tokenizers(target, load_tiny_target(path))
 
 
-def test_sps_keeps_the_draft_cache_in_step(target, tiny_model_dir):
-    proposer = DraftModelProposer(load_tiny_target(tiny_model_dir), target.vocab_size, draft_tokens=3)
-    engine = Engine(target, proposer)
+def test_sps_keeps_the_draft_cache_in_step(qwen_dir, tiny_model_dir):
+    """The growing layout's draft cache holds the entries it knows right (`fed`) and no more."""
+    proposer = DraftModelProposer(load_tiny_target(tiny_model_dir), load_tiny_target(qwen_dir), draft_tokens=3)
+    engine = Engine(load_tiny_target(qwen_dir), proposer)
     for prompt in PROMPTS:
-        list(engine.generate(prompt, GenerationSettings(max_new_tokens=10)))
-        assert proposer.cache.length == len(proposer.cached_ids) <= len(proposer.context_ids) + 3
-        assert proposer.cached_ids == proposer.context_ids[: len(proposer.cached_ids)]
+        for step in engine.generate(prompt, GenerationSettings(max_new_tokens=10)):
+            if not step.prefill:
+                assert proposer.cache.length == proposer.fed <= len(proposer.context)
+        assert proposer.context == engine.context_ids
 
 
 def test_pld_proposes_what_followed_the_latest_match():
-    pld = PromptLookupProposer(draft_tokens=3, max_ngram=2)
+    pld = LookupProposer(SimpleNamespace(envelope=None), draft_tokens=3, max_ngram=2)  # the growing layout's
     pld.observe([1, 2, 3, 4, 9, 1, 2, 5, 6, 7, 8], None)
-    tree = pld.propose(root=2, settings=GenerationSettings(), rng=None, max_depth=10, max_nodes=10)
-    assert tree.tokens == [5, 6, 7]  # "1 2" last seen before "5 6 7"
-    assert pld.propose(root=42, settings=GenerationSettings(), rng=None, max_depth=10, max_nodes=10).tokens == []
+    assert pld.prepare(root=2, max_depth=10, max_nodes=10) == 3
+    assert pld.draft(2, 11, None, None, None).tokens == [5, 6, 7]  # "1 2" last seen before "5 6 7"
+    assert pld.prepare(root=42, max_depth=10, max_nodes=10) == 0  # no match: a plain step
     pld.rewind(4)
-    assert pld.propose(root=1, settings=GenerationSettings(), rng=None, max_depth=10, max_nodes=10).tokens == [2, 3, 4]
+    assert pld.prepare(root=1, max_depth=2, max_nodes=10) == 2 and pld.draft(1, 4, None, None, None).tokens == [2, 3]

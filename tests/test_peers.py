@@ -14,7 +14,7 @@ import pytest
 from conftest import invoke, load_tiny_target
 from specchat import peer_worker
 from specchat.chat import ChatFormat
-from specchat.decode.engine import GenerationSettings
+from specchat.decode.engine.engine import GenerationSettings
 from specchat.inputs import PromptRecord
 from specchat.peer_process import PeerFailed, Worker, WorkerRunner, find_python
 from specchat.peers import PeerUnavailable

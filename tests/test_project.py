@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -102,6 +104,17 @@ def test_the_decoding_core_imports_only_itself_drafters_and_the_errors():
         assert not outside, f"{name} imports {sorted(outside)}; the core knows nothing of the layers above it"
 
 
+def test_the_target_runtime_sits_below_drafting_and_the_engine():
+    """`specchat.decode.runtime` (the target: loading, forward, cache, kernel, fixed shapes) is what the
+    engine and the drafters run on; it imports neither, nor acceptance."""
+    above = ("specchat.decode.engine", "specchat.decode.drafting", "specchat.decode.acceptance")
+    runtime = {name: tree for name, tree in project_modules().items() if name.startswith("specchat.decode.runtime")}
+    assert "specchat.decode.runtime.target" in runtime
+    for name, tree in runtime.items():
+        wrong = sorted(module for module in all_imports(tree) if module.startswith(above))
+        assert not wrong, f"{name} imports {wrong}; the runtime knows nothing of drafting or the cycle"
+
+
 def test_the_core_and_the_heads_print_nothing():
     """The decoding core and drafters report through `logging`, which the command line shows: no print."""
     for name, tree in project_modules().items():
@@ -124,6 +137,34 @@ def test_each_method_name_is_written_once_outside_the_registry():
             continue
         literals = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         assert not literals & names, f"{name} names methods {sorted(literals & names)}; read them from specchat.methods"
+
+
+def test_every_method_is_built_by_one_entry_of_the_builder_tables():
+    """The tables are explicit (no builder registers itself by being imported): specchat's methods in
+    `proposers.BUILDERS`, other tools' in `bench_run.RUNNERS`, each method in exactly one."""
+    from specchat.methods import METHODS
+    from specchat.bench_run import RUNNERS
+    from specchat.proposers import BUILDERS
+
+    assert set(BUILDERS).isdisjoint(RUNNERS) and set(BUILDERS) | set(RUNNERS) == set(METHODS.values())
+    assert all(entry.peer for entry in RUNNERS) and not any(entry.peer for entry in BUILDERS)
+
+
+def test_no_module_is_imported_for_its_side_effects_alone():
+    """An import whose name goes unused (flake8's F401, silenced) is one made for what importing does."""
+    for path in [*(ROOT / "specchat").rglob("*.py"), *(ROOT / "drafters").rglob("*.py")]:
+        silenced = [number for number, line in enumerate(path.read_text().splitlines(), start=1)
+                    if "import" in line and "F401" in line]
+        assert not silenced, f"{path.relative_to(ROOT)} lines {silenced} import a module only for its side effects"
+
+
+def test_the_top_level_is_the_design_cards():
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: what is tracked is not known")
+    tracked = listed.stdout.split()
+    assert {name.split("/")[0] for name in tracked if not name.startswith(".")} <= {
+        "pyproject.toml", "specchat", "drafters", "profiles", "tests", "man", "README.md", "docs"}
 
 
 def test_the_command_line_starts_without_torch():

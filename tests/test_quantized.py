@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from conftest import load_tiny_target, random_head
-from specchat.decode import quantized
-from specchat.decode import woq_kernel
-from specchat.decode.head_proposer import TreeProposer
-from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.target import ModelSpec
+from specchat.decode.runtime import quantized
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
+from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode.runtime.target import ModelSpec
 from specchat.errors import ModelLoadError
 from specchat.sources import load_target
 
@@ -88,7 +88,7 @@ def test_every_path_gives_bit_identical_outputs(force_isa, dtype):
 
 
 def test_a_forced_path_the_cpu_lacks_is_a_one_line_error_naming_its_flags(force_isa, monkeypatch):
-    from specchat.decode import machine
+    from specchat.decode.runtime import machine
 
     monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
     force_isa("avx512")
@@ -111,7 +111,7 @@ def test_a_forced_path_the_cpu_lacks_is_a_one_line_error_naming_its_flags(force_
 
 @needs_kernel
 def test_without_the_variable_the_best_path_the_cpu_has_runs(force_isa, monkeypatch):
-    from specchat.decode import machine
+    from specchat.decode.runtime import machine
 
     force_isa(None)
     assert woq_kernel.kernel_isa() == RUNNABLE[0]
@@ -203,7 +203,7 @@ def test_auto_keeps_float32_models_unquantized_and_int5_needs_bf16_or_float32_on
 @needs_kernel
 def test_a_cpu_without_native_bf16_runs_the_kernel_on_float32_and_says_what_runs(qwen_dir, monkeypatch, capsys):
     """--dtype auto on an AVX2-class CPU: float32 activations through the int5 kernel, named in /stats and records."""
-    from specchat.decode import loading
+    from specchat.decode.runtime import loading
 
     monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)
     target = load_target(ModelSpec(model=str(qwen_dir), device="cpu"))
@@ -242,7 +242,7 @@ def test_speculation_on_the_quantized_model_gives_its_plain_greedy_output(qwen_d
     prompt = [258, 10, 20, 30, 40, 50, 198]
     plain = [t for s in Engine(target).generate(prompt, settings) for t in s.tokens]
     head = random_head("eagle", target)  # drafts through the target's quantized LM head
-    proposer = TreeProposer(head.to(torch.bfloat16), target.num_layers, DynamicTree(DynamicTreeParams(8, 4, 3)))
+    proposer = HeadProposer.for_target(head.to(torch.bfloat16), target, DynamicTree(DynamicTreeParams(8, 4, 3)))
     drafted = [t for s in Engine(target, proposer).generate(prompt, settings) for t in s.tokens]
     assert drafted == plain
 

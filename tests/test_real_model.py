@@ -64,7 +64,7 @@ def test_the_default_profile_drafts_with_its_bundled_head_losslessly_in_float32(
 def test_the_default_runtime_is_the_quantized_kernel_and_divergences_are_near_ties(shared_cache, tmp_path, capsys):
     """bf16 activations on the int5 model: batched verification may round a near-tie differently,
     never a clear choice (plain decoding of the same quantized model is the reference)."""
-    from specchat.decode import woq_kernel
+    from specchat.decode.runtime import woq_kernel
 
     if woq_kernel.unavailable_reason() is not None:
         pytest.skip("the quantized kernel does not run here")

@@ -311,7 +311,7 @@ if float(os.environ.get("SLOW_LOAD", "0")):
         return open_chat(*args, **kwargs)
     cli.open_chat = load_like_transformers
 if os.environ.get("SLOW_STEPS"):
-    from specchat.decode.engine import Engine
+    from specchat.decode.engine.engine import Engine
     generate = Engine.generate
     def slow_generate(self, *args, **kwargs):
         with closing(generate(self, *args, **kwargs)) as steps:

@@ -16,7 +16,7 @@ import torch
 
 from conftest import TINY_VOCAB, interrupt_the_prompt_with, invoke, load_tiny_target, random_head, tiny
 from drafters import HeadLoadError, load_head, save_head
-from specchat.decode.engine import Engine, GenerationSettings
+from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.inputs import InputError, read_prompts
 
 
@@ -415,18 +415,18 @@ def test_a_pickle_that_is_not_plain_tensors_is_one_line(tiny_target, tmp_path):
     assert "\n" not in str(caught.value)
 
 
-def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir):
-    from specchat.decode.deagle import DeagleParams
-    from specchat.decode.head_proposer import TreeProposer
-    from specchat.decode.tree_shapes import DeagleTree, DynamicTreeParams
+def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir, layout):
+    from specchat.decode.drafting.deagle import DeagleParams
+    from specchat.decode.drafting.heads import HeadProposer
+    from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
 
-    bigram = load_tiny_target(bigram_dir)
+    bigram = load_tiny_target(bigram_dir, layout=layout)
     head = random_head("eagle3", bigram)
     with torch.no_grad():
         head.fc.weight.fill_(float("nan"))
     settings = GenerationSettings(max_new_tokens=16)
     plain = [t for s in Engine(bigram).generate([258, 10, 20, 30], settings) for t in s.tokens]
-    proposer = TreeProposer(head, bigram.num_layers, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
+    proposer = HeadProposer.for_target(head, bigram, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
     drafted = [t for s in Engine(bigram, proposer).generate([258, 10, 20, 30], settings) for t in s.tokens]
     assert drafted == plain
 
@@ -526,7 +526,7 @@ def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_lo
     from torch.utils import cpp_extension
     from torch.utils.file_baton import FileBaton
 
-    from specchat.decode import woq_kernel
+    from specchat.decode.runtime import woq_kernel
 
     build = tmp_path / "build"
     build.mkdir()

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specchat.decode import sampling
-from specchat.decode.sampling import SamplingParams, make_generator, sample, target_probs
+from specchat.decode.acceptance import sampling
+from specchat.decode.acceptance.sampling import SamplingParams, make_generator, sample, target_probs
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)])

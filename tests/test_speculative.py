@@ -1,5 +1,5 @@
-"""Speculative decoding end to end on tiny models: greedy output is exactly plain greedy output,
-sampled output follows the target distribution, and the caches stay consistent."""
+"""Speculative decoding end to end on tiny models, on both of the engine's layouts: greedy output is
+exactly plain greedy output, sampled output follows the target distribution, and the caches stay consistent."""
 
 from types import SimpleNamespace
 
@@ -9,10 +9,10 @@ import torch
 from conftest import (assert_samples_follow_the_target, exact_two_token_distribution, load_tiny_target, oracle_head,
                       random_head)
 from specchat.chat import ChatFormat, Conversation
-from specchat.decode.head_proposer import TreeProposer
-from specchat.decode.tree_shapes import DynamicTree, DynamicTreeParams, StaticTree
-from specchat.decode.engine import Engine, GenerationSettings
-from specchat.decode.tree import MC_SIM_7B_63
+from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams, StaticTree
+from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode.drafting.tree import MC_SIM_7B_63
 
 PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110))]
 
@@ -23,18 +23,18 @@ def tokens_of(engine, prompt, settings, rng=None):
 
 def proposer(head, target, tree):
     if tree == "static":
-        return TreeProposer(head, target.num_layers, StaticTree(MC_SIM_7B_63))
-    return TreeProposer(head, target.num_layers, DynamicTree(DynamicTreeParams(total_tokens=16, depth=5, top_k=4)))
+        return HeadProposer.for_target(head, target, StaticTree(MC_SIM_7B_63))
+    return HeadProposer.for_target(head, target, DynamicTree(DynamicTreeParams(total_tokens=16, depth=5, top_k=4)))
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_tiny_target(tiny_model_dir)
+def target(tiny_model_dir, layout):
+    return load_tiny_target(tiny_model_dir, layout=layout)
 
 
 @pytest.fixture(scope="module")
-def bigram(bigram_dir):
-    return load_tiny_target(bigram_dir)
+def bigram(bigram_dir, layout):
+    return load_tiny_target(bigram_dir, layout=layout)
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
@@ -68,7 +68,8 @@ def test_deep_acceptance_on_a_target_that_attends(target, siblings):
     settings = GenerationSettings(max_new_tokens=40)
     for prompt in PROMPTS:
         plain = tokens_of(Engine(target), prompt, settings)
-        engine = Engine(target, ScriptedProposer(prompt, plain, depth=5, siblings=siblings))
+        device = target.device if target.envelope is not None else None  # the fixed layout's trees are tensors
+        engine = Engine(target, ScriptedProposer(prompt, plain, depth=5, siblings=siblings, device=device))
         steps = list(engine.generate(prompt, settings))
         assert [t for s in steps for t in s.tokens] == plain
         assert sum(s.target_forwards for s in steps) <= 1 + 40 / 6 + 1  # five drafts plus the bonus per cycle
@@ -102,8 +103,8 @@ def test_multi_turn_and_interruptions_keep_draft_and_target_caches_consistent(bi
                 stream.close()
                 break
         assert engine.cache.length == len(engine.context_ids)
-        proposer_ = engine.proposer
-        assert proposer_.cache.length == proposer_.consumed
+        head = engine.proposer
+        assert bigram.envelope is not None or head.cache.length == head.consumed  # the growing cache holds no scratch
         fresh = tokens_of(Engine(bigram), prompt, settings)
         assert produced == fresh[: len(produced)]
         conversation.add_assistant(bigram.tokenizer.decode(produced, skip_special_tokens=True))
@@ -123,12 +124,12 @@ def test_greedy_cycles_report_what_was_drafted_and_accepted(bigram):
 
 
 @pytest.mark.parametrize("case", ["eagle-often-right", "eagle3-random"])
-def test_sampled_first_two_tokens_follow_the_target_distribution(case, bigram, qwen_dir):
+def test_sampled_first_two_tokens_follow_the_target_distribution(case, bigram, qwen_dir, layout):
     """Exact p(x1, x2) of the target against the speculative engine's samples (chi-square)."""
     if case == "eagle-often-right":
         model, head = bigram, oracle_head(bigram)
     else:
-        model = load_tiny_target(qwen_dir)
+        model = load_tiny_target(qwen_dir, layout=layout)
         head = random_head("eagle3", model, seed=3)
     runs, drafted = 1500, []
     engine = Engine(model, proposer(head, model, "dynamic"))  # one engine: every run reuses the cached prompt

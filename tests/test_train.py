@@ -327,7 +327,7 @@ def on_device(target, device: str):
     """The same target with every weight on `device` (the meta device holds no data: shapes only)."""
     import copy
 
-    from specchat.decode.target import Target
+    from specchat.decode.runtime.target import Target
 
     return Target(copy.deepcopy(target.model).to(device), target.tokenizer, target.name)
 

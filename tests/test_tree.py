@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specchat.decode.hybrid import Candidates
-from specchat.decode.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
-from specchat.decode.verify import verify_inputs
+from specchat.decode.drafting.selection import Candidates
+from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
+from specchat.decode.engine.growing import verify_inputs
 
 
 def test_mc_sim_7b_63_has_the_published_shape():

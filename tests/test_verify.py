@@ -1,4 +1,5 @@
-"""Acceptance: greedy follows the argmax; sampling leaves the target distribution exactly unchanged.
+"""Acceptance: greedy follows the argmax; sampling leaves the target distribution exactly unchanged,
+in both forms of the rules (the growing layout's on the host, the fixed layout's on the device).
 
 The statistical tests compare the empirical distribution of the accepted/bonus token with p by
 the shared chi-square check of conftest (`assert_follows`: p = 0.001, a second sample only after
@@ -13,42 +14,59 @@ import pytest
 import torch
 
 from conftest import CHI2_CRITICAL, CHI2_LEVEL, assert_follows, chi_square
-from specchat.decode.sampling import SamplingParams, target_probs
-from specchat.decode.tree import DraftTree
-from specchat.decode.verify import accept
+from specchat.decode.acceptance.sampling import SamplingParams, target_probs
+from specchat.decode.drafting.tree import DraftTree
+from specchat.decode.acceptance.verify import accept, accept_fixed
+
+FORMS = ["growing", "fixed"]
 
 
-def test_greedy_follows_the_argmax_down_the_tree():
+def accepted(form: str, tree: DraftTree, logits, sampling, rng) -> tuple[list[int], int]:
+    """(path, bonus) of `tree` by `form`'s rule: `accept` on the host lists, or `accept_fixed` on the
+    same tree as device tensors."""
+    if form == "growing":
+        out = accept(tree, logits, sampling, rng)
+        return out.path, out.bonus
+    n = len(tree)
+    on_device = DraftTree(torch.tensor(tree.tokens), torch.tensor(tree.parents), torch.tensor(tree.depths),
+                          torch.tensor(tree.probs), q=tree.q, valid=torch.ones(n, dtype=torch.bool),
+                          depth=max(tree.depths), sources=None, evidence=None)
+    out = accept_fixed(on_device, logits, sampling, rng, torch.tensor(n))
+    return out.path[: int(out.count)].tolist(), int(out.bonus)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_greedy_follows_the_argmax_down_the_tree(form):
     # root ─ 3 ─ 4        logits rows: root, node0, node1, node2
     #      └ 5
     tree = DraftTree(tokens=[3, 5, 4], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.4, 0.9])
     logits = torch.full((4, 8), -5.0)
     logits[0, 5] = 1  # the target wants 5 after the root: second child accepted
     logits[2, 6] = 1  # after node 1 (token 5) it wants 6: the bonus
-    out = accept(tree, logits, SamplingParams(), None)
-    assert out.path == [1] and out.bonus == 6
+    assert accepted(form, tree, logits, SamplingParams(), None) == ([1], 6)
 
 
-def first_token_counts(tree, logits, sampling, draws, seed=0):
+def first_token_counts(form, tree, logits, sampling, draws, seed=0):
     vocab = logits.shape[-1]
     counts = torch.zeros(vocab)
     rng = torch.Generator().manual_seed(seed)
     for _ in range(draws):
-        out = accept(tree, logits, sampling, rng)
-        first = tree.tokens[out.path[0]] if out.path else out.bonus
+        path, bonus = accepted(form, tree, logits, sampling, rng)
+        first = tree.tokens[path[0]] if path else bonus
         counts[first] += 1
     return counts
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)])
-def test_sampled_first_token_follows_p_whatever_the_draft(sampling):
+def test_sampled_first_token_follows_p_whatever_the_draft(sampling, form):
     torch.manual_seed(1)
     vocab = 8
     logits = torch.randn(4, vocab)
     # Three root children, deliberately including unlikely tokens, in a 'wrong' order.
     tree = DraftTree(tokens=[6, 2, 0], parents=[-1, -1, -1], depths=[1, 1, 1], probs=[0.9, 0.05, 0.05])
     p = target_probs(logits[0], sampling)
-    assert_follows(lambda seed: first_token_counts(tree, logits, sampling, draws=20000, seed=seed), p, seed=0)
+    assert_follows(lambda seed: first_token_counts(form, tree, logits, sampling, draws=20000, seed=seed), p, seed=0)
 
 
 def test_a_rule_without_the_residual_would_be_caught():
@@ -71,7 +89,8 @@ def test_a_rule_without_the_residual_would_be_caught():
         assert_follows(flawed, p, seed=0)
 
 
-def test_sampled_chain_with_q_follows_p():
+@pytest.mark.parametrize("form", FORMS)
+def test_sampled_chain_with_q_follows_p(form):
     """The min(1, p/q) rule with the residual max(0, p - q), for a token drawn from q."""
     torch.manual_seed(2)
     vocab = 6
@@ -86,8 +105,8 @@ def test_sampled_chain_with_q_follows_p():
         for _ in range(20000):
             x = int(torch.multinomial(q, 1, generator=rng))
             tree = DraftTree(tokens=[x], parents=[-1], depths=[1], probs=[float(q[x])], q=q[None])
-            out = accept(tree, logits, sampling, rng)
-            counts[x if out.path else out.bonus] += 1
+            path, bonus = accepted(form, tree, logits, sampling, rng)
+            counts[x if path else bonus] += 1
         return counts
 
     assert_follows(sample, p, seed=3)

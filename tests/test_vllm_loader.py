@@ -51,7 +51,7 @@ def model():
     import torch
 
     from specchat.chat import ChatFormat
-    from specchat.decode.target import ModelSpec
+    from specchat.decode.runtime.target import ModelSpec
     from specchat.embedded import DEFAULT_MODEL
     from specchat.sources import load_target, locate
 
@@ -100,9 +100,9 @@ def mean_acceptance_length(replies: list[dict]) -> float:
 
 def specchat_chain(target, prompts: list[list[int]], chat_format) -> float:
     """specchat's mean tokens per speculative cycle for the same chain of CHAIN tokens (float32, greedy)."""
-    from specchat.decode.engine import Engine, GenerationSettings
-    from specchat.decode.head_proposer import TreeProposer
-    from specchat.decode.tree_shapes import StaticTree
+    from specchat.decode.engine.engine import Engine, GenerationSettings
+    from specchat.decode.drafting.heads import HeadProposer
+    from specchat.decode.drafting.shapes import StaticTree
     from specchat.sources import load_head
     from specchat.stats import Stats
 
@@ -111,7 +111,7 @@ def specchat_chain(target, prompts: list[list[int]], chat_format) -> float:
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, stop_ids=chat_format.stop_ids)
     stats = Stats()
     for prompt in prompts:
-        engine = Engine(target, TreeProposer(head, target.num_layers, chain))
+        engine = Engine(target, HeadProposer.for_target(head, target, chain))
         for step in engine.generate(prompt, settings):
             stats.add_step(step)
     return sum(stats.accept_lengths) / len(stats.accept_lengths)

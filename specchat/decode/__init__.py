@@ -3,29 +3,37 @@
 It imports only itself, `drafters` and `specchat.errors`; nothing of the command line, the REPL,
 profiles or settings. Its defaults are declared here (`options`) and the settings layer reads them.
 
-    engine.py          Engine: prefill, plain steps, one speculative cycle (draft, verify, accept, compact)
-    fixed_engine.py    FixedEngine: the same on the fixed envelope, each step a fixed shape, one host read
-    envelope.py        the fixed envelope: buckets, attention spans, the fixed-size device tree, its masks
-    graphs.py          fixed-shape steps captured as CUDA graphs and replayed
-    verify.py          which drafted tokens the target accepts (greedy and sampled, exact rules; host and device)
-    sampling.py        temperature / top-p / top-k, the draw, greedy choices and margins
-    tree.py            the draft tree and a cycle's record; EAGLE-1's static trees
-    tree_shapes.py     what a head drafts: EAGLE-1 static, EAGLE-2 dynamic, DEAGLE, Jakiro (as tensors)
-    head_proposer.py   drafting those shapes with a draft head on the host engine
-    fixed_heads.py     ... and on the fixed envelope (selection and lookup merging on the device)
-    hybrid.py          hybrid drafting's candidates and what it learns (lookup rates, trust in the head)
-    fixed_drafters.py  prompt lookup, a draft model and an oracle on the fixed envelope
-    model_proposer.py  drafting chains with a small draft model (speculative sampling)
-    lookup.py          prompt lookup: n-gram continuations of text already seen
-    deagle.py          DEAGLE's dynamic depth
-    cache.py           the target's KV cache (transformers' Cache over `drafters.cache`'s storage)
-    forward.py         specchat's own forward for Llama-family targets (eager or compiled) and its cache
-    target.py          the target model at run time: its runtime (own forward, compiled, fixed envelope), one forward
-    loading.py         loading it from a folder: device, dtype, quantization, attention
-    quantized.py       weight-only int5/int4 linear layers for the CPU: the packed format, the layers
-    woq_kernel.py      their kernel (kernels/woq_linear.cpp): its build and the CPU path it runs
-    calibrate.py       this machine's cost of verifying n tokens, which sizes CPU trees
-    speedup.py         measuring a reply against plain decoding
-    machine.py         the CPU, devices and the cache folder
+One engine runs every method on one of two cache layouts, each algorithm written once; where the
+layouts need different code it sits in the layout (or, for a drafter, in its layout's subclass or
+branch). Each package imports only those below it (acceptance and drafting share the tree type):
+
+    engine/            the decoding cycle
+      engine.py        Engine: prefill, plain steps, one speculative cycle; the Proposer protocol
+      growing.py       GrowingLayout: exact sizes, a growing cache (trim, compact), host reads (CPUs)
+      fixed.py         FixedLayout: fixed capacity, bucketed sizes, captured steps, one read per cycle (CUDA)
+    drafting/          what each method drafts
+      tree.py          the draft tree (one type for both layouts), a cycle's record, EAGLE-1's static trees
+      shapes.py        what a head drafts: EAGLE-1 static, EAGLE-2, DEAGLE, Jakiro; the tree budget
+      heads.py         drafting those shapes with a draft head (its cache on each layout)
+      selection.py     which candidates are verified, lookup chains merged in; what hybrid drafting learns
+      lookup.py        n-gram continuations of text already seen (torch-free)
+      prompt_lookup.py pld: a lookup chain as the draft
+      draft_model.py   sps: chains from a small draft model (its cache on each layout)
+      deagle.py        DEAGLE's dynamic depth and its trace (torch-free)
+    acceptance/        what the target accepts
+      verify.py        which drafted tokens the target accepts (greedy and sampled, exact rules)
+      sampling.py      temperature / top-p / top-k, the draw, greedy choices and margins
+    runtime/           the target model at run time
+      target.py        the target: its runtime, one forward (variable or fixed shape)
+      loading.py       loading it from a folder: device, dtype, quantization, attention
+      forward.py       specchat's own forward for Llama-family targets (eager or compiled) and its cache
+      cpu_decoder.py   that forward in one C++ call on a quantized CPU target; a draft head's layer likewise
+      cache.py         the target's KV cache (transformers' Cache over `drafters.cache`'s storage)
+      envelope.py      the fixed shapes: capacity, buckets, spans, windows, declared host inputs
+      graphs.py        fixed-shape steps captured as CUDA graphs and replayed
+      quantized.py     weight-only int5/int4 linear layers for the CPU: the packed format, the layers
+      woq_kernel.py    their kernel (kernels/: woq_linear.cpp, decoder.cpp): its build, the CPU path it runs
+      calibrate.py     this machine's cost of verifying n tokens, which sizes CPU trees (healed by live forwards)
+      machine.py       the CPU, devices, the cache folder, other processes' load
     options.py         what the core can be asked for, and its defaults (torch-free)
 """

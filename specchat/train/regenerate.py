@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.decode.cache import KVCache
+from specchat.decode.runtime.cache import KVCache
 from specchat.train.batched import Answer, Request, SlotDecoder
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
@@ -205,7 +205,7 @@ def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int) ->
 
 def _generated(target, pending: deque, options: RegenerateOptions, stop_ids, admit) -> Iterator[Answer]:
     """Answers by transformers' `generate`, in batches of one temperature (left-padded): for a target
-    whose layers specchat's forward does not run (`specchat.decode.forward.unsupported_reason`)."""
+    whose layers specchat's forward does not run (`specchat.decode.runtime.forward.unsupported_reason`)."""
     tokenizer = target.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids or {0})
     while pending and admit():

@@ -1,0 +1,134 @@
+"""The target distribution p and how tokens are drawn from it.
+
+Temperature, top-k and top-p act on the target's logits only, in that order (the order
+transformers' `generate` applies them). Speculative methods verify against exactly the
+distribution plain decoding samples from, which is what makes them lossless.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 keeps the whole vocabulary
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The processed target distribution p over the last dimension, in float32.
+
+    Greedy decoding is the point mass on the argmax, so acceptance rules written for
+    sampling reduce exactly to argmax matching.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the first token always stays.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+# Greedy choices over a large vocabulary on a CPU: torch's argmax and topk walk one long row
+# serially (~0.1 ms and ~0.15 ms over 152k logits), while the maxima of contiguous blocks
+# vectorize (~0.015 ms); the winning block is then searched alone. Same result, ties included.
+BLOCK = 128
+
+
+def _blocks(logits: torch.Tensor) -> torch.Tensor | None:
+    """[n, V] float logits as [n, V / BLOCK, BLOCK], or None where the fast path does not apply."""
+    n, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % BLOCK or vocab < 2 * BLOCK or not logits.is_contiguous():
+        return None
+    return logits.view(n, vocab // BLOCK, BLOCK)
+
+
+def argmax(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum ([n, V]), exactly as `logits.float().argmax(-1)`."""
+    logits = logits.float()  # (over bf16 the search is 5x slower than converting first)
+    blocks = _blocks(logits)
+    if blocks is None:
+        return logits.argmax(-1).tolist()
+    block = blocks.amax(-1).argmax(-1)  # the first block holding the maximum (NaN counts as maximal in both)
+    inner = blocks[torch.arange(len(block)), block].argmax(-1)
+    return (block * BLOCK + inner).tolist()
+
+
+def margins(logits: torch.Tensor) -> list[float]:
+    """Each row's top-1 minus top-2 logit ([n, V], in float32): 0 at an exact tie."""
+    logits = logits.float()
+    blocks = _blocks(logits)
+    if blocks is None:
+        return row_margins(logits).tolist()
+    maxima = blocks.amax(-1)
+    block = maxima.argmax(-1, keepdim=True)
+    top = blocks[torch.arange(len(block)), block[:, 0]].topk(2, dim=-1).values  # best two in the best block
+    elsewhere = maxima.scatter(1, block, float("-inf")).amax(-1)  # best outside it
+    return (top[:, 0] - torch.maximum(top[:, 1], elsewhere)).tolist()
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a 1-D distribution, by inverting its cumulative sum at a uniform draw
+    (exactly p; 18x faster than torch.multinomial over a 152k vocabulary on a CPU)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand((), generator=generator, device=probs.device) * cdf[-1]
+    # right=True: the first token whose cumulative mass exceeds u (tokens of zero mass are never drawn)
+    return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1))
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of [n, V] (unnormalized) probabilities, as `sample` draws one: a device
+    tensor, read by no one here (the fixed layout reads its whole cycle at once)."""
+    cdf = probs.float().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
+def draw_rows(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The token plain decoding draws after each row of [n, V] logits, as a device tensor [n]: the
+    argmax when greedy (the first one at a tie, as `argmax`), else a draw from p."""
+    if sampling.greedy:
+        return logits.float().argmax(-1)
+    return sample_rows(target_probs(logits, sampling), generator)
+
+
+def row_margins(logits: torch.Tensor) -> torch.Tensor:
+    """`margins` as a device tensor [n]."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """One random stream for a whole run: successive prompts continue it instead of restarting it."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return generator

@@ -1,0 +1,162 @@
+"""DEAGLE's dynamic depth: stop deepening the EAGLE-2 tree when two of three survival signals say so.
+
+After the tree has been scored at depth d (and before the draft forward for depth d + 1), with
+s(v) = product of draft confidences along v's path (exp of EAGLE-2's cumulative score):
+
+- low probability ("mass"):      S_d = sum of s(v) over the top-k beam nodes at depth d < tau_S;
+- sharp momentum decay ("momentum"): rho_d = S_d / S_{d-1} < tau_rho has happened twice;
+- saturation ("saturation"):     d >= ceil(E_d), E_d the expected accepted length of the tree so far.
+
+Drafting stops when at least two votes hold, or at the maximum depth. The paper (ICLR 2026
+submission, OpenReview eZRPb52ccA) leaves some choices open; each is an option here, and the
+defaults are the readings we judge most faithful:
+
+- which nodes make S_d (`mass_nodes`): "beam" — the k nodes kept for expansion at depth d, the
+  frontier that is actually expanded (alternatives: "all" candidates at depth d). S_0 = 1 (the
+  root), so rho_1 = S_1. Since children's probabilities sum to at most 1, S_d <= S_{d-1}.
+- what E_d sums over (`expected_over`): "verified" — the nodes that would be verified if drafting
+  stopped now (the top total_tokens - 1 by score); at temperature 0 siblings are exclusive events,
+  so the sum is the expected number of accepted draft tokens (alternative: "beam", the beam nodes
+  of every depth so far). E_d covers all depths 1..d.
+- whether E_d counts the bonus token (`expected_plus_bonus`): no — it is compared with the draft
+  depth d, which counts draft tokens only.
+- whether "twice" means consecutive (`consecutive`): no — a strike counter over the depths of this
+  cycle; once it reaches two the vote stays on.
+- the earliest depth at which drafting may stop (`min_depth`): 2.
+- draft confidences are the raw draft probabilities (no temperature), as in EAGLE-2's tree scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for annotations: this module runs before torch loads (settings read its defaults)
+    import torch
+
+# Thresholds from the DEAGLE paper.
+TAU_S = 0.15
+TAU_RHO = 0.6
+MIN_DEPTH = 2
+MASS_NODES = ("beam", "all")
+EXPECTED_OVER = ("verified", "beam")
+
+
+@dataclass(frozen=True)
+class DeagleParams:
+    tau_s: float = TAU_S
+    tau_rho: float = TAU_RHO
+    min_depth: int = MIN_DEPTH
+    mass_nodes: str = MASS_NODES[0]
+    expected_over: str = EXPECTED_OVER[0]
+    expected_plus_bonus: bool = False
+    consecutive: bool = False
+
+    def __post_init__(self):
+        if self.mass_nodes not in MASS_NODES or self.expected_over not in EXPECTED_OVER:
+            raise ValueError(f"mass_nodes is {'|'.join(MASS_NODES)} and expected_over is {'|'.join(EXPECTED_OVER)}")
+        if self.min_depth < 1:
+            raise ValueError("min_depth must be >= 1")
+
+
+class DepthVote:
+    """The stopping decision for one draft cycle (create one per cycle).
+
+    Tensors in, a 0-d boolean tensor out, and no host read: the growing layout's drafter reads the
+    vote and stops (`bool(fired)`), the fixed layout's keeps drafting to its full depth and drops
+    the levels after the vote (the same tree, at a fixed shape). Tensor methods only, so this
+    module still loads without torch."""
+
+    def __init__(self, params: DeagleParams):
+        self.params = params
+        self.previous_mass = None  # S_0 = 1: the root survives for sure (made on the scores' device)
+        self.strikes = self.last_strike_depth = self.momentum = None  # once the decay has happened twice, momentum stays on
+        self._history: list[tuple] = []  # per depth: the depth, S_d, rho_d, E_d and the three votes
+
+    def decide(self, depth: int, beam_scores: torch.Tensor, level_scores: torch.Tensor, all_scores: torch.Tensor,
+               beam_history_scores: torch.Tensor, verified: int) -> torch.Tensor:
+        """Votes after depth `depth` has been scored: whether drafting should stop (a 0-d bool tensor).
+
+        Args:
+            beam_scores: log survival of the beam nodes at this depth.
+            level_scores: log survival of every candidate at this depth.
+            all_scores: log survival of every candidate generated so far (-inf: none).
+            beam_history_scores: log survival of the beam nodes of all depths so far.
+            verified: how many nodes would be verified (total_tokens - 1).
+        """
+        p = self.params
+        if self.previous_mass is None:
+            self.previous_mass = beam_scores.new_ones(())
+            self.strikes = beam_scores.new_zeros(()).long()
+            self.last_strike_depth = self.strikes - 2
+            self.momentum = self.strikes > 0
+        mass = _finite((beam_scores if p.mass_nodes == "beam" else level_scores).exp().sum())
+        ratio = (mass / self.previous_mass).where(self.previous_mass > 0, 0.0)
+        self.previous_mass = mass
+        strike = ratio < p.tau_rho
+        if p.consecutive:  # a strike after a depth without one starts the count again
+            self.strikes = self.strikes.where(~(strike & (self.last_strike_depth != depth - 1)), 0)
+        self.strikes = self.strikes + strike
+        self.last_strike_depth = self.last_strike_depth.where(~strike, depth)
+        self.momentum = self.momentum | (self.strikes >= 2)
+        if p.expected_over == "verified":
+            expected = all_scores.topk(min(verified, all_scores.numel())).values.exp().sum()
+        else:
+            expected = beam_history_scores.exp().sum()
+        expected = _finite(expected) + (1.0 if p.expected_plus_bonus else 0.0)
+        low_mass, saturated = mass < p.tau_s, depth >= expected.ceil()
+        self._history.append((depth, mass, ratio, expected, low_mass, saturated, self.momentum))
+        votes = low_mass.long() + self.momentum.long() + saturated.long()
+        return (votes >= 2) & (depth >= p.min_depth)
+
+    def history(self) -> list[DepthVotes]:
+        """Each depth's numbers and votes, for the trace (reads the tensors: the growing layout's drafter only)."""
+        if not self._history:
+            return []
+        # One read of every depth's numbers (a read per value costs a device sync each on a GPU), gathered
+        # by tensor methods: this module imports no torch (the settings read its defaults before it loads).
+        first = self._history[0][1]
+        table = first.new_zeros((len(self._history), 6), dtype=first.double().dtype)
+        for row, (_, *values) in enumerate(self._history):
+            for column, value in enumerate(values):
+                table[row, column] = value
+        depths = []
+        for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history, table.tolist()):
+            votes = [name for name, on in (("mass", low_mass), ("momentum", momentum), ("saturation", saturated)) if on]
+            depths.append(DepthVotes(depth, mass, ratio, expected, votes))
+        return depths
+
+
+@dataclass(frozen=True)
+class DepthVotes:
+    """One depth's numbers (S_d, rho_d, E_d) and the votes that held there."""
+
+    depth: int
+    mass: float
+    rho: float
+    expected: float
+    votes: list[str]
+
+    def record(self) -> dict:
+        return {"depth": self.depth, "mass": round(self.mass, 4), "rho": round(self.rho, 4),
+                "expected": round(self.expected, 4), "votes": self.votes}
+
+
+@dataclass(frozen=True)
+class DepthTrace:
+    """A cycle's DEAGLE trace: the levels drafted, each depth's votes, and the votes that stopped it
+    (None where it ran to the maximum depth)."""
+
+    stop_depth: int
+    depths: list[DepthVotes]
+    votes: list[str] | None
+
+    def record(self) -> dict:
+        record = {"stop_depth": self.stop_depth, "depth_votes": [depth.record() for depth in self.depths]}
+        return record | ({"votes": self.votes} if self.votes is not None else {})
+
+
+def _finite(value: torch.Tensor) -> torch.Tensor:
+    """A head that outputs NaN (a broken or mismatched checkpoint) predicts nothing: its mass counts as 0,
+    so the votes stop drafting early instead of failing; verification keeps the output exact regardless."""
+    return value.nan_to_num(0.0, 0.0, 0.0)

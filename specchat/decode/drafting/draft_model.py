@@ -1,0 +1,147 @@
+"""SpS: standard speculative sampling with a small draft language model (Leviathan et al. 2023;
+Chen et al. 2023), on either layout.
+
+The draft model shares the target's tokenizer and keeps its own KV cache. Each cycle it drafts
+a chain of k tokens: greedily when the target decodes greedily (then verification is plain
+argmax matching), otherwise sampled from q, the draft's distribution processed with the same
+temperature/top-k/top-p, and verified with min(1, p/q) and the residual norm(max(0, p - q)).
+
+The draft's cache follows the target's positions; `fed` counts the leading ones whose entries are
+right. On the growing layout a cycle feeds what the cache lacks and the root, then each drafted
+token; after verification the cache keeps the entries the committed tokens confirm. On the fixed
+layout the cycle's step has one shape: it feeds the token at L - 1 (the last one committed, its
+entry recomputed to the same values where it was cached) with the root at L, then each drafted
+token, k + 1 forwards captured together; whatever the target accepts, every entry before the next
+cycle's L - 1 is then right, and the rest is overwritten. A prompt goes through the draft eagerly
+before the cycle after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.decode.acceptance.sampling import sample_rows, target_probs
+from specchat.decode.drafting.tree import DraftTree
+from specchat.decode.runtime.envelope import HostInputs, Window
+from specchat.decode.runtime.target import Target
+
+DEFAULT_DRAFT_TOKENS = 3  # chain length; see the README's sps measurements on the 1.5B target
+PROMPT_CHUNK = 512  # prompt tokens the fixed layout feeds the draft at once (eagerly, padded to a bucket)
+
+
+class TokenizerMismatch(ValueError):
+    """The draft model does not share the target's tokenizer."""
+
+
+def check_tokenizers(target, draft) -> None:
+    ours, theirs = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if ours != theirs:
+        differing = sum(1 for token, index in theirs.items() if ours.get(token) != index) + len(set(ours) - set(theirs))
+        raise TokenizerMismatch(
+            f"the draft model's tokenizer ({len(theirs)} tokens) is not the target's ({len(ours)} tokens; "
+            f"{differing} entries differ): speculative sampling needs the same vocabulary")
+
+
+class DraftModelProposer:
+    """`sps` for `target`, on its layout: chains of k tokens from the small model `draft`."""
+
+    feature_layers = None
+
+    def __init__(self, draft: Target, target: Target, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+        if draft_tokens < 1:
+            raise ValueError("draft_tokens must be >= 1")
+        self.model, self.vocab_size, self.k, self.envelope = draft, target.vocab_size, draft_tokens, target.envelope
+        self.reach = 0 if self.envelope is None else draft_tokens + 1
+        self.cache = draft.new_cache(capacity=None if self.envelope is None else self.envelope.capacity)
+        self.context: list[int] = []  # the committed tokens, as the engine reported them
+        self.fed = 0  # leading positions whose draft entries are right
+        self.steps = draft_tokens  # this cycle's chain length
+        if self.envelope is not None:
+            self.last = HostInputs(draft.device, token=())  # the token at L - 1, which the step feeds again
+
+    def describe(self) -> str:
+        return f"chains of {self.k} tokens from {self.model.name}" + (" (fixed-shape steps)" if self.envelope else "")
+
+    def rewind(self, length: int) -> int:
+        del self.context[length:]
+        self.fed = min(self.fed, length)
+        if self.envelope is None:
+            self.cache.trim(min(self.fed, self.cache.length))
+        return len(self.context)
+
+    def forget(self) -> None:
+        pass  # it keeps nothing beyond the context
+
+    def observe(self, tokens: list[int], features) -> None:
+        self.context.extend(tokens)
+
+    @torch.inference_mode()
+    def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
+        if self.envelope is None:
+            self.steps = min(self.k, max_depth, max_nodes)
+            return self.steps
+        newest = len(self.context) - 1  # a prompt's tokens but the newest, which the step feeds
+        for start in range(self.fed, newest, PROMPT_CHUNK):
+            chunk = self.context[start : min(start + PROMPT_CHUNK, newest)]
+            window = Window.prompt(self.envelope, start, len(chunk), self.model.device)
+            window.forward(self.model, torch.tensor(chunk, device=self.model.device), self.cache, logits_for="none")
+        self.fed = max(self.fed, newest)
+        self.last.write(token=self.context[-1])
+        return self.envelope.rows_for(self.k + 1) - 1
+
+    @torch.inference_mode()
+    def draft(self, root, length, span: int | None, sampling, rng) -> DraftTree:
+        if self.envelope is None:
+            ids = torch.tensor([self.context[self.fed :] + [root]], device=self.model.device)
+        else:
+            ids = torch.cat([self.last.token[None], root])
+        tokens, probs, qs = [], [], []
+        for step in range(self.steps):
+            logits = self._vocabulary(self._logits(ids, step, length, span).float())
+            if sampling.greedy:  # `draw_rows`, with q computed once where it is kept
+                token = logits.argmax(-1)
+            else:
+                q_row = target_probs(logits, sampling)
+                token = sample_rows(q_row, rng)
+                qs.append(q_row[0])
+            probs.append(torch.softmax(logits, -1)[0].gather(0, token))
+            tokens.append(token)
+            ids = token
+        tokens, probs, q = torch.cat(tokens), torch.cat(probs), torch.stack(qs) if qs else None
+        if self.envelope is not None:
+            return DraftTree.device_chain(tokens, torch.ones(self.k, dtype=torch.bool, device=tokens.device), probs, q)
+        tree = DraftTree.chain(tokens.tolist(), probs.tolist())
+        tree.q = q
+        return tree
+
+    def _logits(self, ids: torch.Tensor, step: int, length, span: int | None) -> torch.Tensor:
+        """The logits [1, V] after step `step`'s ids: the growing cache's next positions (the first
+        step's [1, n], then the token drawn); on the fixed layout the window from L - 1 (the first
+        step's two rows) or L + step."""
+        if self.envelope is None:
+            return self.model.forward(ids if step == 0 else ids[None], self.cache, logits_for="last").logits
+        rows = 2 if step == 0 else 1
+        window = Window.causal(length - 1 if step == 0 else length + step, rows, span)
+        return window.forward(self.model, ids, self.cache, logits_for=rows - 1).logits
+
+    def _vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [1, V] over the target's vocabulary (a smaller embedding table's padding
+        rows: never drafted)."""
+        if logits.shape[-1] < self.vocab_size:
+            logits = torch.cat([logits, logits.new_full((1, self.vocab_size - logits.shape[-1]), float("-inf"))], -1)
+        return logits[:, : self.vocab_size]
+
+    def commit(self, tree: DraftTree, acceptance, root, features) -> None:
+        pass
+
+    def committed(self, tokens: list[int], cycle) -> None:
+        """The entries the committed tokens confirm stay: on the growing layout the root's and the
+        accepted drafts' the cycle fed (not the last draft's: the chain never fed it; none after a
+        plain step)."""
+        drafted_at = len(self.context)
+        self.context.extend(tokens)
+        if self.envelope is None:
+            self.fed = min(drafted_at + min(len(tokens), self.steps), self.cache.length)
+            self.cache.trim(self.fed)
+        else:
+            self.fed = len(self.context) - 1

@@ -1,0 +1,338 @@
+"""Drafting with a draft head, on either layout: the tree shapes (`shapes`) grown with the head, the
+head's own cache kept in step with the context, the verified nodes selected (`selection`), joined by
+lookup chains for hybrid trees.
+
+The head's cache is laid out alike on both layouts: entry j is the head's step on (the target's
+feature at position j, the token at position j + 1), at RoPE position j, which is EAGLE's
+convention. A cycle first runs the *context pass* over the positions committed since the last
+one, the newest paired with the root; its last output predicts the root's children. Tree nodes at
+depth d sit at position (committed entries - 1 + d); their entries are scratch, dropped after the
+cycle.
+
+`HeadProposer` holds the algorithm; what differs by layout, the head's cache and where a cycle's
+selection runs, is its subclass's, `GrowingHead` or `FixedHead` (`HeadProposer.for_target` picks):
+
+- growing: the cache grows (`drafters.cache.HeadCache`); the context pass feeds exactly the pending
+  positions, a tree's entries are appended and trimmed away; DEAGLE's vote stops drafting; the
+  candidates are read once and selected on the host, by the verify-cost curve where there is one.
+- fixed: the cache has a fixed capacity (`drafters.cache.FixedHeadCache`); the context pass runs
+  at depth + 1 rows from slots the host's counts give (`consumed`, `pending`), a tree's entries sit
+  after them and are overwritten next cycle; the head drafts to its full depth, DEAGLE's vote
+  dropping the levels after it; selection and lookup merging run on the device. The features and
+  tokens of committed positions never leave the device; prompts go through the head eagerly, in
+  the first cycle's `prepare`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from drafters import DraftHead
+from drafters.cache import FixedHeadCache, HeadCache
+from specchat.decode.runtime.cache import causal_mask
+from specchat.decode.runtime.calibrate import Curve
+from specchat.decode.drafting.lookup import LookupSource, Match
+from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust, LookupRates,
+                                                merge_lookup, select_fixed)
+from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree, tree_budget
+from specchat.decode.drafting.tree import Cycle, DraftTree
+from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
+from specchat.decode.runtime.target import Target
+
+PROMPT_CHUNK = 512  # prompt rows the fixed layout feeds the head at once (eagerly, padded to a bucket)
+
+
+class HeadProposer(HeadSteps):
+    """Proposes draft trees of one shape with a draft head (see `drafters`): the algorithm, on the
+    layout its subclass keeps the head's cache on (the shapes grow through it: `HeadSteps`)."""
+
+    reach = 0
+    described = ""
+
+    def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree,
+                 lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS):
+        """
+        Args:
+            lookup: also draft from text already seen (hybrid trees).
+            curve: the verify-cost curve (the growing layout): with a lookup source, each cycle verifies
+                the number of nodes that maximizes expected tokens per second (else the shape's budget).
+            lookup_tokens: the longest lookup chain.
+        """
+        shape.check(head)
+        super().__init__(head)
+        self.shape, self.lookup, self.curve = shape, lookup, curve
+        self.lookup_tokens = lookup_tokens if lookup is not None else 0
+        self.rates, self.trust = LookupRates(), HeadTrust()
+        self.feature_layers = head.feature_layers(target.num_layers)
+        self.matches: list[Match] = []
+        self.started = self.lookup_seconds = 0.0
+
+    @staticmethod
+    def for_target(head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options) -> HeadProposer:
+        """The head's proposer on `target`'s layout (`options`: lookup, curve, lookup_tokens)."""
+        return (GrowingHead if target.envelope is None else FixedHead)(head, target, shape, **options)
+
+    def describe(self) -> str:
+        return self.shape.describe() + (", with lookup (hybrid)" if self.lookup is not None else "") + self.described
+
+    def rewind(self, length: int) -> int:
+        if self.lookup is not None:
+            self.lookup.rewind(length)
+        return self.rewind_cache(length)
+
+    def forget(self) -> None:
+        if self.lookup is not None:  # the acceptance rates stay: they describe the head and the model, not the text
+            self.lookup.forget()
+
+    def observe(self, tokens: list[int], features: torch.Tensor) -> None:
+        self.pend(tokens, features)
+        if self.lookup is not None:
+            self.lookup.observe(tokens)
+
+    @torch.inference_mode()
+    def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
+        self.started = time.perf_counter()
+        nodes = self.budget(max_depth, max_nodes)
+        if nodes and self.lookup is not None:
+            self.matches = self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES)
+            self.chains(self.matches)
+        self.lookup_seconds = time.perf_counter() - self.started if self.lookup is not None else 0.0
+        return nodes
+
+    @torch.inference_mode()
+    def draft(self, root, length, span: int | None, sampling, rng) -> DraftTree:
+        return self.select(self.grow(self.context_pass(root, span)))
+
+    def committed(self, tokens: list[int], cycle: Cycle) -> None:
+        self.confirm(tokens)
+        if self.lookup is not None:
+            self.lookup.observe(tokens)
+            self.rates.learn(cycle)
+            self.trust.learn(cycle)
+            cycle.tree.lookup_seconds = self.lookup_seconds
+        # Live verify forwards heal the cost curve; only the growing layout has one (and times its
+        # verify forward apart: `Cycle.forward_seconds`), the fixed one verifies its whole bucket.
+        if self.curve is not None and cycle.forward_seconds:
+            self.curve.observe(len(cycle.tree) + 1, 1000 * cycle.forward_seconds)
+
+    # What a layout's subclass keeps: the head's cache (`rewind_cache`, `pend`: prompt positions,
+    # `commit` and `confirm`: a cycle's), the cycle's budget (`budget`) and lookup chains (`chains`),
+    # the context pass, growing a shape's table (and `feed`, `stops`: `HeadSteps`), the selection.
+
+
+class GrowingHead(HeadProposer):
+    """The head on the growing layout (see the module docstring)."""
+
+    def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
+        super().__init__(head, target, shape, **options)
+        self.cache = HeadCache()
+        self.consumed = 0  # cache entries of committed context pairs
+        self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on
+        self.pending_tokens: list[int] = []  # the tokens at those positions
+        self.keep = self.depth = self.max_nodes = 0  # this cycle's budget
+        self.head_trust = 1.0
+
+    def rewind_cache(self, length: int) -> int:
+        keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
+        if keep < self.consumed:
+            self.consumed = keep
+            self.pending_features, self.pending_tokens = [], []
+        else:
+            n = max(0, length - self.consumed)
+            rows = torch.cat(self.pending_features)[:n] if self.pending_features else None
+            self.pending_features = [rows] if rows is not None and len(rows) else []
+            self.pending_tokens = self.pending_tokens[:n]
+        self.cache.trim(min(self.consumed, self.cache.length))
+        return self.consumed + len(self.pending_tokens)
+
+    def pend(self, tokens: list[int], features: torch.Tensor) -> None:
+        self.pending_tokens.extend(tokens)
+        self.pending_features.append(features)
+
+    def commit(self, tree: DraftTree, acceptance, root: int, features: torch.Tensor) -> None:
+        self.pending_features.append(features)
+
+    def confirm(self, tokens: list[int]) -> None:
+        self.pending_tokens.extend(tokens)
+
+    def budget(self, max_depth: int, max_nodes: int) -> int:
+        """This cycle's budget within the room (`tree_budget`); none without room for a draft token."""
+        if max_depth < 1:
+            return 0
+        self.head_trust = self.trust.factor() if self.lookup is not None and self.curve is not None else 1.0
+        self.keep, self.depth = tree_budget(self.shape, max_depth, max_nodes, self.head_trust, self.curve)
+        self.max_nodes = max_nodes
+        return self.keep
+
+    def chains(self, matches: list[Match]) -> None:
+        pass  # read where the candidates are selected (`select`)
+
+    def context_pass(self, root: int, span: None) -> torch.Tensor:
+        """Feed the pending (feature, next token) pairs; return the output that predicts the root's children."""
+        features = torch.cat(self.pending_features)
+        count = len(self.pending_tokens)
+        next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
+        positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
+        mask = causal_mask(self.consumed, count, features.device)
+        out = self.head(features, next_tokens, positions, mask, self.cache)
+        self.consumed += count
+        self.pending_features, self.pending_tokens = [], []
+        return out[-1]
+
+    def grow(self, root_hidden: torch.Tensor) -> CandidateTable:
+        try:
+            return self.shape.grow(self, root_hidden, self.depth, self.max_nodes)
+        finally:
+            self.cache.trim(self.consumed)  # tree entries were scratch space
+
+    def select(self, table: CandidateTable) -> DraftTree:
+        """The table read once; the best `keep` nodes, or with lookup chains the head's own tree plus the
+        nodes worth verifying at this machine's cost (`Candidates.select_for_rate`)."""
+        candidates = Candidates.from_table(table, self.shape.trace(table))
+        if self.lookup is None:
+            return candidates.select(self.keep)
+        heads_tree = candidates.best(self.keep)  # what `--lookup off` verifies (at full trust): lookup only adds
+        for match in self.matches:
+            candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
+        if self.curve is None:
+            tree = candidates.select(self.keep)
+        else:
+            drafting_ms = 1000 * (time.perf_counter() - self.started)
+            tree = candidates.select_for_rate(self.curve, drafting_ms, self.max_nodes, kept=heads_tree,
+                                              head_trust=self.head_trust)
+        tree.head_trust = self.head_trust
+        return tree
+
+    def feed(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, both: bool = False):
+        m = len(tokens)
+        assert self.cache.length == self.consumed + first_entry, "tree entries are appended in feeding order"
+        context = torch.ones(m, self.consumed, dtype=torch.bool, device=tokens.device)
+        mask = torch.cat([context, entries[:, : first_entry + m]], dim=1)[None, None]
+        positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
+        if both:
+            return self.head.forward_both(hidden, tokens, positions, mask, self.cache)
+        return self.head(hidden, tokens, positions, mask, self.cache), None
+
+    def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
+        return bool(fired)
+
+
+class FixedHead(HeadProposer):
+    """The head on the fixed layout (see the module docstring): one budget every cycle, the largest
+    tree the envelope verifies, whatever the room (acceptance stops at the room instead)."""
+
+    described = ", fixed-shape steps"
+
+    def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
+        super().__init__(head, target, shape, **options)
+        self.envelope = envelope = target.envelope
+        self.keep, self.head_depth = tree_budget(shape, MAX_TREE_ROWS, MAX_TREE_ROWS - 1)
+        self.depth = max(self.head_depth, self.lookup_tokens)  # the deepest node (a lookup chain's)
+        self.rows = self.depth + 1  # positions a cycle commits at most: the context pass's rows
+        self.reach = self.rows + shape.entries(self.head_depth)  # head entries past the context
+        self.cache = FixedHeadCache(envelope.capacity + self.reach)
+        device = next(head.parameters()).device
+        self.inputs = HostInputs(device, consumed=(), pending=())
+        self.pending_features: torch.Tensor | None = None  # [rows, F], allocated at the first prompt
+        self.pending_tokens = torch.zeros(self.rows, dtype=torch.long, device=device)
+        self.consumed = self.pending = 0  # host copies: committed entries; committed positions not yet fed
+        self.waiting: list[tuple[list[int], torch.Tensor]] = []  # prompt rows not yet fed (tokens, features)
+        self.context_end, self.span = None, 0  # this draft step's: where the committed entries end, its window
+        if self.lookup is not None:
+            self.lookups = HostInputs(device, tokens=(LOOKUP_BRANCHES, self.lookup_tokens), lengths=LOOKUP_BRANCHES,
+                                      evidence=LOOKUP_BRANCHES)
+            self.accept = HostInputs(device, torch.float32, rates=LOOKUP_BRANCHES)
+
+    def rewind_cache(self, length: int) -> int:
+        keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1
+        if keep < self.consumed:
+            self.consumed, self.pending, self.waiting = keep, 0, []
+        rows = max(0, length - self.consumed)
+        self.pending = min(self.pending, rows)
+        waiting, left = [], rows - self.pending
+        for tokens, features in self.waiting:
+            if left > 0:
+                waiting.append((tokens[:left], features[:left]))
+            left -= len(tokens)
+        self.waiting = waiting
+        return self.consumed + self.pending + sum(len(tokens) for tokens, _ in self.waiting)
+
+    def pend(self, tokens: list[int], features: torch.Tensor) -> None:
+        self.waiting.append((list(tokens), features))
+
+    def budget(self, max_depth: int, max_nodes: int) -> int:
+        if self.waiting:
+            self._feed_prompt()
+        self.inputs.write(consumed=self.consumed, pending=self.pending)
+        return self.envelope.rows_for(self.keep + 1) - 1
+
+    def _feed_prompt(self) -> None:
+        """Feed every committed position but the newest through the head (eagerly, in chunks); the
+        newest stays pending: the cycle's context pass pairs it with the root."""
+        pending = [(self.pending_tokens[: self.pending], self.pending_features[: self.pending])] if self.pending else []
+        waiting = [(torch.tensor(tokens, device=self.pending_tokens.device), rows) for tokens, rows in self.waiting]
+        tokens, features = (torch.cat(parts) for parts in zip(*pending, *waiting))
+        if self.pending_features is None:
+            self.pending_features = features.new_zeros(self.rows, features.shape[1])
+        for begin in range(0, len(tokens) - 1, PROMPT_CHUNK):
+            end = min(begin + PROMPT_CHUNK, len(tokens) - 1)
+            window = Window.prompt(self.envelope, self.consumed, end - begin, tokens.device)
+            self.head(window.pad(features[begin:end]), window.pad(tokens[begin + 1 : end + 1]), window.slots,
+                      window.mask, self.cache.at(window.slots, window.span))
+            self.consumed += end - begin
+        self.pending_features[0], self.pending_tokens[0] = features[-1], tokens[-1]
+        self.pending, self.waiting = 1, []
+
+    def chains(self, matches: list[Match]) -> None:
+        """The lookup chains, for the draft step to merge (a missing chain's rate 1: its log is 0, never NaN)."""
+        rates = self.rates
+        self.lookups.write(tokens=[match.tokens for match in matches], lengths=[len(match.tokens) for match in matches],
+                           evidence=[match.evidence for match in matches])
+        self.accept.write(rates=[rates.estimate(match.evidence) for match in matches] +
+                          [1.0] * (LOOKUP_BRANCHES - len(matches)))
+
+    def context_pass(self, root: torch.Tensor, span: int) -> torch.Tensor:
+        """The pending positions through the head (at its fixed rows); the output that predicts the root's children."""
+        consumed, count = self.inputs.consumed, self.inputs.pending
+        window = Window.causal(consumed, self.rows, span)
+        rows = torch.arange(self.rows, device=root.device)
+        next_tokens = torch.where(rows == count - 1, root, self.pending_tokens.roll(-1))
+        out = self.head(self.pending_features, next_tokens, window.slots, window.mask,
+                        self.cache.at(window.slots, span))
+        self.context_end, self.span = consumed + count, span
+        return pick(out, count - 1)
+
+    def grow(self, root_hidden: torch.Tensor) -> CandidateTable:
+        return self.shape.grow(self, root_hidden, self.head_depth, self.keep)
+
+    def select(self, table: CandidateTable) -> DraftTree:
+        if self.lookup is not None:
+            lookups = self.lookups
+            table = merge_lookup(table, lookups.tokens, lookups.lengths, self.accept.rates.log(), self.head_depth,
+                                 lookups.evidence)
+        return select_fixed(table, self.keep, self.depth)
+
+    def feed(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, both: bool = False):
+        m = len(tokens)
+        base = self.inputs.consumed + self.rows
+        slots = base + first_entry + torch.arange(m, device=tokens.device)
+        mask = window_mask(entries, self.context_end, base, self.span)
+        positions = (self.context_end - 1 + level).expand(m)
+        window = self.cache.at(slots, self.span)
+        if both:
+            return self.head.forward_both(hidden, tokens, positions, mask, window)
+        return self.head(hidden, tokens, positions, mask, window), None
+
+    def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
+        growth.alive = ~fired if growth.alive is None else growth.alive & ~fired
+        return False
+
+    def commit(self, tree: DraftTree, acceptance, root: torch.Tensor, features: torch.Tensor) -> None:
+        self.pending_features.copy_(features)
+        self.pending_tokens.copy_(torch.cat([root, tree.tokens[acceptance.path]]))
+
+    def confirm(self, tokens: list[int]) -> None:
+        self.consumed += self.pending  # the cycle's context pass fed them
+        self.pending = len(tokens)

@@ -1,0 +1,72 @@
+"""`pld`, prompt lookup decoding (Saxena 2023), on either layout: a chain of the tokens that followed
+the latest match of the newest n-gram (`lookup.LookupSource`), or no draft at all (a plain step).
+
+The lookup runs on the host, which knows every committed token after a cycle's read. On the
+growing layout the chain is the tree. On the fixed layout it reaches the draft step as host inputs
+and is padded to a bucket: verifying a few padding rows costs a GPU next to nothing, a chain's
+every length would cost a graph each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LookupSource
+from specchat.decode.drafting.tree import DraftTree, Source
+from specchat.decode.runtime.envelope import HostInputs
+from specchat.decode.runtime.target import Target
+
+
+class LookupProposer:
+    """`pld` for `target`, on its layout."""
+
+    feature_layers = None
+    reach = 0
+
+    def __init__(self, target: Target, draft_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM,
+                 min_ngram: int = DEFAULT_MIN_NGRAM):
+        if draft_tokens < 1:
+            raise ValueError("draft_tokens must be >= 1")
+        self.k, self.envelope = draft_tokens, target.envelope
+        self.source = LookupSource(max_ngram, min_ngram)
+        self.chain: list[int] = []  # this cycle's
+        self.width = 0  # the fixed layout's: chain positions the draft step fills (its bucket, or k)
+        if self.envelope is not None:
+            self.inputs = HostInputs(target.device, count=(), tokens=draft_tokens)
+
+    def describe(self) -> str:
+        return (f"chains of up to {self.k} tokens that followed the latest {self.source.context.min_ngram}-"
+                f"{self.source.context.max_ngram}-gram match" + (" (fixed-shape steps)" if self.envelope else ""))
+
+    def rewind(self, length: int) -> int:
+        return self.source.rewind(length)
+
+    def forget(self) -> None:
+        self.source.forget()
+
+    def observe(self, tokens: list[int], features) -> None:
+        self.source.observe(tokens)
+
+    def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
+        found = self.source.matches(root, min(self.k, max_depth, max_nodes))
+        self.chain = found[0].tokens if found else []
+        if not self.chain or self.envelope is None:
+            return len(self.chain)
+        self.inputs.write(count=len(self.chain), tokens=self.chain)
+        nodes = self.envelope.rows_for(len(self.chain) + 1) - 1
+        self.width = min(nodes, self.k)
+        return nodes
+
+    def draft(self, root, length, span, sampling, rng) -> DraftTree:
+        """The chain (lookup needs neither the sampling settings nor the random stream: it is deterministic)."""
+        if self.envelope is None:
+            return DraftTree.chain(self.chain, source=Source.LOOKUP)
+        tokens = self.inputs.tokens[: self.width]
+        return DraftTree.device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,
+                                      source=Source.LOOKUP)
+
+    def commit(self, tree, acceptance, root, features) -> None:
+        pass
+
+    def committed(self, tokens: list[int], cycle) -> None:
+        self.source.observe(tokens)

@@ -1,0 +1,280 @@
+"""Which of a head's candidates a cycle verifies, joined by lookup continuations (hybrid drafting),
+and what the chat has taught about lookup continuations (`LookupRates`) and about the head (`HeadTrust`).
+
+The selection is the best nodes by path score, and the merge of a lookup chain into the head's
+nodes is the same rule on both layouts, in two forms: on the host over lists (`Candidates`: the
+growing layout reads the head's table once and decides there, without the tensor operations a
+device form would add to every CPU cycle) and on the device (`select_fixed`, `merge_lookup`: the
+fixed layout decides inside its draft step, which may not read the host). Rate-based selection
+(`Candidates.select_for_rate`, below) is the growing layout's alone: it times the cycle's drafting
+on the host.
+
+With a lookup source (`--lookup on`), continuations of the newest tokens found in text already seen
+join the head's candidates, as branches from the root that merge with the head's nodes where they
+agree, scored by how often lookups of that strength were accepted so far. Which nodes are verified
+is decided from the scores: the best `total_tokens - 1` of them, or, given the machine's
+verify-cost curve, the head's own tree (what the head alone would verify) plus as many more nodes
+as maximize expected tokens per second this cycle, so a long confident lookup chain gets verified
+whole and a weak one adds nothing. The head's probabilities count as far as its drafts are
+accepted in the chat (`HeadTrust`): under sampling fewer survive than the head is sure of, and its
+budget and depth shrink with them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specchat.decode.runtime.calibrate import Curve
+from specchat.decode.drafting.deagle import DepthTrace
+from specchat.decode.drafting.shapes import CandidateTable
+from specchat.decode.drafting.tree import Cycle, DraftTree, Source
+
+LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle
+LOOKUP_TOKENS = 16  # the longest lookup chain (the verify budget decides how much of it is verified)
+
+
+@dataclass
+class Candidates:
+    """Nodes a cycle could verify, parents before children, each scored by the log-probability that
+    its whole path is accepted (a child's score never exceeds its parent's)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    probs: list[float]  # given the parent
+    scores: list[float]
+    sources: list[Source] = field(default_factory=list)  # empty: all the head's
+    trace: DepthTrace | None = None  # for the trace (`DraftTree.trace`)
+    evidence: list[int] = field(default_factory=list)  # per lookup node, its match's strength (else 0)
+
+    @classmethod
+    def from_table(cls, table: CandidateTable, trace: DepthTrace | None) -> Candidates:
+        """The table's nodes as host lists (one read of each tensor: the growing layout's drafter)."""
+        n = table.filled
+        return cls(table.tokens[:n].tolist(), table.parents[:n].tolist(), table.depths[:n].tolist(),
+                   table.logps[:n].exp().tolist(), table.scores[:n].tolist(), trace=trace)
+
+    def add_chain(self, tokens: list[int], accept: float, evidence: int) -> None:
+        """A lookup continuation from the root, each token accepted with probability `accept` given
+        its parent; where the head proposed the same token under the same parent, the node is shared."""
+        if not self.sources:
+            self.sources = [Source.HEAD] * len(self.tokens)
+            self.evidence = [0] * len(self.tokens)
+        child = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
+        parent, score = -1, 0.0
+        for depth, token in enumerate(tokens, start=1):
+            score += math.log(accept)
+            node = child.get((parent, token))
+            if node is None:
+                node = len(self.tokens)
+                self.tokens.append(token), self.parents.append(parent), self.depths.append(depth)
+                self.probs.append(accept), self.scores.append(score), self.sources.append(Source.LOOKUP)
+                self.evidence.append(evidence)
+                child[(parent, token)] = node
+            else:
+                self.sources[node] = Source.BOTH if self.sources[node] == Source.HEAD else self.sources[node]
+                self.scores[node] = max(self.scores[node], score)
+                self.evidence[node] = max(self.evidence[node], evidence)
+            parent, score = node, self.scores[node]
+
+    def _ranked(self, values: list[float] | None = None) -> list[int]:
+        """Nodes by score (or by `values`, which must not rise from parent to child); ties go to the
+        shallower node, so every parent ranks before its children."""
+        values = self.scores if values is None else values
+        return sorted(range(len(self.tokens)), key=lambda i: (-values[i], self.depths[i], i))
+
+    def best(self, keep: int) -> list[int]:
+        """The `keep` best nodes (a connected tree: a parent ranks before its children)."""
+        return self._ranked()[:keep]
+
+    def select(self, keep: int) -> DraftTree:
+        """The `keep` best nodes, as a tree."""
+        return self._tree(self.best(keep))
+
+    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
+                        head_trust: float = 1.0) -> DraftTree:
+        """The `kept` nodes and as many of the best others as maximize expected tokens (1 + the sum
+        of the nodes' path probabilities, the head's alone scaled by `head_trust` <= 1) per
+        millisecond of the cycle (drafting so far + verifying them all). `kept` must be a connected
+        tree; the others join in rank order, so every node's parent is chosen before it."""
+        value = [math.exp(score) * (head_trust if source == Source.HEAD else 1.0)
+                 for score, source in zip(self.scores, self.sources or [Source.HEAD] * len(self.scores))]
+        kept = list(kept)[:max_nodes]
+        taken = set(kept)
+        # Rank order keeps every parent before its children: a child's path probability never exceeds
+        # its parent's, a trust <= 1 scales a head node and its head parent alike, and a shared
+        # (BOTH) parent keeps its full value.
+        ranked = kept + [i for i in self._ranked(value) if i not in taken]
+        ranked = ranked[: max(len(kept), min(max_nodes, curve.largest - 1))]
+        expected = 1.0 + sum(value[node] for node in kept)
+        best, best_rate = len(kept), expected / (drafting_ms + curve.cost(len(kept) + 1))
+        for count in range(len(kept) + 1, len(ranked) + 1):
+            expected += value[ranked[count - 1]]
+            rate = expected / (drafting_ms + curve.cost(count + 1))
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return self._tree(ranked[:best])
+
+    def _tree(self, chosen: list[int]) -> DraftTree:
+        chosen = sorted(chosen, key=lambda i: (self.depths[i], -self.scores[i], i))  # parents first, siblings by score
+        slot = {node: position for position, node in enumerate(chosen)}
+        return DraftTree(
+            tokens=[int(self.tokens[i]) for i in chosen],
+            parents=[slot[self.parents[i]] if self.parents[i] >= 0 else -1 for i in chosen],
+            depths=[self.depths[i] for i in chosen],
+            probs=[float(self.probs[i]) for i in chosen],
+            trace=self.trace,
+            sources=[self.sources[i] for i in chosen] if self.sources else [],
+            evidence=[self.evidence[i] for i in chosen] if self.evidence else [],
+        )
+
+
+def select_fixed(table: CandidateTable, keep: int, depth: int) -> DraftTree:
+    """The `keep` best candidates by score as a tree (`Candidates.select` on the device): ties go to
+    the earlier node, which the table's level order makes the shallower, so a parent ranks before
+    its children; a node without a score, or whose parent was not kept, is invalid."""
+    keep = min(keep, len(table.scores))
+    chosen = table.scores.sort(descending=True, stable=True).indices[:keep].sort().values  # parents first
+    position = torch.full_like(table.parents, -1)
+    position[chosen] = torch.arange(keep, device=chosen.device)
+    parents = table.parents[chosen]
+    mapped = torch.where(parents >= 0, position[parents.clamp(min=0)], -1)
+    valid = table.scores[chosen].isfinite() & ((parents < 0) | (mapped >= 0))
+    hybrid = table.sources is not None
+    return DraftTree(table.tokens[chosen], mapped, table.depths[chosen], table.logps[chosen].exp(), valid=valid,
+                     depth=depth, sources=table.sources[chosen] if hybrid else None,
+                     evidence=table.evidence[chosen] if hybrid else None)
+
+
+def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Tensor, log_accept: torch.Tensor,
+                 head_depth: int, evidence: torch.Tensor) -> CandidateTable:
+    """The head's candidates joined by lookup chains [branches, L] (`lengths` of them real, each token
+    accepted with probability exp(`log_accept`) given its parent, found with `evidence` tokens of
+    agreeing context): `Candidates.add_chain` on the device. A chain's prefix that some head node's
+    path spells merges into it (BOTH, the better score, the stronger evidence); the rest hangs below
+    as lookup nodes. Along a chain the score is
+    s_j = max(head score of the node it merged with, s_{j-1} + log_accept), s_{-1} = 0."""
+    device = chains.device
+    branches, length = chains.shape
+    size = len(table.tokens)
+    # Every head node's path as tokens by depth (-1 past its depth).
+    levels = torch.arange(head_depth, device=device)
+    paths = torch.full((size, head_depth), -1, device=device)
+    current = torch.arange(size, device=device)
+    for _ in range(head_depth):
+        on = current >= 0
+        node = current.clamp(min=0)
+        at = on[:, None] & (levels[None, :] == table.depths[node][:, None] - 1)
+        paths = torch.where(at, table.tokens[node][:, None], paths)
+        current = torch.where(on, table.parents[node], current)
+    # Chain position j merges with the head node whose path is chain[:j + 1].
+    positions = torch.arange(length, device=device)
+    real = positions[None, :] < lengths[:, None]  # [branches, L]
+    width = min(length, head_depth)
+    prefixes = torch.where(levels[None, None, :width] <= positions[None, :, None], chains[:, None, :width], -1)
+    spelled = (paths[None, None, :, :width] == prefixes[:, :, None, :]).all(-1)  # [branches, L, size]
+    spelled &= (table.depths[None, None, :] == positions[None, :, None] + 1) & table.scores.isfinite()
+    spelled &= real[:, :, None] & (positions < head_depth)[None, :, None]
+    merged, merged_node = spelled.any(-1), spelled.byte().argmax(-1)
+    head_score = torch.where(merged, table.scores[merged_node], float("-inf"))
+    steps = (positions[:, None] - positions[None, :]).float()  # [j, i]: j - i
+    reach = head_score[:, None, :] + steps[None] * log_accept[:, None, None]
+    reach = reach.masked_fill(steps[None] < 0, float("-inf")).amax(-1)
+    scores = torch.maximum(reach, (positions + 1).float()[None, :] * log_accept[:, None])  # [branches, L]
+    # The head nodes a chain merged with: the better score, BOTH, the stronger evidence.
+    target = torch.where(merged, merged_node, size).flatten()  # `size`: a slot that absorbs the rest
+    head_scores = torch.cat([table.scores, table.scores.new_full((1,), float("-inf"))])
+    head_scores = head_scores.scatter_reduce(0, target, scores.flatten(), "amax")[:size]
+    chain_evidence = evidence[:, None].expand(branches, length).flatten()
+    head_evidence = torch.full((size + 1,), -1, device=device).scatter_reduce(0, target, chain_evidence, "amax")[:size]
+    head_sources = torch.where(head_evidence >= 0, int(Source.BOTH), int(Source.HEAD))
+    # The chain positions that did not merge: new nodes, each under the one before (or its merge).
+    new = real & ~merged
+    flat = size + torch.arange(branches * length, device=device).view(branches, length)
+    before = torch.where(merged, merged_node, flat).roll(1, dims=1)
+    parents = torch.where(positions[None, :] == 0, -1, before)
+    return CandidateTable(
+        tokens=torch.cat([table.tokens, chains.flatten()]),
+        parents=torch.cat([table.parents, parents.flatten()]),
+        depths=torch.cat([table.depths, (positions + 1).expand(branches, length).flatten()]),
+        logps=torch.cat([table.logps, log_accept[:, None].expand(branches, length).flatten()]),
+        scores=torch.cat([head_scores, scores.masked_fill(~new, float("-inf")).flatten()]),
+        filled=size + branches * length,
+        sources=torch.cat([head_sources, torch.full((branches * length,), int(Source.LOOKUP), device=device)]),
+        evidence=torch.cat([head_evidence.clamp(min=0), chain_evidence]),
+    )
+
+
+class LookupRates:
+    """How often a lookup token is accepted when its parent was, by the strength of its match
+    (tokens of agreeing context): the lookup nodes' probabilities, learned as the chat goes.
+
+    Starts from PRIOR (a weak belief of 1 in 2) and forgets slowly, so a chat that starts quoting
+    its own text raises it within a few cycles.
+    """
+
+    BUCKETS = (1, 2, 3, 5, 8)  # evidence of at least this many tokens
+    PRIOR = (1.0, 2.0)  # accepted, offered
+    DECAY = 0.98
+
+    def __init__(self):
+        self.counts = [list(self.PRIOR) for _ in self.BUCKETS]
+
+    def _bucket(self, evidence: int) -> int:
+        return max(i for i, low in enumerate(self.BUCKETS) if evidence >= low or i == 0)
+
+    def estimate(self, evidence: int) -> float:
+        accepted, offered = self.counts[self._bucket(evidence)]
+        return min(0.99, max(0.01, accepted / offered))
+
+    def learn(self, cycle: Cycle) -> None:
+        """Count, at every node of the accepted path (the root first), which of its lookup children
+        were accepted: one at most, the others (and all below the path's end) were not."""
+        tree, path = cycle.tree, cycle.accepted
+        if not tree.sources:  # no lookup node this cycle
+            return
+        children = tree.children()
+        for node, taken in zip([-1] + path, path + [None]):
+            for c in children[node + 1]:
+                if tree.sources[c] != Source.HEAD:
+                    counts = self.counts[self._bucket(tree.evidence[c])]
+                    counts[0] = counts[0] * self.DECAY + (c == taken)
+                    counts[1] = counts[1] * self.DECAY + 1
+
+
+class HeadTrust:
+    """How far the head's path probabilities hold as acceptance rates in this chat: the head's
+    accepted draft tokens over the summed path probabilities of the head's verified nodes.
+
+    A trained head's confidence tracks its acceptance under greedy decoding (EAGLE-2, arXiv
+    2406.16858, Fig. 6); under sampling fewer of its drafts survive than it is sure of, and every
+    verified token costs the same, so the budget shrinks with the trust (`Curve.best_total_tokens`).
+    Starts at full trust and forgets slowly; at most 1, so a head node never outranks its parent.
+    """
+
+    PRIOR = (4.0, 4.0)  # accepted, expected
+    DECAY = 0.98
+    FLOOR = 0.05
+
+    def __init__(self):
+        self.accepted, self.expected = self.PRIOR
+
+    def factor(self) -> float:
+        return min(1.0, max(self.FLOOR, self.accepted / self.expected))
+
+    def learn(self, cycle: Cycle) -> None:
+        """One cycle: the head-only nodes' path probabilities against how many of them were accepted."""
+        tree = cycle.tree
+        sources = tree.sources or [Source.HEAD] * len(tree)
+        path: list[float] = []
+        for parent, prob in zip(tree.parents, tree.probs):
+            path.append(prob * (path[parent] if parent >= 0 else 1.0))
+        expected = sum(p for p, source in zip(path, sources) if source == Source.HEAD)
+        if expected <= 0:
+            return
+        accepted = sum(sources[node] == Source.HEAD for node in cycle.accepted)
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.expected = self.expected * self.DECAY + expected

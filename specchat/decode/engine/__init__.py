@@ -1,0 +1,1 @@
+"""The engine and its two cache layouts (the core's map: `specchat.decode`)."""

@@ -1,0 +1,194 @@
+"""What one target forward costs on this machine, by number of tokens: the verify-cost curve.
+
+A forward over a handful of tokens costs about what one costs while reading the weights
+dominates; past that, cost grows with the tokens, how fast depending on the runtime (bf16 with
+AMX stays nearly flat to 32 tokens, a 5-bit model on AVX-512 costs 1.4x at 8). A larger tree
+gets more tokens accepted, with diminishing returns, so the verified size is the one that
+maximizes expected tokens per second under this machine's curve. The curve is measured once per
+(machine, model, dtype, quantization and kernel version, threads) and cached.
+
+A curve is only as good as the machine was quiet while it was measured: another process on the
+same cores made one 5-40x too dear and non-monotonic (FACTS.md), and every later start planned
+trees on it. So a measurement during which other processes used more than BUSY_SHARE of the CPU
+(/proc/stat against this process's own time), or whose shape no machine has (`implausible`), is
+used for this session but not kept; a stored curve of such a shape is measured again; and the
+engine's live verify forwards (`Curve.observe`) correct a curve they contradict: live times well
+below it (it was measured on a busy machine) rescale it and the rescaled curve is kept, live times
+well above it (the machine is busy now, or the context is long) rescale it for this session only.
+"""
+
+from __future__ import annotations
+
+import logging
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specchat.decode.runtime import woq_kernel
+from specchat.decode.runtime.cache import causal_mask
+from specchat.decode.runtime.machine import cache_dir, device_name, other_processes_share, synchronize
+from specchat.decode.options import KERNEL_BITS
+
+log = logging.getLogger(__name__)
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the small ones: where each token costs much (AVX2)
+CONTEXT = 256  # tokens already cached while timing (a typical chat turn)
+# Rounds kept (the fastest of them): few, since it is timed on a user's first start and live
+# verify forwards correct it afterwards (`Curve.observe`); 3 rounds took 4 s on a 2-core Zen 3.
+REPEATS = 3
+# Expected tokens per cycle with a verified tree of n tokens, tau(n) = 1 + TAU_PER_DOUBLING * log2(n),
+# and drafting's cost per cycle as a share of one plain forward: both measured with the bundled
+# EAGLE-3 head under deagle on a 2-core AVX-512 CPU (tau 1.58 / 1.70 / 1.85 at 4 / 8 / 16 tokens,
+# drafting ~6.5 ms against ~20 ms per plain forward; docs/cpu-runtime.md).
+TAU_PER_DOUBLING = 0.22
+DRAFT_SHARE = 1 / 3
+BUSY_SHARE = 0.15  # other processes' share of the CPU while measuring above which the curve is not kept
+# Live verify forwards (the median ratio to the curve of the latest LIVE_WINDOW, once LIVE_EVIDENCE are
+# in) below TOO_CHEAP or above TOO_DEAR times the curve rescale it.
+LIVE_WINDOW, LIVE_EVIDENCE = 5, 3
+TOO_CHEAP, TOO_DEAR = 0.6, 1.6
+
+
+@dataclass
+class Curve:
+    milliseconds: dict[int, float]
+    # Called with the curve when live forwards showed it too dear and it was rescaled (`cached_curve`
+    # keeps the rescaled one); None: nowhere to keep it.
+    on_rescaled: Callable[[Curve], None] | None = field(default=None, repr=False, compare=False)
+    live: list[float] = field(default_factory=list, repr=False, compare=False)  # latest live times / the curve's
+
+    def observe(self, n: int, milliseconds: float) -> None:
+        """A live forward of n tokens (a verify step) took `milliseconds`; a curve the latest ones
+        contradict is rescaled by their median ratio to it (see the module docstring)."""
+        self.live.append(milliseconds / self.cost(n))
+        del self.live[:-LIVE_WINDOW]
+        if len(self.live) < LIVE_EVIDENCE:
+            return
+        ratio = statistics.median(self.live)
+        if TOO_CHEAP <= ratio <= TOO_DEAR:
+            return
+        log.debug(f"live verify forwards take {ratio:.2f}x the cost curve's: rescaled")
+        self.milliseconds = {size: round(ms * ratio, 2) for size, ms in self.milliseconds.items()}
+        self.live.clear()
+        if ratio < TOO_CHEAP and self.on_rescaled is not None:
+            self.on_rescaled(self)
+
+    def expected_rate(self, n: int, trust: float = 1.0) -> float:
+        """Modelled tokens per millisecond when n tokens are verified per cycle; `trust` scales the
+        drafts' acceptance (below 1 where fewer survive than the model assumes, as under sampling)."""
+        tau = 1 + trust * TAU_PER_DOUBLING * math.log2(n)
+        return tau / (self.milliseconds[n] + DRAFT_SHARE * self.milliseconds[1])
+
+    @property
+    def largest(self) -> int:
+        return max(self.milliseconds)
+
+    def cost(self, n: int) -> float:
+        """Milliseconds for a forward of n tokens: interpolated between measured sizes, extended
+        linearly past the largest."""
+        sizes = sorted(self.milliseconds)
+        if n <= sizes[0]:
+            return self.milliseconds[sizes[0]]
+        for low, high in zip(sizes, sizes[1:]):
+            if n <= high:
+                share = (n - low) / (high - low)
+                return self.milliseconds[low] + share * (self.milliseconds[high] - self.milliseconds[low])
+        low, high = sizes[-2], sizes[-1]
+        slope = (self.milliseconds[high] - self.milliseconds[low]) / (high - low)
+        return self.milliseconds[high] + slope * (n - high)
+
+    def best_total_tokens(self, trust: float = 1.0) -> int:
+        return max(self.milliseconds, key=lambda n: (self.expected_rate(n, trust), -n))
+
+
+def _key(target) -> str:
+    runtime = target.spec.quantize
+    if runtime in KERNEL_BITS:  # specchat's kernel: a changed kernel is timed again
+        runtime += f"-{woq_kernel.kernel_version()}"
+    runtime += "-compiled" if target.compiled else ""
+    sizes = "-".join(map(str, SIZES))  # a curve measured at other sizes is measured again
+    return f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}|{sizes}"
+
+
+@torch.inference_mode()
+def measure(target, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS) -> Curve:
+    """Each size timed `repeats` times, the sizes taken in turn each round and the fastest run kept:
+    a small VM's speed drifts by 20-30% within seconds, and timing one size after another folded
+    that drift into the curve's shape (6 tokens measured dearer than 8 in one run, cheaper in the next)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(target.vocab_size, len(target.tokenizer))
+    cache = target.new_cache()
+    target.forward(torch.randint(0, vocab, (1, context), generator=generator).to(target.device), cache, logits_for="none")
+    inputs = {n: (torch.randint(0, vocab, (1, n), generator=generator).to(target.device),
+                  torch.arange(context, context + n, device=target.device)[None],
+                  causal_mask(context, n, target.device)) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # the first round warms kernels up and is not counted
+        for n, (ids, positions, mask) in inputs.items():
+            synchronize(target.device)
+            start = time.perf_counter()
+            target.forward(ids, cache, positions=positions, mask=mask, logits_for="all")
+            synchronize(target.device)
+            times[n].append(time.perf_counter() - start)
+            cache.trim(context)
+    return Curve({n: round(min(runs[1:]) * 1000, 2) for n, runs in times.items()})
+
+
+def implausible(milliseconds: dict[int, float]) -> str | None:
+    """What no quiet machine measures, or None: a larger forward costing less than half a smaller one,
+    or more than 1.5x as much per token (kernel tilings make curves only mildly non-monotonic)."""
+    sizes = sorted(milliseconds)
+    for small, large in zip(sizes, sizes[1:]):
+        if milliseconds[large] < 0.5 * milliseconds[small]:
+            return f"{large} tokens measured cheaper than half of {small}"
+        if milliseconds[large] > 1.5 * large / small * milliseconds[small]:
+            return f"{large} tokens measured dearer per token than {small}"
+    return None
+
+
+def cached_curve(target) -> Curve:
+    """The curve for this machine and target, measured on first use (a few seconds), kept unless the
+    machine was busy meanwhile or the curve's shape is implausible (the module docstring)."""
+    path = cache_dir() / "verify-cost.json"
+    key = _key(target)
+    stored = _read(path).get(key)
+    if stored is not None and not implausible({int(n): ms for n, ms in stored.items()}):
+        return Curve({int(n): ms for n, ms in stored.items()}, on_rescaled=lambda curve: _keep(path, key, curve))
+    log.info("measuring what verifying n tokens costs on this machine once (seconds)...")
+    with other_processes_share() as busy:
+        curve = measure(target)
+    reason = implausible(curve.milliseconds) or (
+        f"other processes used {busy.share:.0%} of the CPU meanwhile" if busy.share > BUSY_SHARE else None)
+    if reason is None:
+        _keep(path, key, curve)
+    else:
+        log.warning(f"the verify-cost curve is used for now but not kept ({reason}): it is measured again at the next "
+                    f"start, and live verify forwards correct it meanwhile")
+        # A curve made monotonic, so that an outlier does not make a size look free.
+        running = 0.0
+        curve.milliseconds = {n: (running := max(running, ms)) for n, ms in sorted(curve.milliseconds.items())}
+    curve.on_rescaled = lambda rescaled: _keep(path, key, rescaled)
+    return curve
+
+
+def _read(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _keep(path, key: str, curve: Curve) -> None:
+    """Store `curve` under `key` (read again first: another process may have stored other keys)."""
+    known = _read(path)
+    known[key] = curve.milliseconds
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, path)

@@ -1,0 +1,437 @@
+// The decoder layers around the quantized products, one call per forward (specchat/decode/runtime/cpu_decoder.py).
+//
+// A decoding step of a small model on a CPU spends as long between its products as in them: a
+// Llama-family layer written as torch calls is ~40 of them (norms, rotary, the cache write,
+// attention's steps, SwiGLU, residuals), each microseconds of dispatch, 24 layers a forward
+// (2-core Zen 3, Qwen2.5-0.5B int5: ~0.5 ms per layer outside the products, about as much as the
+// products of one token; docs/cpu-runtime.md). Here a whole forward is one call: each layer is
+// its four products (woq_linear.cpp) and plain loops between them.
+//
+// Every row is computed on its own, in the same order whatever the other rows are: a norm sums
+// its row in order; attention gathers, for each row, the positions it may see in cache order
+// and reduces over them in that order. A draft token verified in a tree therefore sees the same
+// keys in the same order as when plain decoding reaches it (the cached prefix, the root, its
+// ancestors, itself), and gets the same bits, as the products do (woq_linear.cpp): greedy
+// speculative output is plain decoding's token for token, not only up to rounding.
+//
+// Arithmetic follows transformers' Llama/Qwen2/Qwen3 layers: float32 inside, the activations'
+// dtype (bf16 or float32) where those layers round to it (after each norm, rotary product and sum,
+// residual sum, SiLU and product); attention in float32 over keys and values read in their own
+// dtype. Head sizes 16, 32, 64 and 128 (the Python side checks).
+
+#include "woq_linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <immintrin.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <cmath>
+#include <vector>
+
+namespace specchat {
+namespace {
+
+inline float f32(float v) { return v; }
+inline float f32(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename T>
+inline T narrow(float v) { return static_cast<T>(v); }  // bf16: to nearest even, as torch rounds
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  low = _mm_add_ps(low, _mm_movehl_ps(low, low));
+  return _mm_cvtss_f32(_mm_add_ss(low, _mm_movehdup_ps(low)));
+}
+
+// e^x, Cephes' single-precision polynomial after reducing x by multiples of ln 2 (~1 ulp);
+// arguments are clamped to where the result is a normal float.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
+
+inline float exp1(float x) { return _mm_cvtss_f32(_mm256_castps256_ps128(exp8(_mm256_set1_ps(x)))); }
+
+// Loops over many elements split across threads; a few rows' worth runs on the calling thread.
+constexpr int64_t kParallelElements = 1 << 16;
+
+template <typename F>
+void for_rows(int64_t rows, int64_t row_size, const F& body) {
+  if (rows * row_size < kParallelElements) return body(0, rows);
+  at::parallel_for(0, rows, 1, body);
+}
+
+// transformers' RMSNorm: x * rsqrt(mean(x^2) + eps) rounded to x's dtype, times the weight.
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* y, int64_t rows, int64_t size, float eps) {
+  for_rows(rows, size, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* in = x + r * size;
+      T* out = y + r * size;
+      double squares = 0.0;  // in order, in double: one row's norm, whatever the other rows
+      for (int64_t k = 0; k < size; ++k) squares += static_cast<double>(f32(in[k])) * f32(in[k]);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(squares / size) + eps);
+      for (int64_t k = 0; k < size; ++k) out[k] = narrow<T>(f32(weight[k]) * f32(narrow<T>(f32(in[k]) * scale)));
+    }
+  });
+}
+
+// Rotary embedding of one head's vector in place: x * cos + rotate_half(x) * sin, each product and
+// the sum rounded to T (transformers' apply_rotary_pos_emb).
+template <typename T>
+inline void rotate(T* x, const T* cos, const T* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = f32(x[j]), b = f32(x[j + half]);
+    x[j] = narrow<T>(f32(narrow<T>(a * f32(cos[j]))) + f32(narrow<T>(-b * f32(sin[j]))));
+    x[j + half] = narrow<T>(f32(narrow<T>(b * f32(cos[j + half]))) + f32(narrow<T>(a * f32(sin[j + half]))));
+  }
+}
+
+// The positions a forward's rows attend: all of [0, prefix), and of [prefix, prefix + width) those
+// the row's block marks; no block: causally, the forward's n rows being the last n of that width.
+struct Span {
+  int64_t prefix, width;
+  const bool* block;  // [n, width] or nullptr
+};
+
+// Attention of one row's G query heads (those sharing KV head g) over the positions it may see,
+// in cache order (the prefix, then the positions of its block): scores in float32, softmax, the
+// values' weighted sum, written to out [G, D] in T.
+template <typename T, int D>
+void attend_group(const T* q, int64_t G, const T* keys, const T* values, const Span& span, int64_t row, int64_t n,
+                  float scaling, T* out, std::vector<int64_t>& marked, std::vector<float>& scores) {
+  marked.clear();
+  for (int64_t c = 0; c < span.width; ++c)
+    if (span.block ? span.block[row * span.width + c] : c <= span.width - n + row) marked.push_back(span.prefix + c);
+  const int64_t count = span.prefix + static_cast<int64_t>(marked.size());
+  const auto position = [&](int64_t t) { return t < span.prefix ? t : marked[t - span.prefix]; };
+  scores.resize(G * count);
+  float query[16][D];  // G <= 16 heads per KV head (the Python side checks)
+  for (int64_t h = 0; h < G; ++h)
+    for (int j = 0; j < D; ++j) query[h][j] = f32(q[h * D + j]);
+  for (int64_t t = 0; t < count; ++t) {
+    const T* k = keys + position(t) * D;
+    for (int64_t h = 0; h < G; ++h) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(query[h] + c), load8(k + c), acc);
+      scores[h * count + t] = hsum(acc) * scaling;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* s = scores.data() + h * count;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < count; ++t) top = std::fmax(top, s[t]);
+    __m256 total = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
+      _mm256_storeu_ps(s + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum(total);
+    for (; t < count; ++t) sum += (s[t] = exp1(s[t] - top));
+    __m256 acc[D / 8];
+    for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (t = 0; t < count; ++t) {
+      const __m256 p = _mm256_set1_ps(s[t] / sum);
+      const T* v = values + position(t) * D;
+      for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+    }
+    float result[D];
+    for (int c = 0; c < D / 8; ++c) _mm256_storeu_ps(result + 8 * c, acc[c]);
+    for (int j = 0; j < D; ++j) out[h * D + j] = narrow<T>(count ? result[j] : 0.0f);
+  }
+}
+
+// The quantized linear layers' packed weights (specchat/decode/runtime/quantized.py's QuantizedLinear).
+struct Linear : torch::CustomClassHolder {
+  at::Tensor low, high, scale, offset;
+  c10::optional<at::Tensor> bias;
+  int64_t N, bits;
+  Linear(at::Tensor low, at::Tensor high, at::Tensor scale, at::Tensor offset, c10::optional<at::Tensor> bias,
+         int64_t N, int64_t bits)
+      : low(std::move(low)), high(std::move(high)), scale(std::move(scale)), offset(std::move(offset)),
+        bias(std::move(bias)), N(N), bits(bits) {}
+  at::Tensor operator()(const at::Tensor& x, const std::string& isa) const {
+    return woq_linear(x, low, high, scale, offset, bias, N, bits, isa);
+  }
+};
+
+// The attention's shape and what every layer shares.
+struct Shape {
+  int64_t heads, kv_heads, head_dim;
+  double eps, scaling;
+  std::string isa;
+};
+
+// Where a forward's time went, when asked (`specchat bench --profile`): the kernel's products and
+// attention, in seconds; the rest of a forward is what its caller's clock adds.
+struct Timings {
+  double products = 0.0, attention = 0.0;
+};
+
+// Runs `work`, adding its wall time to `*total` when timing (a null total: not timing).
+template <typename F>
+auto timed(double* total, const F& work) {
+  if (total == nullptr) return work();
+  const auto start = std::chrono::steady_clock::now();
+  auto result = work();
+  *total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+// One Llama-family decoder layer from its attention input on: the norms before it are the caller's
+// (a target layer's input norm; a draft head's own prologue).
+struct Layer : torch::CustomClassHolder {
+  c10::intrusive_ptr<Linear> qkv, o, gate_up, down;  // q, k and v stacked; gate and up stacked
+  at::Tensor post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3: each head's query and key normed before rotating
+
+  Layer(c10::intrusive_ptr<Linear> qkv, c10::intrusive_ptr<Linear> o, c10::intrusive_ptr<Linear> gate_up,
+        c10::intrusive_ptr<Linear> down, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+        c10::optional<at::Tensor> k_norm)
+      : qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)), down(std::move(down)),
+        post_norm(std::move(post_norm)), q_norm(std::move(q_norm)), k_norm(std::move(k_norm)) {}
+
+  // residual + o(attention(qkv(attention_input))), then + down(act(gate) * up) of its norm: [n, H].
+  // New keys and values go to positions prefix + width - n .. prefix + width of keys/values [kv_heads, capacity, d].
+  template <typename T, int D>
+  at::Tensor step(const Shape& shape, const at::Tensor& attention_input, const at::Tensor& residual,
+                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                     const at::Tensor& values, const Span& span, Timings* timings) const {
+    double* products = timings ? &timings->products : nullptr;
+    const int64_t n = attention_input.size(0), heads = shape.heads, kv_heads = shape.kv_heads, G = heads / kv_heads;
+    const int64_t width = (heads + 2 * kv_heads) * D, capacity = keys.size(1), first = span.prefix + span.width - n;
+    TORCH_CHECK(first >= 0 && span.prefix + span.width <= capacity, "new entries beyond the cache's room");
+    TORCH_CHECK(G <= 16 && heads % kv_heads == 0, "at most 16 query heads per KV head");
+    at::Tensor projected = timed(products, [&] { return (*qkv)(attention_input, shape.isa); });  // [n, (h + 2 kv) * D]
+    T* rows = projected.data_ptr<T>();
+    const T* cos_ptr = cos.data_ptr<T>();
+    const T* sin_ptr = sin.data_ptr<T>();
+    T* key_ptr = keys.data_ptr<T>();
+    T* value_ptr = values.data_ptr<T>();
+    for (int64_t i = 0; i < n; ++i) {
+      T* row = rows + i * width;
+      if (q_norm) {
+        rms_norm(row, q_norm->data_ptr<T>(), row, heads, D, shape.eps);
+        rms_norm(row + heads * D, k_norm->data_ptr<T>(), row + heads * D, kv_heads, D, shape.eps);
+      }
+      for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(row + h * D, cos_ptr + i * D, sin_ptr + i * D, D);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        std::copy_n(row + (heads + g) * D, D, key_ptr + (g * capacity + first + i) * D);
+        std::copy_n(row + (heads + kv_heads + g) * D, D, value_ptr + (g * capacity + first + i) * D);
+      }
+    }
+    at::Tensor attended = at::empty({n, heads * D}, attention_input.options());
+    T* attended_ptr = attended.data_ptr<T>();
+    const auto attend_all = [&] {
+      at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> marked;
+        std::vector<float> scores;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t i = task / kv_heads, g = task % kv_heads;
+          attend_group<T, D>(rows + i * width + g * G * D, G, key_ptr + g * capacity * D,
+                             value_ptr + g * capacity * D, span, i, n, shape.scaling,
+                             attended_ptr + (i * heads + g * G) * D, marked, scores);
+        }
+      });
+      return 0;
+    };
+    timed(timings ? &timings->attention : nullptr, attend_all);
+    at::Tensor h = timed(products, [&] { return (*o)(attended, shape.isa); });
+    add_into<T>(h, residual);
+    const int64_t hidden = h.size(1);
+    at::Tensor normed = at::empty_like(h);
+    rms_norm(h.data_ptr<T>(), post_norm.data_ptr<T>(), normed.data_ptr<T>(), n, hidden, shape.eps);
+    at::Tensor gated = timed(products, [&] { return (*gate_up)(normed, shape.isa); });  // [n, 2I]: gate, then up
+    const int64_t inner = gated.size(1) / 2;
+    at::Tensor act = at::empty({n, inner}, h.options());
+    const T* gate_ptr = gated.data_ptr<T>();
+    T* act_ptr = act.data_ptr<T>();
+    for_rows(n, inner, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) silu_times(gate_ptr + i * 2 * inner, act_ptr + i * inner, inner);
+    });
+    at::Tensor out = timed(products, [&] { return (*down)(act, shape.isa); });
+    add_into<T>(out, h);
+    return out;
+  }
+
+  // y += x, rounded to T (a residual sum).
+  template <typename T>
+  static void add_into(at::Tensor& y, const at::Tensor& x) {
+    T* out = y.data_ptr<T>();
+    const T* in = x.data_ptr<T>();
+    for (int64_t k = 0, size = y.numel(); k < size; ++k) out[k] = narrow<T>(f32(out[k]) + f32(in[k]));
+  }
+
+  // act = T(silu(gate)) * up, rounded to T; the gate's and up's halves of one row of `gated`.
+  template <typename T>
+  static void silu_times(const T* gated, T* act, int64_t inner) {
+    int64_t c = 0;
+    for (; c + 8 <= inner; c += 8) {
+      const __m256 x = load8(gated + c);
+      const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, silu);
+      for (int l = 0; l < 8; ++l) act[c + l] = narrow<T>(f32(narrow<T>(lanes[l])) * f32(gated[inner + c + l]));
+    }
+    for (; c < inner; ++c) {
+      const float x = f32(gated[c]);
+      act[c] = narrow<T>(f32(narrow<T>(x / (1.0f + exp1(-x)))) * f32(gated[inner + c]));
+    }
+  }
+};
+
+// The activations' dtype and the head size as template arguments: the attention loops unroll over
+// a head's 8-float vectors.
+template <typename T, typename F>
+auto dispatch_head_size(int64_t head_dim, const F& body) {
+  switch (head_dim) {
+    case 16: return body(T{}, std::integral_constant<int, 16>{});
+    case 32: return body(T{}, std::integral_constant<int, 32>{});
+    case 64: return body(T{}, std::integral_constant<int, 64>{});
+    case 128: return body(T{}, std::integral_constant<int, 128>{});
+  }
+  TORCH_CHECK(false, "head sizes 16, 32, 64 and 128 only, not ", head_dim);
+}
+
+template <typename F>
+auto dispatch(const at::Tensor& x, int64_t head_dim, const F& body) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "activations: float32 or bf16");
+  if (x.scalar_type() == at::kFloat) return dispatch_head_size<float>(head_dim, body);
+  return dispatch_head_size<c10::BFloat16>(head_dim, body);
+}
+
+Span span_of(int64_t prefix, int64_t width, const c10::optional<at::Tensor>& block, int64_t n) {
+  if (block) {
+    TORCH_CHECK(block->scalar_type() == at::kBool && block->is_contiguous() && block->dim() == 2 &&
+                block->size(0) == n && block->size(1) == width, "block: contiguous bool [n, width]");
+  }
+  TORCH_CHECK(width >= n, "the span's new part holds the forward's rows");
+  return Span{prefix, width, block ? block->data_ptr<bool>() : nullptr};
+}
+
+// A whole decoder: the layers with their input norms, and the final norm.
+struct Decoder : torch::CustomClassHolder {
+  Shape shape;
+  std::vector<c10::intrusive_ptr<Layer>> layers;
+  std::vector<at::Tensor> input_norms;
+  at::Tensor final_norm;
+  bool profiling = false;  // time the products and attention of each forward (`take_timings`)
+  Timings timings;
+
+  Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
+          std::vector<c10::intrusive_ptr<Layer>> layers, std::vector<at::Tensor> input_norms, at::Tensor final_norm)
+      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, layers(std::move(layers)),
+        input_norms(std::move(input_norms)), final_norm(std::move(final_norm)) {}
+
+  // The products' and attention's seconds since the last call.
+  std::tuple<double, double> take_timings() {
+    const Timings taken = timings;
+    timings = Timings{};
+    return {taken.products, taken.attention};
+  }
+
+  // x [n, H] (the embedded tokens) at the positions cos/sin [n, d] give, on top of the cache keys/values
+  // [layers, kv_heads, capacity, d], whose first `prefix` positions every row sees; the new rows'
+  // entries go to prefix .. prefix + n, and `block` [n, n] (None: causal) says which of them each row
+  // sees. Returns the final normed state and the hidden states `features` names (i: layer i's input;
+  // the number of layers: the final normed state).
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                                          const at::Tensor& keys, const at::Tensor& values,
+                                                          int64_t prefix, const c10::optional<at::Tensor>& block,
+                                                          const std::vector<int64_t>& features) {
+    const int64_t n = x.size(0), count = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(x.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == n, "x [n, H], cos and sin [n, d]");
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == count && keys.scalar_type() == x.scalar_type(),
+                "keys, values: [layers, kv_heads, capacity, d] in x's dtype");
+    const Span span = span_of(prefix, n, block, n);
+    x = x.contiguous();
+    std::vector<at::Tensor> hidden(count + 1);
+    dispatch(x, shape.head_dim, [&](auto zero, auto dim) {
+      using T = decltype(zero);
+      constexpr int D = decltype(dim)::value;
+      const at::Tensor cosines = cos.contiguous(), sines = sin.contiguous();
+      at::Tensor normed = at::empty_like(x);
+      for (int64_t l = 0; l < count; ++l) {
+        hidden[l] = x;  // (each step returns a new tensor: this one stays layer l's input)
+        rms_norm(x.data_ptr<T>(), input_norms[l].data_ptr<T>(), normed.data_ptr<T>(), n, x.size(1), shape.eps);
+        x = layers[l]->step<T, D>(shape, normed, x, cosines, sines, keys[l], values[l], span,
+                                  profiling ? &timings : nullptr);
+      }
+      hidden[count] = at::empty_like(x);
+      rms_norm(x.data_ptr<T>(), final_norm.data_ptr<T>(), hidden[count].data_ptr<T>(), n, x.size(1), shape.eps);
+      return 0;
+    });
+    std::vector<at::Tensor> taken;
+    for (const int64_t index : features) taken.push_back(hidden.at(index));
+    return {hidden[count], taken};
+  }
+};
+
+// One layer on its own, from its attention input on (a draft head's layer: its prologue is the head's).
+struct Block : torch::CustomClassHolder {
+  Shape shape;
+  c10::intrusive_ptr<Layer> layer;
+
+  Block(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
+        c10::intrusive_ptr<Layer> layer)
+      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, layer(std::move(layer)) {}
+
+  // attention_input [m, A] and residual [m, H] at the positions cos/sin [m, d] give; the new keys and
+  // values go to keys/values [kv_heads, capacity, d] at prefix + width - m.., and row i sees [0, prefix)
+  // and the positions of [prefix, prefix + width) that block [m, width] marks (None: causally).
+  at::Tensor forward(const at::Tensor& attention_input, const at::Tensor& residual, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t prefix,
+                     int64_t width, const c10::optional<at::Tensor>& block) {
+    const int64_t m = attention_input.size(0);
+    TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() &&
+                keys.scalar_type() == attention_input.scalar_type(), "keys, values: [kv_heads, capacity, d]");
+    const Span span = span_of(prefix, width, block, m);
+    return dispatch(attention_input, shape.head_dim, [&](auto zero, auto dim) {
+      using T = decltype(zero);
+      return layer->step<T, decltype(dim)::value>(shape, attention_input.contiguous(), residual.contiguous(),
+                                                   cos.contiguous(), sin.contiguous(), keys, values, span, nullptr);
+    });
+  }
+};
+
+}  // namespace
+
+// The classes as torch.classes.specchat.* (specchat/decode/runtime/cpu_decoder.py builds them from a model's layers).
+TORCH_LIBRARY_FRAGMENT(specchat, m) {
+  m.class_<Linear>("Linear").def(
+      torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>());
+  m.class_<Layer>("Layer").def(
+      torch::init<c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>,
+                  c10::intrusive_ptr<Linear>, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>());
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, std::vector<c10::intrusive_ptr<Layer>>,
+                       std::vector<at::Tensor>, at::Tensor>())
+      .def("forward", &Decoder::forward)
+      .def("set_profiling", [](const c10::intrusive_ptr<Decoder>& self, bool on) { self->profiling = on; })
+      .def("take_timings", &Decoder::take_timings);
+  m.class_<Block>("Block")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, c10::intrusive_ptr<Layer>>())
+      .def("forward", &Block::forward);
+}
+
+}  // namespace specchat

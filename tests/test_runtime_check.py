@@ -1,0 +1,34 @@
+"""`specchat runtime-check` in its smallest form: it runs on a CPU, the oracle is accepted exactly as
+deep as scripted on both layouts, and the report holds what the GPU run will be judged by."""
+
+import json
+import re
+
+from conftest import invoke
+from test_man import MAN, option_sections
+
+
+def test_the_runtime_check_runs_and_reports_efficiency(tmp_path, capsys):
+    output = tmp_path / "runtime.json"
+    code, out, _ = invoke(["runtime-check", "--shape", "tiny", "--device", "cpu", "--nodes", "3", "7", "--depths", "1",
+                           "3", "--tokens", "16", "--prompt", "8", "--repeats", "1", "--head",
+                           "--trace", str(tmp_path / "trace"), "-o", str(output)], capsys)
+    assert code == 0 and "efficiency" in out
+    results = json.loads(output.read_text())
+    assert results["runs"].keys() == {"fixed", "growing"} and results["command"].startswith("specchat runtime-check")
+    for run in results["runs"].values():
+        assert run["plain_ms"] > 0 and {row["tau"] for row in run["oracle"]} == {2, 4}
+        assert all(row["exact"] and row["efficiency"] > 0 for row in run["oracle"])
+        assert run["head"]["draft_ms"] > 0 and run["head"]["verify_ms"] > 0
+    assert "fixed-shape steps (eager)" in results["runs"]["fixed"]["runtime"]
+    assert (tmp_path / "trace" / "fixed-summary.txt").is_file()
+
+
+def test_a_wrong_option_is_one_line_and_every_option_is_in_the_manual(capsys):
+    code, _, err = invoke(["runtime-check", "--shape", "nonesuch"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "runtime-check: argument --shape" in err
+    code, out, _ = invoke(["runtime-check", "--help"], capsys)
+    assert code == 0 and "--nodes" in out
+    documented = option_sections("specchat-runtime-check.1")
+    missing = [option for option in re.findall(r"(?<![\w-])(--?[\w-]+)", out) if option not in documented]
+    assert (MAN / "specchat-runtime-check.1").is_file() and not missing, missing
