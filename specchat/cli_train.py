@@ -17,7 +17,8 @@ from specchat import settings as settings_mod
 from specchat.errors import UsageError
 from specchat.inputs import check_output_folder
 from specchat.methods import EXPORT_FORMATS, HEAD_FORMATS, HEAD_LAYOUTS, OPENVINO_LAYOUT
-from specchat.train.options import DATA_TEMPERATURES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, TrainOptions
+from specchat.train.options import (DATA_TEMPERATURES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, FEATURE_CHOICES,
+                                     TrainOptions)
 from specchat.ui import TrainingProgress
 
 # What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
@@ -69,7 +70,8 @@ def data_prompts(folder, sources, sharegpt, max_turns):
 @click.option("--temperature", "temperatures", type=click.FloatRange(min=0), multiple=True,
               help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
-              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
+              help="Sequences decoded at once; a finished one's place takes the next prompt "
+                   "(default: 32 on a CPU, 256 on a GPU).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_NEW_TOKENS, show_default=True)
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True,
               help="A conversation stops at the turn whose prompt would be longer.")
@@ -77,7 +79,8 @@ def data_prompts(folder, sources, sharegpt, max_turns):
 @click.option("--part", default="1/1", show_default=True,
               help="I/N: answer the I-th of N parts of the prompts (machines filling one folder together).")
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Start no batch after this many minutes (the shard is closed; run again to go on).")
+              help="Start no answer after this many minutes; those under way finish (the shard is closed; "
+                   "run again to go on).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
 def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatures, batch, max_new_tokens,
                     max_prompt_tokens, max_turns, part, max_minutes, seed):
@@ -207,7 +210,7 @@ def train_option(*decls, **attrs):
 @train_option("--regenerate/--no-regenerate",
               help="Let the target write the answers (needed for prompt-only data; better heads).")
 @train_option("--regenerate-batch", type=click.IntRange(min=1),
-              help="Prompts per generation batch (default: 32 on a CPU, 256 on a GPU).")
+              help="Sequences regenerated at once (default: 32 on a CPU, 256 on a GPU).")
 @train_option("--regenerate-max-tokens", type=int, show_default=True, help="Longest regenerated answer.")
 @train_option("--regenerate-temperature", type=float, show_default=True,
               help="Sampling temperature of regenerated answers (0: greedy).")
@@ -216,6 +219,9 @@ def train_option(*decls, **attrs):
 @train_option("--extract-tokens", type=click.IntRange(min=1),
               help="Padded tokens per target forward when extracting features "
                    "(default: 4096 on a CPU, 32768 on a GPU).")
+@train_option("--features", type=click.Choice(FEATURE_CHOICES),
+              help="stored: the target's features extracted once into the work folder; live: computed by the "
+                   "target on the device for every batch (no feature files); auto: live on a GPU where it fits.")
 @train_option("--draft-vocab", type=int,
               help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
 @train_option("--intermediate-size", type=int, help="MLP width of the head (default: the target's).")
@@ -227,7 +233,8 @@ def train_option(*decls, **attrs):
 @train_option("--warmup", type=int, show_default=True, help="Linear warm-up steps.")
 @train_option("--batch-tokens", type=int, show_default=True, help="Tokens per optimizer step.")
 @train_option("--batch-size", type=click.IntRange(min=1),
-              help="Sequences per forward pass, padded to the longest (default: 1 on a CPU, 8 on a GPU).")
+              help="Rows per forward pass, each packed with as many conversations as fit beside the longest "
+                   "(default: 1 on a CPU, 8 on a GPU).")
 @train_option("--held-out", type=float, show_default=True, help="Share of conversations held out.")
 @train_option("--eval-every", type=int, show_default=True, help="Held-out evaluation interval (steps).")
 @train_option("--checkpoint-every", type=int, show_default=True,

@@ -258,8 +258,8 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"runtime-check: {message}")
 
 
-def main(argv: list[str]) -> dict:
-    """`specchat runtime-check ARGS`: measure, print the table, write the JSON if asked; the results."""
+def parser() -> Parser:
+    """`specchat runtime-check`'s options."""
     parser = Parser(prog="specchat runtime-check", description=__doc__.split("\n\n")[0].strip('"'))
     parser.add_argument("--shape", choices=SHAPES, default="qwen2.5-0.5b")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (a CI-sized run)")
@@ -275,7 +275,12 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--head", action="store_true", help="also time a random EAGLE-3 head's EAGLE-2 trees")
     parser.add_argument("--trace", default=None, help="write a profiler trace of a few cycles to this folder")
     parser.add_argument("-o", "--output", default=None, help="write the results as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> dict:
+    """`specchat runtime-check ARGS`: measure, print the table, write the JSON if asked; the results."""
+    args = parser().parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     started = time.perf_counter()
     runtimes = ("fixed", "growing") if args.runtime == "both" else (args.runtime,)

@@ -51,14 +51,17 @@ class TrainingProgress:
             self._last_print = now
 
     def stage(self, description: str):
-        """A callback (done, total) for one preparation stage."""
+        """A callback (done, total) for one preparation stage; its rate and ETA count this run's work
+        (a resumed stage starts at what was done before)."""
         task = self.progress.add_task(description, total=None, info="")
-        started = time.monotonic()
+        started, first = time.monotonic(), []
 
         def update(done: int, total: int) -> None:
             self.progress.update(task, completed=done, total=total)
-            rate = done / max(1e-9, time.monotonic() - started)
-            self._plain(f"{description}: {done}/{total} ({rate:.2f}/s)", force=done == total)
+            first[:] = first or [done - 1]
+            rate = (done - first[0]) / max(1e-9, time.monotonic() - started)
+            eta = f", eta {(total - done) / rate / 60:.0f} min" if rate and done < total else ""
+            self._plain(f"{description}: {done}/{total} ({rate:.2f}/s{eta})", force=done == total)
 
         return update
 

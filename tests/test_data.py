@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections import deque
 
 import pytest
+import torch
 
-from conftest import invoke, load_tiny_target
+from conftest import TINY_VOCAB, assert_follows, invoke, load_tiny_target
 from specchat.chat import ChatFormat
 from specchat.train.data import read_conversations
+from specchat.train.batched import Request, SlotDecoder
 from specchat.train.datafolder import DataFolder
 from specchat.train.prompts import collect, prompt_record, read_prompts, record_key, write_prompts
 from specchat.train.regenerate import RegenerateOptions, import_answers, regenerate
@@ -106,6 +109,87 @@ def test_a_scan_leaves_a_shard_that_is_being_written_alone(tmp_path):
         assert folder.scan().answers == {} and shard.partial.is_file()
         shard.write({**record, "key": "k2"})
     assert set(folder.scan().answers) == {("k1", 0.0), ("k2", 0.0)}
+
+
+# --- decoding many sequences at once ----------------------------------------------------------------
+
+
+def alone(target, ids, max_new_tokens):
+    """Greedy decoding of one prompt by itself (transformers' generate, no stop token)."""
+    prompt = torch.tensor([ids])
+    out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_each_greedy_answer_is_the_prompts_own(target):
+    """Prompts of 1 to 300 tokens through 3 slots: prefills in chunks, several prompts per prefill,
+    slots refilled as answers end (some at a stop token); each answer equals decoding its prompt alone."""
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 17, 40, 5, 300, 9, 64, 1, 33, 120)]
+    expected = [alone(target, ids, 12) for ids in prompts]
+    stops = {expected[0][4], expected[3][2]}
+    decoder = SlotDecoder(target, slots=3, max_prompt_tokens=400, max_new_tokens=12, stop_ids=stops)
+    decoder.chunk, decoder.prefill_tokens = 16, 32  # several chunks per long prompt, two prompts per prefill
+    answers = {a.request.tag: a for a in decoder.run(deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts)))}
+    assert sorted(answers) == list(range(len(prompts)))
+    for i, tokens in enumerate(expected):
+        ended = next((at for at, token in enumerate(tokens) if token in stops), None)
+        assert (answers[i].tokens, answers[i].finish) == (tokens[:ended], "length" if ended is None else "stop"), i
+    assert sum(a.finish == "stop" for a in answers.values()) >= 2
+
+
+def test_sampled_answers_follow_the_targets_distribution(target):
+    """The first two tokens of a prompt's answers at temperature 1 (the first drawn after the prefill,
+    the second by a decoding step), answered among other prompts, greedy and sampled, in 8 slots."""
+    prompt, runs = [5, 80, 81, 82, 256], 300
+    others = [[7] * 3, list(range(30, 70)), [9, 10]]
+
+    def sample(seed):
+        requests = deque()
+        for i in range(runs):
+            requests.append(Request(prompt, 1.0, "mine"))
+            if i % 3 == 0:
+                requests.append(Request(others[i % 9 // 3], float(i % 2), "other"))
+        decoder = SlotDecoder(target, slots=8, max_prompt_tokens=64, max_new_tokens=2, stop_ids=frozenset(), seed=seed)
+        counts = {}
+        for answer in decoder.run(requests):
+            if answer.request.tag == "mine":
+                counts[tuple(answer.tokens)] = counts.get(tuple(answer.tokens), 0) + 1
+        assert sum(counts.values()) == runs
+        return counts
+
+    with torch.no_grad():  # p(x1) p(x2 | x1), every x1 in one forward
+        p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        continued = torch.tensor([prompt + [x1] for x1 in range(TINY_VOCAB)])
+        p2 = torch.softmax(target.model(continued).logits[:, -1].double(), -1)
+    joint = p1[:, None] * p2
+    assert_follows(sample, {(a, b): float(joint[a, b]) for a, b in joint.nonzero().tolist()}, seed=11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_steps_answer_as_eager_ones(qwen_dir):
+    """On CUDA the decoding step is captured as a CUDA graph per span: the same greedy answers as
+    the eager steps (float32), and sampled ones are drawn through the graph's random stream."""
+    from specchat.decode.runtime.target import ModelSpec
+    from specchat.sources import load_target
+
+    gpu = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cuda", compile="off", cuda_graphs="off"))
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 17, 140, 5, 300, 9)]
+
+    def answers(capture: bool, temperature: float):
+        decoder = SlotDecoder(gpu, slots=4, max_prompt_tokens=400, max_new_tokens=40, stop_ids=frozenset(), seed=3,
+                              capture=capture)
+        done = {a.request.tag: a.tokens for a in decoder.run(deque(Request(ids, temperature, i)
+                                                                    for i, ids in enumerate(prompts)))}
+        return [done[i] for i in range(len(prompts))], decoder.graphs
+
+    eager, _ = answers(False, 0.0)
+    captured, graphs = answers(True, 0.0)
+    assert graphs.graphs and graphs.failure is None and captured == eager
+    sampled, _ = answers(True, 1.0)
+    assert all(len(tokens) == 40 for tokens in sampled) and sampled != captured
 
 
 # --- regeneration ----------------------------------------------------------------------------------

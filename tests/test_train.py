@@ -83,6 +83,18 @@ def test_loss_mask_covers_the_assistant_turns_only(tokenizer):
     assert trained == "yo<|im_end|>\nok<|im_end|>\n"
 
 
+def test_many_conversations_are_encoded_on_every_core_as_one_process_would(tokenizer, monkeypatch):
+    from specchat.train import data
+
+    conversations = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a" * i},
+                      {"role": "user", "content": "and?"}, {"role": "assistant", "content": f"then {i}"}]
+                     for i in range(1, 7)]
+    alone = [encode(messages, tokenizer, 40) for messages in conversations]
+    monkeypatch.setattr(data, "ENCODE_CHUNK", 3)
+    monkeypatch.setattr(data.os, "cpu_count", lambda: 2)
+    assert data.encode_all(conversations, tokenizer, 40) == alone and None not in alone
+
+
 def test_unrolled_steps_see_what_tree_nodes_see(target):
     """Training-time test step i at position t equals drafting a depth-i node under the context up to t."""
     head = random_head("eagle3", target, seed=5)
@@ -148,7 +160,7 @@ def test_a_few_steps_reduce_the_loss_and_the_head_loads_back(kind, target, store
     in_vocab[vocab] = True
 
     def loss_of(i):
-        host = host_batch(store, [i], config.steps_unrolled(), head.reads_fused_features, in_vocab.numpy(),
+        host = host_batch(store, [[i]], config.steps_unrolled(), head.reads_fused_features, in_vocab.numpy(),
                           head.predicts_two_ahead)
         loss = batch_loss(head, to_device(host, target.device), lm_rows, vocab).loss
         return 0.0 if loss is None else float(loss)  # None: no position of the sequence is scored
@@ -225,9 +237,9 @@ def test_batched_training_time_test_equals_one_sequence_at_a_time(target, varied
     single = []
     with torch.no_grad():
         for i in ids:
-            host = host_batch(varied, [i], 3, True, None, False)
+            host = host_batch(varied, [[i]], 3, True, None, False)
             single.append([out for out, _ in unrolled_outputs(head, to_device(host, target.device), 3)])
-        host = host_batch(varied, ids, 3, True, None, False)
+        host = host_batch(varied, [[i] for i in ids], 3, True, None, False)
         assert host.width > min(len(varied.sequence(i)["tokens"]) for i in ids)  # padding happened
         together = [out for out, _ in unrolled_outputs(head, to_device(host, target.device), 3)]
     for row, i in enumerate(ids):
@@ -237,6 +249,55 @@ def test_batched_training_time_test_equals_one_sequence_at_a_time(target, varied
             usable = n - 1 - step
             mine = together[step][row * host.width : row * host.width + usable]
             torch.testing.assert_close(mine, single[row][step][:usable], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "jakiro"])
+def test_a_packed_batch_has_the_loss_of_the_unpacked_one(kind, target, varied, monkeypatch):
+    """Four conversations packed two to a row give the loss, the scored positions and the hits of the
+    same conversations one per padded row: attention and positions stay within each conversation."""
+    head = random_head(kind, target, seed=4)
+    monkeypatch.setattr(type(head), "feature_noise", 0.0)  # the noise is drawn per position of the layout
+    vocab = head.draft_to_target  # None: the head drafts over the whole vocabulary
+    in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool)
+    in_vocab[vocab if vocab is not None else slice(None)] = True
+    lm_rows = (target.lm_head.weight[vocab] if vocab is not None else target.lm_head.weight).float()
+    results = []
+    with torch.no_grad():
+        for rows in ([[0, 4], [7, 2]], [[0], [4], [7], [2]]):
+            host = host_batch(varied, rows, 3, head.reads_fused_features, in_vocab.numpy(), head.predicts_two_ahead)
+            results.append((host.rows * host.width, batch_loss(head, to_device(host, target.device), lm_rows, vocab)))
+    (packed_size, packed), (padded_size, padded) = results
+    assert packed_size < padded_size
+    assert packed.counts == padded.counts and all(c > 0 for c in packed.counts)
+    torch.testing.assert_close(packed.loss, padded.loss, rtol=1e-5, atol=1e-6)
+    assert [int(h) for h in packed.hits] == [int(h) for h in padded.hits]
+
+
+def test_live_features_are_the_stored_ones_and_train(target, varied):
+    """The target's features computed per packed batch on the device (no files) equal the extracted
+    ones (within their bf16 rounding), choose the same positions, and a head trains on them."""
+    from specchat.train.features import LiveFeatures
+
+    sequences = [(varied.sequence(i)["tokens"].tolist(), varied.sequence(i)["mask"].long().tolist())
+                 for i in range(len(varied))]
+    live = LiveFeatures(sequences, target, (2, 3, 3))
+    assert list(live.lengths()) == list(varied.lengths())
+    rows = [[0, 4, 5], [7, 2]]
+    stored = to_device(host_batch(varied, rows, 2, True, None, False, evaluation=True), target.device)
+    computed = to_device(host_batch(live, rows, 2, True, None, False, evaluation=True), target.device, live)
+    real = stored.documents >= 0
+    assert torch.equal(stored.argmax[real], computed.argmax[real])
+    assert all(torch.equal(a.where, b.where) and torch.equal(a.target, b.target)
+               for a, b in zip(stored.steps, computed.steps))
+    assert all(torch.equal(a, b) for a, b in zip(stored.valid + stored.follows, computed.valid + computed.follows))
+    for name in ("features", "final"):
+        torch.testing.assert_close(getattr(computed, name)[real].float(), getattr(stored, name)[real].float(),
+                                   rtol=1e-2, atol=1e-2)
+    vocab, _ = draft_vocabulary(live, 40, target.vocab_size)
+    config = TrainConfig(kind="eagle3", warmup_steps=1, max_steps=3, batch_tokens=300, batch_size=2, ttt_steps=2,
+                         eval_every=3, eval_sequences=2, checkpoint_every=1000)
+    state = train(build_head("eagle3", target, config, vocab), target, live, list(range(10)), [10, 11], config, None)
+    assert state.step == 3 and state.evaluations[-1]["tau"] >= 1
 
 
 class OneDevicePerOp(TorchDispatchMode):
@@ -287,7 +348,7 @@ def test_training_keeps_every_tensor_on_the_targets_device(kind, target, varied)
         assert {p.device.type for p in head.parameters()} == {"meta"}
         assert head.draft_to_target.device.type == "meta"
         state = train(head, meta, varied, list(range(10)), [], config, None, draft_vocab=vocab)
-        host = host_batch(varied, [10, 11], 2, head.reads_fused_features, None, False, evaluation=True)
+        host = host_batch(varied, [[10], [11]], 2, head.reads_fused_features, None, False, evaluation=True)
         hits, accepted = evaluation_sums(head, to_device(host, meta.device), head.draft_to_target)
     assert state.step == 2 and hits.device.type == accepted.device.type == "meta"
 
@@ -399,7 +460,7 @@ def test_the_simulated_tau_of_an_oracle_head_is_its_chain_length(bigram_dir, tmp
     head = oracle_head(bigram)
     result = evaluate(head, store, [0, 1, 2], None, bigram.device, rows=2, steps=3, batch_tokens=1000)
     assert result["top1_by_step"] == [1.0, 1.0, 1.0]
-    host = host_batch(store, [0, 1, 2], 3, False, None, False, evaluation=True)
+    host = host_batch(store, [[0], [1], [2]], 3, False, None, False, evaluation=True)
     chain_lengths = sum(host.valid[0] & host.valid[1] & host.valid[2]) * 3 + \
         sum(host.valid[0] & host.valid[1] & ~host.valid[2]) * 2 + sum(host.valid[0] & ~host.valid[1])
     assert result["tau"] == round(1 + chain_lengths / host.valid[0].sum(), 4)

@@ -19,7 +19,10 @@ record in a 100k-record file does not stop a long run.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,3 +212,30 @@ def encode(messages: list[dict], tokenizer, max_tokens: int) -> tuple[list[int],
     if not any(mask[:max_tokens]):
         return None
     return ids[:max_tokens], mask[:max_tokens]
+
+
+# Conversations per worker of `encode_all`: fewer go through one process (a worker takes seconds to start).
+ENCODE_CHUNK = 1024
+
+
+def encode_all(conversations: list[list[dict]], tokenizer, max_tokens: int) -> list[tuple[list[int], list[int]] | None]:
+    """`encode` of every conversation, on all the machine's cores when there are many: the chat template
+    renders a conversation once per assistant turn (~3 ms a render: 60k conversations take a core
+    five minutes). Workers are spawned, not forked: the parent may hold CUDA and tokenizer threads."""
+    workers = min(os.cpu_count() or 1, len(conversations) // ENCODE_CHUNK)
+    if workers <= 1:
+        return [encode(messages, tokenizer, max_tokens) for messages in conversations]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_encoder,
+                             initargs=(tokenizer, max_tokens)) as pool:
+        return list(pool.map(_encode, conversations, chunksize=64))
+
+
+_worker: dict = {}
+
+
+def _encoder(tokenizer, max_tokens: int) -> None:
+    _worker.update(tokenizer=tokenizer, max_tokens=max_tokens)
+
+
+def _encode(messages: list[dict]):
+    return encode(messages, _worker["tokenizer"], _worker["max_tokens"])

@@ -1,13 +1,20 @@
-"""Target features for training, computed once and kept in memory-mapped files.
+"""Target features for training: computed once and kept in memory-mapped files, or computed by
+the target on the device for every batch.
 
-Every training sequence runs through the (frozen) target once. What the recipes need from that
-forward is stored per position: the final normed hidden state (EAGLE-1/Jakiro input, and the
-teacher distribution through the target's LM head), optionally the three EAGLE-3 feature layers,
-and the target's argmax. Training then reads slices of these files instead of re-running the
-target every epoch. Extraction runs the target on padded batches of sequences, appends, and
-records its progress in `index.json`, so an interrupted run continues where it stopped.
+What the recipes need from the (frozen) target's forward, per position: the final normed hidden
+state (EAGLE-1/Jakiro input, and the teacher distribution through the target's LM head),
+optionally the three EAGLE-3 feature layers, and the target's argmax.
 
-Everything stored is on the CPU (memory-mapped); the trainer moves what a batch needs to its device.
+- `FeatureStore` (`extract`): every training sequence runs through the target once and the
+  results are stored; training reads slices of these files instead of re-running the target every
+  epoch. Extraction runs the target on padded batches, appends, and records its progress in
+  `index.json`, so an interrupted run continues where it stopped. Everything stored is on the CPU
+  (memory-mapped); the trainer moves what a batch needs to its device. A CPU's choice: its target
+  forward costs more than the head's training.
+- `LiveFeatures`: only the token ids stay on the host; each packed batch runs through the target
+  on the device (`packed_features`) right before the head trains on it. A GPU's choice: features
+  of 50k conversations would take hundreds of GB of files, and the 0.5B's forward costs a GPU
+  less than reading them back.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specchat.train.batched import PackedAttention, rows_forward
+
 LOGIT_CHUNK = 256  # positions per LM-head call on a CPU when taking the target's argmax (bounds memory)
 WINDOW_BATCHES = 4  # extraction sorts by length within windows of this many batches' tokens
 INDEX = "index.json"
@@ -31,6 +40,8 @@ def _bf16_bytes(tensor: torch.Tensor) -> bytes:
 
 class FeatureStore:
     """index.json + tokens.i32, mask.u8, argmax.i32, final.bf16 [N, H] and optionally aux.bf16 [N, 3H]."""
+
+    holds_features = True
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -106,7 +117,11 @@ def batch_features(target, id_lists: list[list[int]], layers: tuple[int, ...]) -
 
     Rows are right-padded: position t of every row keeps position id t, and causal attention keeps
     each real token from seeing the padding after it, so a row's states are those of running its
-    sequence alone (the attention mask is passed too, as transformers documents for padded batches).
+    sequence alone. The forward is the one decoding runs (`packed_features`, one sequence per row),
+    so the features are those the head is given at inference: transformers' hidden-state records
+    are not (under transformers 5.17 its index i is not the input of layer i). transformers'
+    forward serves the families specchat's does not run (with the attention mask, as transformers
+    documents for padded batches).
     """
     device = target.device
     width = max(len(ids) for ids in id_lists)
@@ -116,20 +131,92 @@ def batch_features(target, id_lists: list[list[int]], layers: tuple[int, ...]) -
     for row, ids in enumerate(id_lists):
         input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention[row, : len(ids)] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    if target.own_forward is not None:
+        positions = torch.arange(width, device=device).expand(len(id_lists), width)
+        features, argmax = packed_features(target, input_ids, positions, attention - 1, layers)  # padding: -1
+        return [(features[row, : len(ids)], argmax[row, : len(ids)]) for row, ids in enumerate(id_lists)]
     select = [i for i in layers if i != target.num_layers]
-    out = target.decoder(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False,
+    out = target.decoder(input_ids=input_ids, attention_mask=attention, use_cache=False,
                          output_hidden_states=select or False)
     final = out.last_hidden_state  # [rows, width, H], normed
     parts = [final if i == target.num_layers else out.hidden_states[i] for i in layers]
     features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    real = final[attention.to(device).bool()]  # [sum n, H], row after row
-    chunk = _logit_chunk(device)
-    argmax = torch.cat([target.lm_head(real[s : s + chunk]).argmax(-1) for s in range(0, len(real), chunk)])
+    argmax = chunked_argmax(target, final[attention.bool()])  # [sum n], row after row
     results, start = [], 0
     for row, ids in enumerate(id_lists):
         results.append((features[row, : len(ids)], argmax[start : start + len(ids)]))
         start += len(ids)
     return results
+
+
+def chunked_argmax(target, states: torch.Tensor) -> torch.Tensor:
+    """The target's argmax after each of the final states [N, H], a chunk of LM-head rows at a time."""
+    chunk = _logit_chunk(states.device)
+    return torch.cat([target.lm_head(states[s : s + chunk]).argmax(-1) for s in range(0, len(states), chunk)])
+
+
+@torch.no_grad()  # not inference mode: the head saves its inputs for its backward pass
+def packed_features(target, input_ids: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor,
+                    layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features (the `layers` hidden states, concatenated; the last one the final
+    normed state) [R, n, F] and argmax [R, n] of packed rows (`specchat.train.batched.PackedAttention`)."""
+    forward = target.own_forward
+    final, parts = rows_forward(forward, input_ids, positions, PackedAttention(documents, forward.scaling), layers)
+    features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return features, chunked_argmax(target, final.flatten(0, 1)).view(input_ids.shape)
+
+
+class LiveFeatures:
+    """Training sequences (token ids and loss masks, on the host) whose target features the target
+    computes on its device, one packed batch at a time (`specchat.train.batches.to_device`)."""
+
+    holds_features = False
+
+    def __init__(self, sequences: list[tuple[list[int], list[int]]], target, aux_layers: tuple[int, ...] | None):
+        self.target, self.aux_layers = target, tuple(aux_layers or ())
+        self.offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in sequences])]).astype(np.int64)
+        self._tokens = np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in sequences])
+        self._mask = np.concatenate([np.asarray(mask, dtype=bool) for _, mask in sequences])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return list(self.aux_layers)
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def arrays(self, i: int, features: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        """Sequence i's tokens and mask (its features come from `compute`)."""
+        start, end = self.offsets[i], self.offsets[i + 1]
+        return {"tokens": self._tokens[start:end], "mask": self._mask[start:end]}
+
+    def tokens_and_masks(self):
+        for i in range(len(self)):
+            yield self._tokens[self.offsets[i] : self.offsets[i + 1]], self._mask[self.offsets[i] : self.offsets[i + 1]]
+
+    def compute(self, tokens: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor):
+        """The head's input features, the final states and the argmax [m, ...] of packed rows [R, n]."""
+        layers = self.aux_layers + (self.target.num_layers,)
+        features, argmax = packed_features(self.target, tokens, positions, documents, layers)
+        features = features.flatten(0, 1)
+        final = features[:, -self.target.hidden_size :]
+        return (features[:, : -self.target.hidden_size] if self.aux_layers else final), final, argmax.flatten()
+
+
+def live_features_fit(target, batch_tokens: int) -> bool:
+    """Whether the target can compute a batch's features on its device beside the head's training:
+    a CUDA device whose free memory holds, twice over, one batch's largest activations (a layer's
+    MLP, the kept feature layers, a chunk of logits)."""
+    if target.device.type != "cuda" or target.own_forward is None:
+        return False
+    text = target.config.get_text_config()
+    activations = batch_tokens * (text.intermediate_size + 5 * target.hidden_size) * target.dtype.itemsize
+    logits = _logit_chunk(target.device) * target.vocab_size * 4
+    return 2 * (activations + logits) < torch.cuda.mem_get_info(target.device)[0]
 
 
 def _length_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:

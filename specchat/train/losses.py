@@ -53,7 +53,7 @@ def unrolled_outputs(head, batch: Batch, steps: int, noise: float = 0.0, right: 
     hidden = batch.features.float()
     if noise:
         hidden = hidden + (torch.rand_like(hidden) * 2 - 1) * noise
-    keys = UnrolledKeys(batch.rows)
+    keys = UnrolledKeys(batch.rows, batch.documents)
     flat = torch.arange(len(batch.tokens), device=batch.tokens.device)
     for step in range(steps):
         # Step i at position t reads token x_{t+1+i}; past the row's end, its last token stands in (never scored).
@@ -151,7 +151,7 @@ def evaluate(head, store, indices: list[int], vocab, device: torch.device, rows:
              batch_tokens: int) -> dict:
     """Held-out top-1 accuracy per unrolled step (the draft's argmax equals the target's) and the
     simulated acceptance length tau (1 + accepted drafts per greedy chain of `steps`), over passes of
-    up to `rows` sequences and `batch_tokens` padded positions."""
+    up to `rows` packed rows and `batch_tokens` positions."""
     head.eval()
     lengths = store.lengths()
     ordered = sorted(indices, key=lambda i: lengths[i])
@@ -160,9 +160,9 @@ def evaluate(head, store, indices: list[int], vocab, device: torch.device, rows:
     counts, chains = np.zeros(steps, dtype=np.int64), 0
     for group in micro_batches(ordered, lengths, rows, batch_tokens):
         host = host_batch(store, group, steps, head.reads_fused_features, None, False, evaluation=True)
+        batch = to_device(host, device, store)
         counts += [int(v.sum()) for v in host.valid]
         chains += int(host.valid[0].sum())
-        batch = to_device(host, device)
         with autocast(device):
             step_hits, step_accepted = evaluation_sums(head, batch, vocab)
         hits += step_hits

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 DATA_TEMPERATURES = (0.0, 1.0)
+FEATURE_CHOICES = ("auto", "stored", "live")  # where training's target features come from (--features)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class TrainOptions:
     max_tokens: int = 2048  # EAGLE's max_len
     limit: int | None = None
     extract_tokens: int | None = None  # padded positions per target forward; None: by device
+    features: str = "auto"  # stored (extracted once, files) | live (the target per batch, on the device) | auto
     held_out: float = 0.02
     work_dir: str | None = None  # None: under the cache, keyed by the target and the data
     prepare_only: bool = False
@@ -50,7 +52,7 @@ class TrainOptions:
     lr: float = 3e-4
     warmup: int = 100
     batch_tokens: int = 8192  # tokens per optimizer step (gradient accumulation over forward passes)
-    batch_size: int | None = None  # sequences per forward pass; None: 1 on a CPU, 8 on a GPU
+    batch_size: int | None = None  # rows per forward pass, each packed with sequences; None: 1 on a CPU, 8 on a GPU
     eval_every: int = 200
     checkpoint_every: int = 200
     checkpoint_precision: str = "auto"  # auto | exact | compact (see specchat.train.checkpoint)

@@ -1,4 +1,5 @@
-"""`specchat train` from files to a head folder: read, (regenerate,) encode, extract, train, save.
+"""`specchat train` from files to a head folder: read, (regenerate,) encode, extract (or not: live
+features), train, save.
 
 `run` is the command's one entry point, once the target is loaded: it holds the policy (defaults
 by device, the work folder, --prepare-only, the training recipe's config, the exports) and says
@@ -28,10 +29,11 @@ from drafters.eagle3 import default_feature_layers
 from specchat.errors import UsageError
 from specchat.decode.runtime.machine import cache_dir, hardware
 from specchat.train import data as data_mod
-from specchat.train.features import FeatureStore, extract
+from specchat.decode.runtime.forward import unsupported_reason
+from specchat.train.features import FeatureStore, LiveFeatures, extract, live_features_fit
 from specchat.train.datafolder import MANIFEST, DataFolder
 from specchat.train.losses import RIGHT_WEIGHT
-from specchat.train.options import TrainOptions
+from specchat.train.options import FEATURE_CHOICES, TrainOptions
 from specchat.train.prompts import prompt_record
 from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
 from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, head_class, train
@@ -50,6 +52,7 @@ class PrepareOptions:
     limit: int | None
     seed: int
     extract_tokens: int | None  # padded positions per target forward; None: by device
+    live_features: bool  # the target computes each batch's features on the device (no feature files)
 
 
 class TrainError(UsageError, ValueError):
@@ -69,7 +72,7 @@ def run(target, options: TrainOptions, log: Callable[[str], None], progress) -> 
     if unwritable:  # said before the data is prepared and the head trained, not after
         raise TrainError(f"--export {unwritable[0]}: a {options.kind} head is written in {', '.join(layouts)} only")
     target.model.requires_grad_(False)
-    prepared = prepare_options(options, target.device)
+    prepared = prepare_options(options, target)
     work = Path(options.work_dir) if options.work_dir else default_work_dir(target.name, prepared)
     log(f"work folder {work}")
     with progress() as bars:
@@ -89,13 +92,23 @@ def run(target, options: TrainOptions, log: Callable[[str], None], progress) -> 
             log(f"wrote {Path(options.output) / layout} ({layout} layout)")
 
 
-def prepare_options(options: TrainOptions, device: torch.device) -> PrepareOptions:
+def prepare_options(options: TrainOptions, target) -> PrepareOptions:
     return PrepareOptions(
         data=list(options.data_files), regenerate=options.regenerate,
-        regenerate_batch=options.regenerate_batch or batch_size_for(device),
+        regenerate_batch=options.regenerate_batch or batch_size_for(target.device),
         regenerate_max_tokens=options.regenerate_max_tokens, regenerate_temperature=options.regenerate_temperature,
         max_tokens=options.max_tokens, limit=options.limit, seed=options.seed,
-        extract_tokens=options.extract_tokens)
+        extract_tokens=options.extract_tokens, live_features=live_features(options.features, target, options.batch_tokens))
+
+
+def live_features(choice: str, target, batch_tokens: int) -> bool:
+    """Whether `--features choice` has the target compute each batch's features on its device: auto
+    where that fits beside the head on a GPU (`features.live_features_fit`); stored otherwise."""
+    if choice not in FEATURE_CHOICES:
+        raise TrainError(f"unknown --features {choice!r} (use {', '.join(FEATURE_CHOICES)})")
+    if choice == "live" and target.own_forward is None:
+        raise TrainError(f"--features live: {unsupported_reason(target.model)}; use --features stored")
+    return choice == "live" or (choice == "auto" and live_features_fit(target, batch_tokens))
 
 
 def train_config(options: TrainOptions) -> TrainConfig:
@@ -139,8 +152,10 @@ def _contents(path: Path) -> list:
     return [[str(p.relative_to(path)), p.stat().st_size, int(p.stat().st_mtime)] for p in files]
 
 
-def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, progress) -> tuple[FeatureStore, dict]:
-    """Conversations -> (regenerated) -> token ids -> stored features. Returns the store and a data summary."""
+def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log,
+            progress) -> tuple[FeatureStore | LiveFeatures, dict]:
+    """Conversations -> (regenerated) -> token ids -> stored features (or the target's, live).
+    Returns the store and a data summary."""
     conversations, report = data_mod.read_conversations(options.data)
     log(f"read {report.summary()}")
     for example in report.examples:
@@ -170,11 +185,8 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, pr
             log(f"skipped {len(prompt_only)} prompt-only records: they need --regenerate")
         conversations = [c for c in conversations if c.has_responses]
     summary["regenerate_seconds"] = round(time.perf_counter() - started, 1)
-    sequences = []
-    for conversation in conversations:
-        encoded = data_mod.encode(conversation.messages, target.tokenizer, options.max_tokens)
-        if encoded is not None and len(encoded[0]) >= 4:
-            sequences.append(encoded)
+    encoded = data_mod.encode_all([c.messages for c in conversations], target.tokenizer, options.max_tokens)
+    sequences = [pair for pair in encoded if pair is not None and len(pair[0]) >= 4]
     if len(sequences) < 2:
         raise TrainError(f"only {len(sequences)} usable conversations; training needs at least 2")
     summary["used"] = len(sequences)
@@ -182,6 +194,9 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log, pr
     summary["assistant_tokens"] = sum(sum(mask) for _, mask in sequences)
     log(f"{len(sequences)} conversations, {summary['tokens']:,} tokens ({summary['assistant_tokens']:,} to predict)")
     aux_layers = default_feature_layers(target.num_layers) if need_aux else None
+    if options.live_features:
+        log("features: computed by the target on the device for every batch (no feature files)")
+        return LiveFeatures(sequences, target, aux_layers), summary
     folder = work / "features"
     existing = _complete_store(folder)
     started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Training a draft head on stored target features: the head, its optimiser and the loop.
+"""Training a draft head on the target's features: the head, its optimiser and the loop.
 
 The recipes' losses and the held-out evaluation are in `specchat.train.losses`, the batches and
 the data order in `specchat.train.batches`; the head is built from its format's class, so this
@@ -6,8 +6,9 @@ module has no per-format code either. Optimiser: AdamW with betas (0.9, 0.95), l
 cosine decay, gradients clipped by value to 0.5 (EAGLE's trainer); the weights stay float32.
 
 Every tensor is placed on one `device` (the target's), decided once in `train`; the feature store
-stays on the CPU and each batch is moved where it is used. The only host reads are the progress
-report, evaluations and checkpoints.
+stays on the CPU and each batch is moved where it is used (or, with `LiveFeatures`, the target
+computes each batch's features there). The only host reads are the progress report, evaluations,
+checkpoints and, with live features, each pass's argmax (which chooses the scored positions).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def fingerprint(vocab: torch.Tensor | None, head, store, train_ids, config: Trai
     return {"kind": config.kind, "head_config": head.config.to_dict(),
             "draft_vocab": None if vocab is None else _digest(vocab.numpy()),
             "train_sequences": _digest(train_ids), "positions": int(store.lengths().sum()),
-            "batch_size": rows, "batch_tokens": config.batch_tokens, "seed": config.seed,
+            "batch_size": rows, "batch_tokens": config.batch_tokens, "batches": "packed", "seed": config.seed,
             "ttt_steps": config.steps_unrolled()}
 
 
@@ -237,7 +238,7 @@ class Trainer:
         self.head.eval()
         return self.state
 
-    def step(self, epoch: int, index: int, group: list[list[int]], batches) -> None:
+    def step(self, epoch: int, index: int, group: list[list[list[int]]], batches) -> None:
         """One optimizer step, then what falls due after it: progress, evaluation, the time limit, a checkpoint."""
         state, config = self.state, self.config
         state.epoch, state.step_in_epoch = epoch, index
@@ -261,12 +262,12 @@ class Trainer:
                                         or state.step % config.checkpoint_every == 0):
             self.save_checkpoint()
 
-    def optimizer_step(self, group: list[list[int]], batches) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+    def optimizer_step(self, group: list[list[list[int]]], batches) -> tuple[int, torch.Tensor, torch.Tensor, int]:
         """One AdamW step over the group's forward passes: (tokens, loss, step-0 hits, their count)."""
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = learning_rate(self.config, self.state.step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = int(sum(self.lengths[i] for ids in group for i in ids))
+        tokens = int(sum(self.lengths[i] for packed in group for ids in packed for i in ids))
         loss = torch.zeros((), device=self.device)
         hits, counts = torch.zeros((), dtype=torch.long, device=self.device), 0
         for batch in batches:
@@ -293,14 +294,14 @@ class Trainer:
                 group = self.plan(epoch)[index]
                 upcoming = self.following(epoch, index)
                 ahead = self.read(reader, *upcoming)
-                yield epoch, index, group, (to_device(job.result(), self.device) for job in pending)
+                yield epoch, index, group, (to_device(job.result(), self.device, self.store) for job in pending)
                 (epoch, index), pending = upcoming, ahead
 
     def read(self, reader: ThreadPoolExecutor, epoch: int, index: int) -> list:
         """The host batches of step `index` of `epoch`, as jobs of the reader thread."""
         head = self.head
-        return [reader.submit(host_batch, self.store, ids, self.steps, head.reads_fused_features, self.in_vocab,
-                              head.predicts_two_ahead) for ids in self.plan(epoch)[index]]
+        return [reader.submit(host_batch, self.store, packed, self.steps, head.reads_fused_features, self.in_vocab,
+                              head.predicts_two_ahead) for packed in self.plan(epoch)[index]]
 
     def following(self, epoch: int, index: int) -> tuple[int, int]:
         return (epoch, index + 1) if index + 1 < len(self.plan(epoch)) else (epoch + 1, 0)

@@ -21,15 +21,22 @@ class UnrolledKeys:
     (the committed context, its ancestors and itself). The same-position part is a dot product per
     position, so no [n, (i+1) n] mask is ever built.
 
-    A batch of `rows` sequences comes flattened, as the head's layers take it: position t of row b
-    is entry b * width + t of the m = rows * width positions. Rows are right-padded to one width, so
-    causal attention alone keeps every real position from seeing padding (which comes after it);
-    what is computed at padded positions is never trained on.
+    A batch of `rows` rows comes flattened, as the head's layers take it: position t of row b is
+    entry b * width + t of the m = rows * width positions. A row may hold several sequences
+    (`documents` [m] numbers them within their row): a position then attends only to its own
+    sequence. Without `documents` a row is one sequence, right-padded. What is computed at padded
+    positions is never trained on.
     """
 
-    def __init__(self, rows: int = 1):
+    def __init__(self, rows: int = 1, documents: torch.Tensor | None = None):
         self.rows = rows
         self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.allowed = None  # [rows, 1, n, n]: causal, within a sequence (None: causal)
+        if documents is not None:
+            documents = documents.view(rows, -1)
+            n = documents.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=documents.device).tril()
+            self.allowed = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         """[1, h, rows * width, d] -> [rows, h, width, d]."""
@@ -45,12 +52,12 @@ class UnrolledKeys:
         groups = q.shape[1] // k.shape[1]
         k0, v0 = (repeat_kv(t, groups) for t in earlier[0])
         if len(earlier) == 1:
-            out = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k0, v0, attn_mask=self.allowed, is_causal=self.allowed is None)
         else:
             scale = q.shape[-1] ** -0.5
             n = q.shape[2]
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [rows, h, n, n]
+            allowed = self.allowed if self.allowed is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))  # [rows, h, n, n]
             later = [(repeat_kv(kj, groups), repeat_kv(vj, groups)) for kj, vj in earlier[1:]]
             diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in later], dim=-1)  # [rows, h, n, steps]
             weights = torch.softmax(torch.cat([scores0, diagonal], dim=-1).float(), dim=-1).to(q.dtype)

