@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LookupSource
-from specchat.decode.drafting.selection import LookupRates, chain_worth_verifying
+from specchat.decode.drafting.selection import Candidates, LookupRates
 from specchat.decode.drafting.tree import DraftTree, Source
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.runtime.envelope import HostInputs
@@ -60,9 +60,10 @@ class LookupProposer:
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         found = self.source.matches(root, min(self.k, max_depth, max_nodes))
         self.chain, self.evidence = (found[0].tokens, found[0].evidence) if found else ([], 0)
-        if self.chain and self.curve is not None:
-            acceptance = self.rates.estimate(self.evidence)
-            self.chain = self.chain[: chain_worth_verifying(self.curve, acceptance, len(self.chain))]
+        if self.chain and self.curve is not None:  # the hybrid's rate rule on the chain alone, its first token kept
+            chain = Candidates([], [], [], [], [])  # (so that the acceptance rate keeps learning)
+            chain.add_chain(self.chain, self.rates.estimate(self.evidence), self.evidence)
+            self.chain = self.chain[: len(chain.select_for_rate(self.curve, 0.0, len(self.chain), kept=[0]))]
         if not self.chain or self.envelope is None:
             return len(self.chain)
         self.inputs.write(count=len(self.chain), tokens=self.chain)

@@ -245,19 +245,6 @@ class LookupRates:
                     counts[1] = counts[1] * self.DECAY + 1
 
 
-def chain_worth_verifying(curve: Curve, acceptance: float, longest: int) -> int:
-    """How many tokens of a lookup chain to verify: the length that maximizes expected tokens per
-    millisecond on this machine, each token accepted with `acceptance` given its parent (L tokens
-    yield 1 + a + ... + a^L for a forward of L + 1). At least one, so that the rate keeps learning."""
-    best, best_rate, expected = 1, 0.0, 1.0
-    for length in range(1, longest + 1):
-        expected += acceptance ** length
-        rate = expected / curve.cost(length + 1)
-        if rate > best_rate:
-            best, best_rate = length, rate
-    return best
-
-
 class HeadTrust:
     """How far the head's path probabilities hold as acceptance rates in this chat: the head's
     accepted draft tokens over the summed path probabilities of the head's verified nodes.
