@@ -95,7 +95,8 @@ class EagleHead(DraftHead):
             return
         weight = self._lm_head[0].weight
         self.draft_to_target = token_ids.to(weight.device)
-        rows = nn.Linear(weight.shape[1], len(token_ids), bias=False, device=weight.device, dtype=weight.dtype)
+        rows = nn.utils.skip_init(nn.Linear, weight.shape[1], len(token_ids), bias=False, device=weight.device,
+                                  dtype=weight.dtype)  # (its weights are the rows: no random ones first)
         rows.weight = nn.Parameter(weight[self.draft_to_target].detach().contiguous(), requires_grad=False)
         self._draft_lm_head = [rows]
 
