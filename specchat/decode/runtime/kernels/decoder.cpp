@@ -78,6 +78,34 @@ void for_rows(int64_t rows, int64_t row_size, const F& body) {
   at::parallel_for(0, rows, 1, body);
 }
 
+// Eight floats rounded to T and widened back (the rounding transformers' layers make where they
+// store in T): float32 as is; bf16 to nearest even, NaN to 0x7FC0, as c10::BFloat16 rounds one.
+template <typename T>
+inline __m256 round8(__m256 v);
+template <>
+inline __m256 round8<float>(__m256 v) { return v; }
+template <>
+inline __m256 round8<c10::BFloat16>(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7fff));
+  const __m256 nearest = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32(-65536)));
+  return _mm256_blendv_ps(nearest, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// Stores eight floats that are already T's values (round8<T>'s results).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+}
+
+// The elementwise work between the products, eight values at a time: the same roundings as the
+// scalar tails (and as transformers' layers), so only the norm's sum depends on the vector width
+// (it is summed in a fixed order per row all the same: alone or in a tree, a row gets the same bits).
+// A few rows' worth is far below what spreading over threads pays for.
+
 // transformers' RMSNorm: x * rsqrt(mean(x^2) + eps) rounded to x's dtype, times the weight.
 template <typename T>
 void rms_norm(const T* x, const T* weight, T* y, int64_t rows, int64_t size, float eps) {
@@ -85,23 +113,41 @@ void rms_norm(const T* x, const T* weight, T* y, int64_t rows, int64_t size, flo
     for (int64_t r = begin; r < end; ++r) {
       const T* in = x + r * size;
       T* out = y + r * size;
-      double squares = 0.0;  // in order, in double: one row's norm, whatever the other rows
-      for (int64_t k = 0; k < size; ++k) squares += static_cast<double>(f32(in[k])) * f32(in[k]);
+      __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();  // in double: exact squares
+      int64_t k = 0;
+      for (; k + 8 <= size; k += 8) {
+        const __m256 v = load8(in + k);
+        const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        low = _mm256_add_pd(low, _mm256_mul_pd(a, a));
+        high = _mm256_add_pd(high, _mm256_mul_pd(b, b));
+      }
+      double lanes[4];
+      _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
+      double squares = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+      for (; k < size; ++k) squares += static_cast<double>(f32(in[k])) * f32(in[k]);
       const float scale = 1.0f / std::sqrt(static_cast<float>(squares / size) + eps);
-      for (int64_t k = 0; k < size; ++k) out[k] = narrow<T>(f32(weight[k]) * f32(narrow<T>(f32(in[k]) * scale)));
+      const __m256 scales = _mm256_set1_ps(scale);
+      for (k = 0; k + 8 <= size; k += 8)
+        store8(out + k, round8<T>(_mm256_mul_ps(load8(weight + k), round8<T>(_mm256_mul_ps(load8(in + k), scales)))));
+      for (; k < size; ++k) out[k] = narrow<T>(f32(weight[k]) * f32(narrow<T>(f32(in[k]) * scale)));
     }
   });
 }
 
 // Rotary embedding of one head's vector in place: x * cos + rotate_half(x) * sin, each product and
-// the sum rounded to T (transformers' apply_rotary_pos_emb).
+// the sum rounded to T (transformers' apply_rotary_pos_emb). d is a multiple of 16 (HEAD_SIZES).
 template <typename T>
 inline void rotate(T* x, const T* cos, const T* sin, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t j = 0; j < half; ++j) {
-    const float a = f32(x[j]), b = f32(x[j + half]);
-    x[j] = narrow<T>(f32(narrow<T>(a * f32(cos[j]))) + f32(narrow<T>(-b * f32(sin[j]))));
-    x[j + half] = narrow<T>(f32(narrow<T>(b * f32(cos[j + half]))) + f32(narrow<T>(a * f32(sin[j + half]))));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t j = 0; j < half; j += 8) {
+    const __m256 a = load8(x + j), b = load8(x + j + half);
+    const __m256 first = _mm256_add_ps(round8<T>(_mm256_mul_ps(a, load8(cos + j))),
+                                       round8<T>(_mm256_mul_ps(_mm256_xor_ps(b, sign), load8(sin + j))));
+    const __m256 second = _mm256_add_ps(round8<T>(_mm256_mul_ps(b, load8(cos + j + half))),
+                                        round8<T>(_mm256_mul_ps(a, load8(sin + j + half))));
+    store8(x + j, round8<T>(first));
+    store8(x + j + half, round8<T>(second));
   }
 }
 
@@ -279,7 +325,10 @@ struct Layer : torch::CustomClassHolder {
   static void add_into(at::Tensor& y, const at::Tensor& x) {
     T* out = y.data_ptr<T>();
     const T* in = x.data_ptr<T>();
-    for (int64_t k = 0, size = y.numel(); k < size; ++k) out[k] = narrow<T>(f32(out[k]) + f32(in[k]));
+    const int64_t size = y.numel();
+    int64_t k = 0;
+    for (; k + 8 <= size; k += 8) store8(out + k, round8<T>(_mm256_add_ps(load8(out + k), load8(in + k))));
+    for (; k < size; ++k) out[k] = narrow<T>(f32(out[k]) + f32(in[k]));
   }
 
   // act = T(silu(gate)) * up, rounded to T; the gate's and up's halves of one row of `gated`.
@@ -289,9 +338,7 @@ struct Layer : torch::CustomClassHolder {
     for (; c + 8 <= inner; c += 8) {
       const __m256 x = load8(gated + c);
       const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-      float lanes[8];
-      _mm256_storeu_ps(lanes, silu);
-      for (int l = 0; l < 8; ++l) act[c + l] = narrow<T>(f32(narrow<T>(lanes[l])) * f32(gated[inner + c + l]));
+      store8(act + c, round8<T>(_mm256_mul_ps(round8<T>(silu), load8(gated + inner + c))));
     }
     for (; c < inner; ++c) {
       const float x = f32(gated[c]);
