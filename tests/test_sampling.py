@@ -5,6 +5,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specchat.decode.acceptance import sampling
+from specchat.decode.runtime import woq_kernel
 from specchat.decode.acceptance.sampling import SamplingParams, make_generator, sample, target_probs
 
 
@@ -58,3 +59,30 @@ def test_blockwise_argmax_and_margins_equal_torchs_ties_and_nan_included(vocab):
         expected = (top[:, 0] - top[:, 1]).tolist()
         got = sampling.margins(logits)
         assert [m if m == m else "nan" for m in got] == [m if m == m else "nan" for m in expected]
+
+
+@pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
+                    reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 256, 1003, 151936])
+def test_the_kernels_one_pass_choice_and_margin_equal_torchs_ties_nan_and_infinity_included(vocab, dtype):
+    woq_kernel.kernel()  # loaded: `choices_and_margins` takes the extension's pass
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        rows = 1 + trial % 5
+        logits = torch.randn(rows, vocab, generator=generator)
+        if trial % 3 == 0:  # many exact ties
+            logits = torch.randint(0, 3, (rows, vocab), generator=generator).float()
+        if trial % 4 == 1:
+            logits[-1, int(torch.randint(0, vocab, (), generator=generator))] = float("-inf")
+        if trial % 5 == 0:
+            logits[0, int(torch.randint(0, vocab, (), generator=generator))] = float("nan")
+        if trial % 7 == 3:
+            logits[-1, int(torch.randint(0, vocab, (), generator=generator))] = float("inf")
+        logits = logits.to(dtype)
+        exact = logits.float()
+        top = exact.topk(2, dim=-1).values
+        choices, margins = sampling.choices_and_margins(logits)
+        assert choices == exact.argmax(-1).tolist()
+        expected = (top[:, 0] - top[:, 1]).tolist()
+        assert [m if m == m else "nan" for m in margins] == [m if m == m else "nan" for m in expected]

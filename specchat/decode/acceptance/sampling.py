@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat.decode.runtime import woq_kernel
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -119,6 +121,16 @@ def draw_rows(logits: torch.Tensor, sampling: SamplingParams, generator: torch.G
     if sampling.greedy:
         return logits.float().argmax(-1)
     return sample_rows(target_probs(logits, sampling), generator)
+
+
+def choices_and_margins(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """`argmax` and `margins` of [n, V] logits at once: in one pass over each row where the kernel's
+    extension is loaded (`choose` in kernels/decoder.cpp: a CPU with the quantized runtime), else
+    by torch's calls."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and woq_kernel.loaded():
+        choices, row_margins = torch.ops.specchat.choose(logits.contiguous())
+        return choices.tolist(), row_margins.tolist()
+    return argmax(logits), margins(logits)
 
 
 def row_margins(logits: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specchat.decode.acceptance.sampling import SamplingParams, argmax, margins, sample, target_probs
+from specchat.decode.acceptance.sampling import SamplingParams, choices_and_margins, sample, target_probs
 from specchat.decode.acceptance.verify import accept
 from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.runtime.machine import synchronize
@@ -56,10 +56,10 @@ class GrowingLayout:
 
     def _chosen(self, logits: torch.Tensor, sampling: SamplingParams, rng) -> tuple[int, float]:
         """The token drawn after the last row of `logits`, and the margin of that row."""
-        row = logits[-1]
-        token = argmax(row[None])[0] if sampling.greedy else sample(target_probs(row, sampling), rng)
+        (choice,), (margin,) = choices_and_margins(logits[-1:])
+        token = choice if sampling.greedy else sample(target_probs(logits[-1], sampling), rng)
         synchronize(self.target.device)
-        return token, margins(logits[-1:])[0]
+        return token, margin
 
     def cycle(self, proposer, root: int, length: int, nodes: int, room: int, sampling: SamplingParams, rng,
               start: float) -> tuple[Cycle, list[float], float, float, ForwardTimes]:
@@ -76,7 +76,8 @@ class GrowingLayout:
         synchronize(self.target.device)
         verified = time.perf_counter()  # the one place a cycle's verify forward is timed, with len(tree) rows + 1
         forward = ForwardTimes.of(out, verified - forward_started)
-        acceptance = accept(tree, out.logits, sampling, rng)
+        choices, row_margins = choices_and_margins(out.logits)  # every row's: one pass over each
+        acceptance = accept(tree, out.logits, sampling, rng, choices)
         tree.q = None  # verified: the reply's record of this cycle need not hold [n, vocab] distributions
         # Compact: the root's and the accepted nodes' entries move down next to the committed prefix.
         keep = [0] + [node + 1 for node in acceptance.path]
@@ -84,7 +85,7 @@ class GrowingLayout:
         proposer.commit(tree, acceptance, root, None if out.features is None else out.features[keep])
         cycle = Cycle(root, tree, acceptance.path, acceptance.bonus, forward_seconds=forward.forward_seconds)
         # row 0 chose the first token, node i's row the token after it
-        return cycle, margins(out.logits[keep]), drafted - start, verified - drafted, forward
+        return cycle, [row_margins[row] for row in keep], drafted - start, verified - drafted, forward
 
     def plain_step_seconds(self, steps: int, context_ids: list[int]) -> list[float]:
         """Plain steps on top of the cache, timed, then trimmed away."""

@@ -121,6 +121,11 @@ def kernel():
         return _built_kernel()
 
 
+def loaded() -> bool:
+    """Whether the extension is loaded in this process (its operators callable), without building it."""
+    return _built_kernel.cache_info().currsize > 0
+
+
 def start_build() -> None:
     """Compile (or load) the kernel on another thread: the first time it takes about a minute,
     which then overlaps the model's conversion instead of following it."""
