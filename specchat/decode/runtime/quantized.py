@@ -33,6 +33,7 @@ LAYOUT = "woq2"  # the packed format below; a cached model in another layout is 
 GROUP = 32  # weights per scale and offset, along the input dimension
 BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
 PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)
+QUANTIZE_ELEMENTS = 1 << 18  # weights quantized at once (`quantize`)
 
 
 def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +43,14 @@ def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     (Q4_0/Q5_0: the largest magnitude maps to code 0, so weights that came from such a GGUF are
     reproduced exactly) or the asymmetric min-max grid (better for skewed groups).
     """
+    # A few rows at a time: the dozen float32 temporaries of a whole weight would each cross the
+    # memory bus; a slice's stay in the caches (each group is quantized on its own either way).
+    rows = max(BLOCK, QUANTIZE_ELEMENTS // weight.shape[1])
+    codes, scales, offsets = zip(*(_quantize_rows(part, bits) for part in weight.split(rows)))
+    return torch.cat(codes), torch.cat(scales), torch.cat(offsets)
+
+
+def _quantize_rows(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, K = weight.shape
     groups = weight.float().reshape(N, K // GROUP, GROUP)
     top, half = 2**bits - 1, 2 ** (bits - 1)
