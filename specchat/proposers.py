@@ -130,9 +130,11 @@ def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
+    if settings.lookup or settings.plain_when_faster:  # both weigh what a verified token costs here
         curve = verify_cost_curve(target)
     try:
-        return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve)
+        return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve,
+                                       pace=settings.plain_when_faster)
     except ValueError as error:
         raise MethodError(str(error)) from error
 

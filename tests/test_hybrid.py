@@ -7,7 +7,7 @@ import pytest
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.heads import HeadProposer
-from specchat.decode.drafting.selection import Candidates, HeadTrust
+from specchat.decode.drafting.selection import Candidates, HeadTrust, Pace
 from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
@@ -41,11 +41,12 @@ class ScriptedLookup(LookupSource):
         return [Match(right, evidence=4)] if right else []
 
 
-def hybrid(target, lookup, curve=FLAT):
+def hybrid(target, lookup, curve=FLAT, pace=False):
     """A hybrid drafter (the cost curve is the growing layout's: the fixed one verifies its whole budget)."""
     head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
-    return HeadProposer.for_target(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None)
+    return HeadProposer.for_target(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None,
+                                   pace=pace)
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong", "half"])
@@ -171,3 +172,41 @@ def test_forgetting_drops_the_history_too():
     source.forget()
     source.observe([9, 9, 2])
     assert source.matches(root=3, limit=3) == []
+
+
+def test_the_pace_drafts_while_drafting_pays_and_checks_again_ever_later_or_for_a_likely_lookup():
+    pace = Pace(plain_ms=10.0)
+    assert pace.drafts()  # nothing measured yet
+    waits = []
+    for _ in range(6):
+        pace.learn(tokens=1, milliseconds=30.0, drafted=True)  # a cycle: 1 token in the time of 3 plain steps
+        assert pace.drafts(lookup_accept=0.7)  # a lookup continuation likely to be accepted
+        plain_steps = 0
+        while not pace.drafts():
+            pace.learn(tokens=1, milliseconds=10.0, drafted=False)
+            plain_steps += 1
+        waits.append(plain_steps)
+    assert waits == [8, 16, 32, 64, 64, 64]  # each check that finds drafting slower waits twice as long
+    for _ in range(6):  # the text turned easy: 5 tokens a cycle, each cycle checked at once until the average pays
+        pace.learn(tokens=5, milliseconds=30.0, drafted=True)
+        assert pace.drafts()
+    assert pace.pays() and pace.wait == Pace.EXPLORE
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong"])
+def test_plain_steps_taken_for_the_pace_leave_greedy_output_plain(bigram, kind):
+    """Whichever steps the pace makes plain (here every other one, by script), output stays plain
+    decoding's and the head's cache follows the context: drafting resumes where it left off."""
+    if bigram.envelope is not None:
+        pytest.skip("the pace is the growing layout's (the fixed one verifies a whole bucket every step)")
+    settings = GenerationSettings(max_new_tokens=30)
+    plain = tokens_of(Engine(bigram), PROMPT, settings)
+    proposer = hybrid(bigram, ScriptedLookup(PROMPT + plain, kind), pace=True)
+    turns = iter([True, False] * 30)
+    proposer.pace.drafts = lambda lookup_accept=0.0: next(turns)
+    steps = list(Engine(bigram, proposer).generate(PROMPT, settings))
+    assert [t for step in steps for t in step.tokens] == plain
+    drafted = [len(step.cycle.tree) > 0 for step in steps[1:] if step.cycle is not None]
+    assert any(drafted) and not all(drafted)
+    if kind == "right":
+        assert sum(step.drafted.count(True) for step in steps) >= 5

@@ -35,7 +35,7 @@ from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.lookup import LookupSource, Match
 from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust, LookupRates,
-                                                merge_lookup, select_fixed)
+                                                Pace, merge_lookup, select_fixed)
 from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree, tree_budget
 from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
@@ -52,19 +52,23 @@ class HeadProposer(HeadSteps):
     described = ""
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree,
-                 lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS):
+                 lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS,
+                 pace: bool = False):
         """
         Args:
             lookup: also draft from text already seen (hybrid trees).
             curve: the verify-cost curve (the growing layout): with a lookup source, each cycle verifies
                 the number of nodes that maximizes expected tokens per second (else the shape's budget).
             lookup_tokens: the longest lookup chain.
+            pace: take plain steps while they are measured faster than drafting cycles (`Pace`; the
+                growing layout, given a curve: the fixed one verifies a whole bucket every step).
         """
         shape.check(head)
         super().__init__(head)
         self.shape, self.lookup, self.curve = shape, lookup, curve
         self.lookup_tokens = lookup_tokens if lookup is not None else 0
         self.rates, self.trust = LookupRates(), HeadTrust()
+        self.pace = Pace(curve.cost(1)) if pace and curve is not None and target.envelope is None else None
         self.feature_layers = head.feature_layers(target.num_layers)
         self.matches: list[Match] = []
         self.started = self.lookup_seconds = 0.0
@@ -98,6 +102,9 @@ class HeadProposer(HeadSteps):
         if nodes and self.lookup is not None:
             self.matches = self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES)
             self.chains(self.matches)
+        if nodes and self.pace is not None:
+            likeliest = max((self.rates.estimate(match.evidence) for match in self.matches), default=0.0)
+            nodes = nodes if self.pace.drafts(likeliest) else 0  # 0: a plain step, which gives the head its features
         self.lookup_seconds = time.perf_counter() - self.started if self.lookup is not None else 0.0
         return nodes
 
@@ -116,6 +123,8 @@ class HeadProposer(HeadSteps):
         # verify forward apart: `Cycle.forward_seconds`), the fixed one verifies its whole bucket.
         if self.curve is not None and cycle.forward_seconds:
             self.curve.observe(len(cycle.tree) + 1, 1000 * cycle.forward_seconds)
+        if self.pace is not None:
+            self.pace.learn(len(cycle.accepted) + 1, 1000 * (time.perf_counter() - self.started), len(cycle.tree) > 0)
 
     # What a layout's subclass keeps: the head's cache (`rewind_cache`, `pend`: prompt positions,
     # `commit` and `confirm`: a cycle's), the cycle's budget (`budget`) and lookup chains (`chains`),

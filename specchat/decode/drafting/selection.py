@@ -278,3 +278,50 @@ class HeadTrust:
         accepted = sum(sources[node] == Source.HEAD for node in cycle.accepted)
         self.accepted = self.accepted * self.DECAY + accepted
         self.expected = self.expected * self.DECAY + expected
+
+
+class Pace:
+    """Whether drafting pays in this chat, as measured: the tokens per millisecond of recent
+    drafting cycles (drafting, verification and bookkeeping: a cycle's whole wall time) against
+    those of plain steps. A cycle costs a plain step and more; when its tokens do not make up for
+    it (sampling at a high temperature, text the head drafts badly, a machine where a verified row
+    costs much) plain steps are faster, and the head then drafts only to measure again (and keep
+    `HeadTrust` learning): after EXPLORE plain steps, twice as many after each check that finds
+    drafting still slower (up to LONGEST_WAIT), at once after a check whose cycle paid, or where a
+    lookup continuation is likely accepted.
+    Plain steps are exact, so output is unchanged; only the pace follows the measurements."""
+
+    DECAY = 0.9  # per measured step of each kind: recent text counts most
+    EXPLORE, LONGEST_WAIT = 4, 64  # plain steps before drafting again to check
+    PROMISING = 0.6  # a lookup continuation accepted at least this often drafts at once
+
+    def __init__(self, plain_ms: float):
+        """`plain_ms`: a plain step's cost until plain steps are timed (the verify-cost curve's one token)."""
+        self.drafting = [0.0, 0.0]  # decayed tokens and milliseconds of drafting cycles
+        self.plain = [1.0, plain_ms]  # ... of plain steps
+        self.since_drafted, self.wait = 0, self.EXPLORE
+
+    def pays(self) -> bool:
+        """Drafting cycles have been at least as fast as plain steps (or are not measured yet)."""
+        tokens, milliseconds = self.drafting
+        return milliseconds == 0 or tokens / milliseconds >= self.plain[0] / self.plain[1]
+
+    def drafts(self, lookup_accept: float = 0.0) -> bool:
+        """Whether the next step drafts; `lookup_accept`: the best lookup continuation's acceptance estimate."""
+        return self.pays() or lookup_accept >= self.PROMISING or self.since_drafted >= self.wait
+
+    def learn(self, tokens: int, milliseconds: float, drafted: bool) -> None:
+        """A step's tokens and wall time, drafting or plain."""
+        record = self.drafting if drafted else self.plain
+        record[0] = record[0] * self.DECAY + tokens
+        record[1] = record[1] * self.DECAY + milliseconds
+        if not drafted:
+            self.since_drafted += 1
+            return
+        self.since_drafted = 0
+        if self.pays():
+            self.wait = self.EXPLORE
+        elif tokens / milliseconds >= self.plain[0] / self.plain[1]:  # this cycle paid: check the next at once
+            self.wait = 0
+        else:
+            self.wait = min(2 * max(self.wait, self.EXPLORE // 2), self.LONGEST_WAIT)
