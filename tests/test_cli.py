@@ -124,7 +124,9 @@ def test_speculative_run_records_and_trace(qwen_dir, tmp_path, capsys):
     prompts.write_text(json.dumps({"question_id": 7, "turns": ["a", "b"]}) + "\n")
     base = ["run", str(prompts), *tiny(qwen_dir)]
     plain = json.loads(invoke(base, capsys)[1])
-    code, out, err = invoke([*base, "--method", "eagle2", "--draft", str(tmp_path / "head"), "--trace", str(trace)], capsys)
+    # (the default profile's plain_when_faster would soon stop a random head drafting: its cycles never pay)
+    code, out, err = invoke([*base, "--method", "eagle2", "--draft", str(tmp_path / "head"), "--trace", str(trace),
+                             "--no-plain-when-faster"], capsys)
     assert code == 0, err
     spec = json.loads(out)
     assert spec["method"] == "eagle2" and spec["draft"] == str(tmp_path / "head")
