@@ -46,12 +46,6 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-inline float hsum(__m256 v) {
-  __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  low = _mm_add_ps(low, _mm_movehl_ps(low, low));
-  return _mm_cvtss_f32(_mm_add_ss(low, _mm_movehdup_ps(low)));
-}
-
 // e^x, Cephes' single-precision polynomial after reducing x by multiples of ln 2 (~1 ulp);
 // arguments are clamped to where the result is a normal float.
 inline __m256 exp8(__m256 x) {
@@ -158,9 +152,18 @@ struct Span {
   const bool* block;  // [n, width] or nullptr
 };
 
+// Eight vectors' lane sums as one vector: lane h holds the sum of a[h]'s eight lanes.
+inline __m256 lane_sums(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);  // each lane's two halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 // Attention of one row's G query heads (those sharing KV head g) over the positions it may see,
 // in cache order (the prefix, then the positions of its block): scores in float32, softmax, the
-// values' weighted sum, written to out [G, D] in T.
+// values' weighted sum, written to out [G, D] in T. Eight heads at a time, one per vector lane:
+// each key and value is read and widened once for all of them, and the softmax runs across heads.
 template <typename T, int D>
 void attend_group(const T* q, int64_t G, const T* keys, const T* values, const Span& span, int64_t row, int64_t n,
                   float scaling, T* out, std::vector<int64_t>& marked, std::vector<float>& scores) {
@@ -169,41 +172,42 @@ void attend_group(const T* q, int64_t G, const T* keys, const T* values, const S
     if (span.block ? span.block[row * span.width + c] : c <= span.width - n + row) marked.push_back(span.prefix + c);
   const int64_t count = span.prefix + static_cast<int64_t>(marked.size());
   const auto position = [&](int64_t t) { return t < span.prefix ? t : marked[t - span.prefix]; };
-  scores.resize(G * count);
-  float query[16][D];  // G <= 16 heads per KV head (the Python side checks)
-  for (int64_t h = 0; h < G; ++h)
-    for (int j = 0; j < D; ++j) query[h][j] = f32(q[h * D + j]);
-  for (int64_t t = 0; t < count; ++t) {
-    const T* k = keys + position(t) * D;
-    for (int64_t h = 0; h < G; ++h) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(query[h] + c), load8(k + c), acc);
-      scores[h * count + t] = hsum(acc) * scaling;
+  scores.resize(8 * count);  // [count, 8]: position t's score (then weight) for each of eight heads
+  float* weights = scores.data();
+  for (int64_t first = 0; first < G; first += 8) {
+    const int64_t heads = std::min<int64_t>(8, G - first);
+    alignas(32) float query[8][D];  // (lanes past the group's heads: zeros, never written out)
+    for (int64_t h = 0; h < 8; ++h)
+      for (int j = 0; j < D; ++j) query[h][j] = h < heads ? f32(q[(first + h) * D + j]) : 0.0f;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < count; ++t) {
+      const T* k = keys + position(t) * D;
+      __m256 acc[8];
+      for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 8) {
+        const __m256 key = load8(k + c);
+        for (int h = 0; h < 8; ++h) acc[h] = _mm256_fmadd_ps(_mm256_load_ps(query[h] + c), key, acc[h]);
+      }
+      const __m256 score = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scaling));
+      _mm256_storeu_ps(weights + 8 * t, score);
+      top = _mm256_max_ps(top, score);
     }
-  }
-  for (int64_t h = 0; h < G; ++h) {
-    float* s = scores.data() + h * count;
-    float top = -INFINITY;
-    for (int64_t t = 0; t < count; ++t) top = std::fmax(top, s[t]);
     __m256 total = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= count; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
-      _mm256_storeu_ps(s + t, e);
+    for (int64_t t = 0; t < count; ++t) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(weights + 8 * t), top));
+      _mm256_storeu_ps(weights + 8 * t, e);
       total = _mm256_add_ps(total, e);
     }
-    float sum = hsum(total);
-    for (; t < count; ++t) sum += (s[t] = exp1(s[t] - top));
-    __m256 acc[D / 8];
-    for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_setzero_ps();
-    for (t = 0; t < count; ++t) {
-      const __m256 p = _mm256_set1_ps(s[t] / sum);
-      const T* v = values + position(t) * D;
-      for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+    for (int64_t t = 0; t < count; ++t) _mm256_storeu_ps(weights + 8 * t, _mm256_div_ps(_mm256_loadu_ps(weights + 8 * t), total));
+    for (int c = 0; c < D; c += 8) {
+      __m256 acc[8];
+      for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < count; ++t) {
+        const __m256 value = load8(values + position(t) * D + c);
+        for (int h = 0; h < 8; ++h) acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(weights + 8 * t + h), value, acc[h]);
+      }
+      for (int64_t h = 0; h < heads; ++h) store8(out + (first + h) * D + c, round8<T>(acc[h]));
     }
-    float result[D];
-    for (int c = 0; c < D / 8; ++c) _mm256_storeu_ps(result + 8 * c, acc[c]);
-    for (int j = 0; j < D; ++j) out[h * D + j] = narrow<T>(count ? result[j] : 0.0f);
   }
 }
 
