@@ -186,11 +186,18 @@ def test_the_pace_drafts_while_drafting_pays_and_checks_again_ever_later_or_for_
             pace.learn(tokens=1, milliseconds=10.0, drafted=False)
             plain_steps += 1
         waits.append(plain_steps)
-    assert waits == [8, 16, 32, 64, 64, 64]  # each check that finds drafting slower waits twice as long
+    assert waits == [8, 16, 32, 32, 32, 32]  # each check that finds drafting slower waits twice as long
     for _ in range(6):  # the text turned easy: 5 tokens a cycle, each cycle checked at once until the average pays
         pace.learn(tokens=5, milliseconds=30.0, drafted=True)
         assert pace.drafts()
     assert pace.pays() and pace.wait == Pace.EXPLORE
+    pace.learn(tokens=1, milliseconds=300.0, drafted=True)  # drafting went slow again: plain steps ...
+    assert not pace.drafts()
+    pace.check_soon()  # ... until a new reply, whose first step drafts
+    assert pace.drafts()
+    plain = list(pace.plain)
+    pace.forget()  # an unrelated conversation: nothing measured of its drafting yet, a plain step's cost kept
+    assert pace.drafts() and pace.plain == plain and pace.drafting == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong"])

@@ -89,11 +89,15 @@ class HeadProposer(HeadSteps):
     def forget(self) -> None:
         if self.lookup is not None:  # the acceptance rates stay: they describe the head and the model, not the text
             self.lookup.forget()
+        if self.pace is not None:
+            self.pace.forget()
 
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
         self.pend(tokens, features)
         if self.lookup is not None:
             self.lookup.observe(tokens)
+        if self.pace is not None:  # a prompt: a new reply follows
+            self.pace.check_soon()
 
     @torch.inference_mode()
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:

@@ -287,12 +287,12 @@ class Pace:
     it (sampling at a high temperature, text the head drafts badly, a machine where a verified row
     costs much) plain steps are faster, and the head then drafts only to measure again (and keep
     `HeadTrust` learning): after EXPLORE plain steps, twice as many after each check that finds
-    drafting still slower (up to LONGEST_WAIT), at once after a check whose cycle paid, or where a
-    lookup continuation is likely accepted.
+    drafting still slower (up to LONGEST_WAIT), at once after a check whose cycle paid, at the
+    start of each reply, or where a lookup continuation is likely accepted.
     Plain steps are exact, so output is unchanged; only the pace follows the measurements."""
 
     DECAY = 0.9  # per measured step of each kind: recent text counts most
-    EXPLORE, LONGEST_WAIT = 4, 64  # plain steps before drafting again to check
+    EXPLORE, LONGEST_WAIT = 4, 32  # plain steps before drafting again to check
     PROMISING = 0.6  # a lookup continuation accepted at least this often drafts at once
 
     def __init__(self, plain_ms: float):
@@ -300,6 +300,14 @@ class Pace:
         self.drafting = [0.0, 0.0]  # decayed tokens and milliseconds of drafting cycles
         self.plain = [1.0, plain_ms]  # ... of plain steps
         self.since_drafted, self.wait = 0, self.EXPLORE
+
+    def check_soon(self) -> None:
+        """A new reply: the next step drafts, whatever the last ones found (its text may draft better)."""
+        self.since_drafted = self.wait
+
+    def forget(self) -> None:
+        """What follows is unrelated: drafting's record goes (a plain step's cost stays: it is the machine's)."""
+        self.drafting, self.since_drafted, self.wait = [0.0, 0.0], 0, self.EXPLORE
 
     def pays(self) -> bool:
         """Drafting cycles have been at least as fast as plain steps (or are not measured yet)."""
