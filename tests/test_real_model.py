@@ -53,7 +53,8 @@ def test_greedy_run_on_the_default_model_is_deterministic(shared_cache, tmp_path
 def test_the_default_profile_drafts_with_its_bundled_head_losslessly_in_float32(shared_cache, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Write a Python function that checks whether a string is a palindrome.\n")
-    args = ["run", str(prompts), "--dtype", "float32", "--max-new-tokens", "48", "--compare"]
+    # (the head drafting every cycle: the default profile's plain_when_faster decides by timings, which vary by machine)
+    args = ["run", str(prompts), "--dtype", "float32", "--max-new-tokens", "48", "--compare", "--no-plain-when-faster"]
     record = json.loads(run_cli(args, capsys))
     turn = record["turns"][0]
     assert record["method"] != "vanilla" and record["draft"].startswith("qwen2.5-coder-0.5b-")
