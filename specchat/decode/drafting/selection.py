@@ -312,7 +312,10 @@ class Pace:
     def pays(self) -> bool:
         """Drafting cycles have been at least as fast as plain steps (or are not measured yet)."""
         tokens, milliseconds = self.drafting
-        return milliseconds == 0 or tokens / milliseconds >= self.plain[0] / self.plain[1]
+        return milliseconds == 0 or self._beats_plain(tokens, milliseconds)
+
+    def _beats_plain(self, tokens: float, milliseconds: float) -> bool:
+        return tokens / milliseconds >= self.plain[0] / self.plain[1]
 
     def drafts(self, lookup_accept: float = 0.0) -> bool:
         """Whether the next step drafts; `lookup_accept`: the best lookup continuation's acceptance estimate."""
@@ -329,7 +332,7 @@ class Pace:
         self.since_drafted = 0
         if self.pays():
             self.wait = self.EXPLORE
-        elif tokens / milliseconds >= self.plain[0] / self.plain[1]:  # this cycle paid: check the next at once
+        elif self._beats_plain(tokens, milliseconds):  # this cycle paid: check the next at once
             self.wait = 0
         else:
             self.wait = min(2 * max(self.wait, self.EXPLORE // 2), self.LONGEST_WAIT)

@@ -45,7 +45,7 @@ def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     """
     # A few rows at a time: the dozen float32 temporaries of a whole weight would each cross the
     # memory bus; a slice's stay in the caches (each group is quantized on its own either way).
-    rows = max(BLOCK, QUANTIZE_ELEMENTS // weight.shape[1])
+    rows = max(1, QUANTIZE_ELEMENTS // weight.shape[1])
     codes, scales, offsets = zip(*(_quantize_rows(part, bits) for part in weight.split(rows)))
     return torch.cat(codes), torch.cat(scales), torch.cat(offsets)
 

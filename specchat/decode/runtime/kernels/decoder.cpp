@@ -468,8 +468,9 @@ struct Block : torch::CustomClassHolder {
 // The greedy choice after each row of logits [n, V] (bf16 or float32) and how near a tie it was:
 // the first index of the row's maximum, as torch's argmax gives it (a NaN counts as the maximum),
 // and the maximum less the largest value elsewhere in the row, in float32 (0 at a tie, NaN where
-// the row holds a NaN), as `specchat.decode.acceptance.sampling.margins` gives it. Two passes over each row where torch takes a float32 copy, an argmax and a
-// top-2 (~1 ms a cycle for a tree's rows over a 152k vocabulary on 2 cores).
+// the row holds a NaN), as `specchat.decode.acceptance.sampling.margins` gives it. Two passes over
+// each row where torch takes a float32 copy, an argmax and a top-2 (~1 ms a cycle for a tree's rows
+// over a 152k vocabulary on 2 cores).
 template <typename T>
 void choose_row(const T* row, int64_t size, int64_t* choice, float* margin) {
   __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
@@ -521,12 +522,13 @@ std::tuple<at::Tensor, at::Tensor> choose(const at::Tensor& logits) {
   at::Tensor margins = at::empty({n}, logits.options().dtype(at::kFloat));
   int64_t* choice = choices.data_ptr<int64_t>();
   float* margin = margins.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (logits.scalar_type() == at::kFloat) choose_row(logits.data_ptr<float>() + r * size, size, choice + r, margin + r);
-      else choose_row(logits.data_ptr<c10::BFloat16>() + r * size, size, choice + r, margin + r);
-    }
-  });
+  const auto rows = [&](const auto* first) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) choose_row(first + r * size, size, choice + r, margin + r);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) rows(logits.data_ptr<float>());
+  else rows(logits.data_ptr<c10::BFloat16>());
   return {choices, margins};
 }
 
