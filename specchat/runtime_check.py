@@ -137,8 +137,9 @@ class ScriptedTree:
         pass
 
 
-def build_target(shape: str, layers: int | None, device: str, dtype: torch.dtype, runtime: str) -> Target:
-    """A target of `shape` with random weights, on the layout `runtime` names."""
+def build_target(shape: str, layers: int | None, device: str, dtype: torch.dtype, runtime: str,
+                 compile: bool = False) -> Target:
+    """A target of `shape` with random weights, on the layout `runtime` names, its forward compiled or not."""
     fields = {**COMMON, **SHAPES[shape]}
     if layers:
         fields["num_hidden_layers"] = layers
@@ -146,7 +147,7 @@ def build_target(shape: str, layers: int | None, device: str, dtype: torch.dtype
     with torch.device(device):
         model = Qwen2ForCausalLM(Qwen2Config(**fields)).to(dtype)
     spec = ModelSpec(model=f"{shape} (random weights)", dtype=str(dtype).removeprefix("torch."), device=device,
-                     quantize="none", compile="off", cuda_graphs=LAYOUTS[runtime])
+                     quantize="none", compile="on" if compile else "off", cuda_graphs=LAYOUTS[runtime])
     return Target(model, None, spec.model, spec=spec)
 
 
@@ -173,7 +174,7 @@ def median_ms(seconds: list[float]) -> float:
 
 def measure(args, runtime: str) -> dict:
     dtype = getattr(torch, args.dtype)
-    target = build_target(args.shape, args.layers, args.device, dtype, runtime)
+    target = build_target(args.shape, args.layers, args.device, dtype, runtime, args.compile)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, target.vocab_size, (args.prompt,), generator=generator).tolist()
     plain, steps = timed(Engine(target), prompt, args.tokens, args.repeats)
@@ -273,6 +274,8 @@ def parser() -> Parser:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per run")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per measurement")
     parser.add_argument("--head", action="store_true", help="also time a random EAGLE-3 head's EAGLE-2 trees")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the target's forward (on the fixed layout: inside its captured steps)")
     parser.add_argument("--trace", default=None, help="write a profiler trace of a few cycles to this folder")
     parser.add_argument("-o", "--output", default=None, help="write the results as JSON")
     return parser

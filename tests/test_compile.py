@@ -22,11 +22,11 @@ pytestmark = pytest.mark.compile  # the slowest tests after the real model's: -m
 PROMPT = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]  # repeats itself, so prompt lookup finds drafts
 
 
-def tiny_target(compile: str, quantize_bits: int | None = None) -> Target:
+def tiny_target(compile: str, quantize_bits: int | None = None, cuda_graphs: str = "auto") -> Target:
     model = build_model("qwen2", num_hidden_layers=2)
     if quantize_bits:
         quantized.quantize_linears(model, quantize_bits)
-    spec = ModelSpec(model="tiny", dtype="float32", device="cpu", compile=compile)
+    spec = ModelSpec(model="tiny", dtype="float32", device="cpu", compile=compile, cuda_graphs=cuda_graphs)
     return Target(model, build_tokenizer(), "tiny", spec=spec)
 
 
@@ -106,14 +106,49 @@ def test_speculative_greedy_through_the_compiled_forward_equals_plain_greedy():
     assert_compiled_whole()
 
 
+def test_the_fixed_envelope_steps_through_the_compiled_forward_as_plain_greedy_does():
+    """`--compile on` with the fixed layout (`--cuda-graphs on`; eager steps on a CPU, captured on
+    CUDA): the steps' forward is the compiled one, and decoding stays lossless through it."""
+    compiled = tiny_target("on", cuda_graphs="on")
+    assert compiled.compiled and compiled.envelope is not None
+    eager = Target(compiled.model, compiled.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
+    settings = GenerationSettings(max_new_tokens=12)
+    plain = tokens_of(Engine(eager), PROMPT, settings)
+    assert tokens_of(Engine(compiled), PROMPT, settings) == plain
+    head = HeadProposer.for_target(random_head("eagle", compiled), compiled,
+                                   DynamicTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3)))
+    proposers = {"eagle2": head, "pld": LookupProposer(compiled),
+                 "scripted": ScriptedProposer(PROMPT, plain, depth=4, device="cpu")}  # device trees: the fixed layout's
+    for name, proposer in proposers.items():
+        assert tokens_of(Engine(compiled, proposer), PROMPT, settings) == plain, name
+    assert_compiled_whole()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_compiled_forward_is_the_default_and_lossless():
+def test_on_cuda_the_compiled_forward_is_the_default_without_graphs_and_lossless():
     model = build_model("qwen2", num_hidden_layers=2).cuda()
-    target = Target(model, build_tokenizer(), "tiny", spec=ModelSpec(model="tiny", dtype="float32", device="cuda"))
+    target = Target(model, build_tokenizer(), "tiny",
+                    spec=ModelSpec(model="tiny", dtype="float32", device="cuda", cuda_graphs="off"))
     assert target.compiled
     target.warm_up()
     eager = Target(model, target.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
     assert tokens_of(Engine(target, LookupProposer(target)), PROMPT, settings) == plain
+    assert_compiled_whole()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_captured_steps_of_the_compiled_forward_are_lossless():
+    model = build_model("qwen2", num_hidden_layers=2).cuda()
+    spec = ModelSpec(model="tiny", dtype="float32", device="cuda", compile="on")
+    target = Target(model, build_tokenizer(), "tiny", spec=spec)
+    assert target.compiled and target.captures
+    eager = Target(model, target.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off", cuda_graphs="off"))
+    settings = GenerationSettings(max_new_tokens=12)
+    plain = tokens_of(Engine(eager), PROMPT, settings)
+    for proposer in (None, LookupProposer(target), ScriptedProposer(PROMPT, plain, depth=4, device="cuda")):
+        engine = Engine(target, proposer)
+        assert tokens_of(engine, PROMPT, settings) == plain
+        assert engine.layout.graphs.failure is None and engine.layout.graphs.graphs  # captured, not eager
     assert_compiled_whole()

@@ -4,7 +4,10 @@ deep as scripted on both layouts, and the report holds what the GPU run will be 
 import json
 import re
 
+import torch
+
 from conftest import invoke
+from specchat import runtime_check
 from test_man import MAN, option_sections
 
 
@@ -32,3 +35,12 @@ def test_a_wrong_option_is_one_line_and_every_option_is_in_the_manual(capsys):
     documented = option_sections("specchat-runtime-check.1")
     missing = [option for option in re.findall(r"(?<![\w-])(--?[\w-]+)", out) if option not in documented]
     assert (MAN / "specchat-runtime-check.1").is_file() and not missing, missing
+
+
+def test_compile_asks_for_the_compiled_forward_on_either_layout():
+    args = runtime_check.parser().parse_args(["--compile", "--runtime", "fixed"])
+    assert args.compile
+    for runtime in ("fixed", "growing"):
+        compiled = runtime_check.build_target("tiny", 1, "cpu", torch.float32, runtime, compile=True)
+        assert compiled.compiled and "compiled forward" in compiled.runtime  # compiling waits for the first run
+        assert not runtime_check.build_target("tiny", 1, "cpu", torch.float32, runtime).compiled

@@ -260,14 +260,15 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
         raise click.ClickException("the model, heads or prompts are not all here yet: send the other pieces first")
     if check:
         stages.run("gpu", "nvidia-smi", "-L", log="runtime-0.5b.log")
-        # The fixed envelope only: the growing runtime's eager steps on CUDA (36 ms a token on an H200,
-        # docs/bench-gpu) took most of the 2026-11-26 check's four minutes and are not the CUDA default.
-        stages.run("runtime-0.5b", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b", "--runtime", "fixed",
-                   "--tokens", "128", "--repeats", "2", "--head", "--trace", str(THERE / "trace"), "-o",
-                   str(out / "runtime-0.5b.json"))
-        stages.run("runtime-1.5b", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-1.5b", "--runtime", "fixed",
-                   "--tokens", "128", "--repeats", "2", "--head", "-o", str(out / "runtime-1.5b.json"))
-        stages.run("test-cuda", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layouts.py",
+        # The fixed envelope only (the growing runtime's eager steps on CUDA, 36 ms a token on an H200,
+        # took most of the 2026-11-26 check's four minutes and are not the CUDA default), eager and
+        # compiled: a captured step replayed ~1,250 small kernels there (docs/bench-gpu).
+        for stage, compiled in (("runtime-0.5b", ()), ("runtime-0.5b-compiled", ("--compile",))):
+            stages.run(stage, sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b", "--runtime", "fixed",
+                       "--tokens", "128", "--repeats", "2", "--head", *compiled, "--trace", str(THERE / "trace" / stage),
+                       "-o", str(out / f"{stage}.json"))
+        stages.run("test-cuda", "timeout", "150", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   "-k", "cuda", "tests/test_layouts.py", "tests/test_compile.py",
                    "tests/test_data.py::test_captured_steps_answer_as_eager_ones", "tests/test_train.py::test_training_on_cuda")
         _tar_within(THERE / "trace", out / "trace.tgz")
     if bench:

@@ -15,7 +15,7 @@ every context length and every number of new tokens (dynamic shapes).
 The fixed layout (`specchat.decode.runtime.envelope`) calls the same layers through `DecoderForward.at`:
 the cache is allocated once at its full capacity, the new entries go to slots given as a tensor,
 and attention reads a fixed span of the buffers with the valid positions named by the mask, so a
-step's shapes never depend on the context length and a CUDA graph can replay it.
+step's shapes never depend on the context length and a CUDA graph can replay it (compiled or not).
 """
 
 from __future__ import annotations
@@ -188,10 +188,12 @@ class DecoderForward:
            slots: torch.Tensor, span: int, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The fixed envelope's forward: `input_ids` [1, n] at `positions` [1, n], their entries written
         to `slots` [n] (a device tensor), attending over the first `span` positions as `mask`
-        [1, 1, n, span] allows. The cache's length is the caller's to set. Eager: the envelope
-        captures whole steps, this forward among them."""
+        [1, 1, n, span] allows. The cache's length is the caller's to set. The envelope captures
+        whole steps, this forward among them: compiled, as inductor's fused kernels."""
         keys, values = cache.storage.buffers
-        final, hidden = self._forward(input_ids, positions, mask, keys, values, slots, span)
+        if self.compiled:
+            input_ids, positions, mask, slots = map(own, (input_ids, positions, mask, slots))
+        final, hidden = self._run(input_ids, positions, mask, keys, values, slots, span)
         return final, [hidden[i] for i in feature_layers]
 
     def _forward(self, input_ids, positions, mask, keys, values, start, span: int | None = None):

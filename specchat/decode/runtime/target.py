@@ -51,16 +51,15 @@ def fixed_steps(choice: str, device: torch.device) -> bool:
 
 def compiles(choice: str, device: torch.device, fixed: bool = False) -> bool:
     """Whether `--compile choice` compiles the target's forward on `device`. auto: on CUDA without
-    the fixed envelope (`fixed`: its captured graphs already save the launches), where they are
-    most of a small model's step; not on a CPU, where the compiled forward measured slower (2-core
-    Zen 4, AVX2 kernel, float32, Qwen2.5-0.5B int5: 22.6 ms per token against 19.5 eager and 20.2
-    for transformers' forward), after ~2 minutes of compiling. `on` with the fixed envelope is
-    refused: it compiles the variable-shape forward, which the envelope does not run."""
+    the fixed envelope (`fixed`), where launches are most of a small model's eager step; not on a
+    CPU, where the compiled forward measured slower (2-core Zen 4, AVX2 kernel, float32,
+    Qwen2.5-0.5B int5: 22.6 ms per token against 19.5 eager and 20.2 for transformers' forward),
+    after ~2 minutes of compiling. With the fixed envelope `on` compiles the forward its steps run,
+    which are then captured with inductor's fused kernels inside: a captured step of the 0.5B
+    replays ~1,250 small kernels for 0.2 ms of weights on an H200 (docs/bench-gpu), so fusion is
+    that layout's next lever; auto leaves it off there until a GPU has measured it."""
     if choice not in COMPILE:
         raise ModelLoadError(f"unknown --compile {choice!r} (use {', '.join(COMPILE)})")
-    if choice == "on" and fixed:
-        raise ModelLoadError("--compile on compiles the variable-shape forward; with --cuda-graphs (auto on CUDA) "
-                             "the fixed-shape steps are captured instead: add --cuda-graphs off to compile")
     return choice == "on" or (choice == AUTO and device.type == "cuda" and not fixed)
 
 
@@ -172,7 +171,12 @@ class Target:
     @torch.inference_mode()
     def warm_up(self, tokens: int = 4) -> None:
         """Compile the forward for the shapes decoding takes (a prefill, one token, a verified tree)
-        now rather than in the first reply, and keep the seconds in `compile_seconds`."""
+        now rather than in the first reply, and keep the seconds in `compile_seconds`. On the fixed
+        envelope each step compiles in its first (eager, uncaptured) run instead, counted with the
+        capturing (`capture_seconds`): its shapes are the envelope's buckets, known only then."""
+        if self.envelope is not None:
+            log.info("compiling the fixed-shape steps' forward as each step first runs (cached afterwards)")
+            return
         log.info("compiling the target's forward (once per shape; cached afterwards)...")
         start = time.perf_counter()
         cache = self.new_cache()
