@@ -13,7 +13,7 @@ from specchat.decode.runtime import quantized
 from specchat.decode.runtime import woq_kernel
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.drafting.heads import HeadProposer
-from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
+from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams, JakiroTree
 from specchat.decode.drafting.prompt_lookup import LookupProposer
 from specchat.decode.runtime.target import ModelSpec, Target, compiles
 
@@ -108,16 +108,19 @@ def test_speculative_greedy_through_the_compiled_forward_equals_plain_greedy():
 
 def test_the_fixed_envelope_steps_through_the_compiled_forward_as_plain_greedy_does():
     """`--compile on` with the fixed layout (`--cuda-graphs on`; eager steps on a CPU, captured on
-    CUDA): the steps' forward is the compiled one, and decoding stays lossless through it."""
+    CUDA): the steps' forward is the compiled one, the heads' layers too, and decoding stays lossless
+    through them."""
     compiled = tiny_target("on", cuda_graphs="on")
     assert compiled.compiled and compiled.envelope is not None
     eager = Target(compiled.model, compiled.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
     assert tokens_of(Engine(compiled), PROMPT, settings) == plain
-    head = HeadProposer.for_target(random_head("eagle", compiled), compiled,
-                                   DynamicTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3)))
-    proposers = {"eagle2": head, "pld": LookupProposer(compiled),
+    tree = DynamicTreeParams(total_tokens=8, depth=3, top_k=3)
+    head = HeadProposer.for_target(random_head("eagle", compiled), compiled, DynamicTree(tree))
+    jakiro = HeadProposer.for_target(random_head("jakiro", compiled), compiled, JakiroTree(tree))  # forward_both
+    assert head.layer is not head.head  # the head's layer is compiled with the target's forward
+    proposers = {"eagle2": head, "jakiro": jakiro, "pld": LookupProposer(compiled),
                  "scripted": ScriptedProposer(PROMPT, plain, depth=4, device="cpu")}  # device trees: the fixed layout's
     for name, proposer in proposers.items():
         assert tokens_of(Engine(compiled, proposer), PROMPT, settings) == plain, name

@@ -246,6 +246,10 @@ class FixedHead(HeadProposer):
         self.rows = self.depth + 1  # positions a cycle commits at most: the context pass's rows
         self.reach = self.rows + shape.entries(self.head_depth)  # head entries past the context
         self.cache = FixedHeadCache(envelope.capacity + self.reach)
+        # With the target's forward compiled (`--compile on`), the head's layer is too: its steps are
+        # captured alike, and its draft levels are as many small kernels as a target step's layers.
+        self.layer = torch.compile(head, dynamic=True) if target.compiled else head
+        self.layer_both = torch.compile(head.forward_both, dynamic=True) if target.compiled else head.forward_both
         device = next(head.parameters()).device
         self.inputs = HostInputs(device, consumed=(), pending=())
         self.pending_features: torch.Tensor | None = None  # [rows, F], allocated at the first prompt
@@ -312,8 +316,8 @@ class FixedHead(HeadProposer):
         window = Window.causal(consumed, self.rows, span)
         rows = torch.arange(self.rows, device=root.device)
         next_tokens = torch.where(rows == count - 1, root, self.pending_tokens.roll(-1))
-        out = self.head(self.pending_features, next_tokens, window.slots, window.mask,
-                        self.cache.at(window.slots, span))
+        out = self.layer(self.pending_features, next_tokens, window.slots, window.mask,
+                         self.cache.at(window.slots, span))
         self.context_end, self.span = consumed + count, span
         return pick(out, count - 1)
 
@@ -335,8 +339,8 @@ class FixedHead(HeadProposer):
         positions = (self.context_end - 1 + level).expand(m)
         window = self.cache.at(slots, self.span)
         if both:
-            return self.head.forward_both(hidden, tokens, positions, mask, window)
-        return self.head(hidden, tokens, positions, mask, window), None
+            return self.layer_both(hidden, tokens, positions, mask, window)
+        return self.layer(hidden, tokens, positions, mask, window), None
 
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         growth.alive = ~fired if growth.alive is None else growth.alive & ~fired

@@ -54,10 +54,11 @@ def compiles(choice: str, device: torch.device, fixed: bool = False) -> bool:
     the fixed envelope (`fixed`), where launches are most of a small model's eager step; not on a
     CPU, where the compiled forward measured slower (2-core Zen 4, AVX2 kernel, float32,
     Qwen2.5-0.5B int5: 22.6 ms per token against 19.5 eager and 20.2 for transformers' forward),
-    after ~2 minutes of compiling. With the fixed envelope `on` compiles the forward its steps run,
-    which are then captured with inductor's fused kernels inside: a captured step of the 0.5B
-    replays ~1,250 small kernels for 0.2 ms of weights on an H200 (docs/bench-gpu), so fusion is
-    that layout's next lever; auto leaves it off there until a GPU has measured it."""
+    after ~2 minutes of compiling. With the fixed envelope `on` compiles the forward its steps run
+    (and the draft head's layer: `heads.FixedHead`), which are then captured with inductor's fused
+    kernels inside: a captured step of the 0.5B replays ~1,250 small kernels for 0.2 ms of weights
+    on an H200 (docs/bench-gpu), so fusion is that layout's next lever; auto leaves it off there
+    until a GPU has measured it."""
     if choice not in COMPILE:
         raise ModelLoadError(f"unknown --compile {choice!r} (use {', '.join(COMPILE)})")
     return choice == "on" or (choice == AUTO and device.type == "cuda" and not fixed)
