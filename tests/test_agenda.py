@@ -127,6 +127,7 @@ def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
     result = CliRunner().invoke(agenda.cli, ["device", "--check", "--bench", "--answer-minutes", "4.5",
                                              "--train-minutes", "6"])
     assert result.exit_code == 0, result.output
+    commands = [c[2:] if c[0] == "timeout" else c for c in commands]  # a stage that may not overrun its minutes
     specchat_commands = [c[3:] for c in commands if c[1:3] == ("-m", "specchat")]
     assert [c[0] for c in specchat_commands] == ["runtime-check", "runtime-check", "bench", "data", "data", "train"]
     for args in specchat_commands:
