@@ -39,7 +39,12 @@ from specchat.sources import load_head
 # each verified token costs a fifth of a forward (the AVX2 path: 21.5 ms for one token, 32.8 for
 # four), the head's one best node (plus the lookup chains that pay for themselves) answered fastest
 # (cpu10, T=0, 2-core Zen 4 held to AVX2: 56-57 tok/s with 2-3 tokens verified, 50 with 4, 46 with 6).
-CPU_DEPTH, CPU_TOP_K = 6, 6
+# Each beam node a level expands is a row of every head step (the head's products grow by ~0.02 ms
+# a row on two Zen 4 cores, its LM head's top-k and the bookkeeping with it), while the budget keeps
+# the head's one or two best nodes: a beam of 3 answered 3-8% faster than 6 at T=0 and T=1 (cpu10,
+# 128 tokens, `deagle+tree_top_k=N`, 2026-11-26, on 2-core Zen 4 and on its AVX2 path; a beam of 2
+# was as fast at T=0 and slower at T=1; docs/cpu-runtime.md).
+CPU_DEPTH, CPU_TOP_K = 6, 3
 CPU_TOTAL_TOKENS_RANGE = (2, 32)
 
 LoadModel = Callable[[str], Target]

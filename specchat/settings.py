@@ -117,13 +117,13 @@ class Settings:
     # [method]
     method: str = _setting(PLAIN, "method", "name", "Decoding method.", CHAT_METHODS)
     total_tokens: int | None = _setting(None, "method", "total_tokens",
-                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: measured, 16 here).",
+                                        "Tokens verified per cycle, root included (EAGLE-2 paper: 60; CPU default: measured for the machine).",
                                         check=_within(2, MAX_TREE_TOKENS))
     depth: int | None = _setting(None, "method", "depth",
                                  "Most draft tokens on one tree path (EAGLE-2 paper: 6, EAGLE-3: 8; CPU default: 6).",
                                  check=_within(1, MAX_TREE_TOKENS))
     tree_top_k: int | None = _setting(None, "method", "top_k",
-                                      "Children per expanded node in the dynamic tree (papers: 10; CPU default: 6).",
+                                      "Children per expanded node in the dynamic tree (papers: 10; CPU default: 3).",
                                       check=_within(1, MAX_TREE_TOKENS))
     static_tree: str | None = _setting(None, "method", "static_tree",
                                        "Static tree for eagle (default: mc_sim_7b_63, its most accepted nodes within "
