@@ -110,8 +110,10 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
         target.runtime = target.runtime.replace("CUDA graphs", "fixed-shape steps (eager)")
         log.warning(f"no CUDA graphs for {describe_runtime(quantize, device, target.dtype)} ({reason}): the "
                     f"fixed-shape steps run eagerly")
-    if target.compiled:
+    if target.compiled and target.envelope is None:
         target.warm_up()
+    elif target.compiled:  # the envelope's steps: each shape (a bucket) compiles in its first, uncaptured run
+        log.info("compiling the fixed-shape steps' forward as each step first runs (cached afterwards)")
     return target
 
 

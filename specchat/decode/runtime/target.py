@@ -172,12 +172,8 @@ class Target:
     @torch.inference_mode()
     def warm_up(self, tokens: int = 4) -> None:
         """Compile the forward for the shapes decoding takes (a prefill, one token, a verified tree)
-        now rather than in the first reply, and keep the seconds in `compile_seconds`. On the fixed
-        envelope each step compiles in its first (eager, uncaptured) run instead, counted with the
-        capturing (`capture_seconds`): its shapes are the envelope's buckets, known only then."""
-        if self.envelope is not None:
-            log.info("compiling the fixed-shape steps' forward as each step first runs (cached afterwards)")
-            return
+        now rather than in the first reply, and keep the seconds in `compile_seconds` (the growing
+        layout's forward: the fixed envelope's steps compile in their own first runs)."""
         log.info("compiling the target's forward (once per shape; cached afterwards)...")
         start = time.perf_counter()
         cache = self.new_cache()
