@@ -17,7 +17,10 @@ depth 6, top-10), to time the drafting the oracle leaves out.
 
 `--runtime` picks the engine's layout: `fixed` (CUDA graphs on CUDA, the same steps eagerly on a
 CPU), `growing` (the growing cache, eager; `host` is its former name), `both` each in turn.
-`--trace DIR` writes a torch profiler trace of a few cycles and its summary. Its options take
+`--slots 256 512` times the decoding step of `specchat data regenerate` instead (continuous
+batching, `specchat.train.batched.SlotDecoder`: every slot answering, captured on CUDA) at those
+many slots over `--spans` positions, greedy and with half the slots sampling; `--runtime none`
+leaves the layouts out. `--trace DIR` writes a torch profiler trace of a few cycles (or slot steps) and its summary. Its options take
 lists as argparse does (`--nodes 7 15 63`), so it parses them itself (`specchat.cli` hands it the
 arguments); man/specchat-runtime-check.1 documents them.
 """
@@ -43,6 +46,7 @@ from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.runtime.machine import hardware, synchronize
 from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import UsageError
+from specchat.train.batched import SlotDecoder
 
 # The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct; the
 # embedded GGUF files carry the same): the shapes the embedded models decode at.
@@ -58,6 +62,7 @@ COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=10000
               hidden_act="silu", use_sliding_window=False)
 HEAD_CONFIG = "qwen2.5-coder-0.5b-eagle3/config.json"  # in `specchat.heads`: the bundled head whose layout --head takes
 LAYOUTS = {"fixed": "on", "growing": "off", "host": "off"}  # --runtime: the --cuda-graphs that gives each layout
+SLOT_STEPS = 8  # timed regeneration steps per --repeats (after three: warm-up and capture)
 
 
 class ScriptedTree:
@@ -199,6 +204,49 @@ def measure(args, runtime: str) -> dict:
     return result
 
 
+def slot_steps(args) -> list[dict]:
+    """`specchat data regenerate`'s decoding step at each slot count and span: every slot busy, all
+    greedy or half of them sampling, host bookkeeping included (the step's inputs written, its
+    tokens read: as regeneration runs it). A target loaded as regeneration loads it (no graphs of
+    its own: the slot decoder captures its steps)."""
+    target = build_target(args.shape, args.layers, args.device, getattr(torch, args.dtype), "growing")
+    timed_steps, results = SLOT_STEPS * args.repeats, []
+    for slots in args.slots:
+        for span in args.spans:
+            for sampling in (0.0, 0.5):
+                extra = timed_steps + 3 + 3 + 2  # the timed steps, warm-up and capture, a trace's, a margin
+                decoder = SlotDecoder(target, slots, max_prompt_tokens=span, max_new_tokens=extra, stop_ids=frozenset())
+                hot = round(slots * sampling)
+                decoder.fill(max(1, span - extra), [1.0] * hot + [0.0] * (slots - hot))
+                for _ in range(3):
+                    decoder.step()
+                before = decoder.times.step_seconds, decoder.times.steps, decoder.times.span_positions
+                for _ in range(timed_steps):
+                    decoder.step()
+                seconds = decoder.times.step_seconds - before[0]
+                steps = decoder.times.steps - before[1]
+                step_ms = 1000 * seconds / steps
+                results.append({"slots": slots, "span": (decoder.times.span_positions - before[2]) // steps,
+                                "sampling": hot, "step_ms": round(step_ms, 3), "tok_s": round(1000 * slots / step_ms, 1)})
+                if args.trace and slots == max(args.slots) and span == max(args.spans) and hot:
+                    trace_slots(args, decoder, target.device)
+    return results
+
+
+def trace_slots(args, decoder: SlotDecoder, device: torch.device) -> None:
+    """A profiler trace of a few slot steps (the decoder's state as the timing left it)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(3):
+            decoder.step()
+        synchronize(device)
+    folder = Path(args.trace)
+    folder.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(folder / "slots-steps.json"))
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    (folder / "slots-summary.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
+
+
 def head_cycle(args, target: Target, prompt: list[int]) -> dict:
     """A random EAGLE-3 head drafting EAGLE-2 trees (60 / 6 / 10): the bundled 0.5B head's layout
     (its MLP width and draft vocabulary), at the target's width and heads."""
@@ -249,6 +297,11 @@ def table(results: dict) -> str:
             head = result["head"]
             lines.append(f"  EAGLE-3 head, EAGLE-2 tree 60/6/10: draft {head['draft_ms']} ms + verify "
                          f"{head['verify_ms']} ms = cycle {head['cycle_ms']} ms")
+    if results.get("slots"):
+        lines.append("regeneration steps (continuous batching, every slot busy):")
+        lines.append("  slots   span  sampling  step_ms      tok/s")
+        for row in results["slots"]:
+            lines.append(f"  {row['slots']:5d}  {row['span']:5d}  {row['sampling']:8d}  {row['step_ms']:7.3f}  {row['tok_s']:9.1f}")
     return "\n".join(lines)
 
 
@@ -266,8 +319,8 @@ def parser() -> Parser:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (a CI-sized run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
-    parser.add_argument("--runtime", choices=(*LAYOUTS, "both"), default="both",
-                        help="the engine's layout (host: the growing one's former name)")
+    parser.add_argument("--runtime", choices=(*LAYOUTS, "both", "none"), default="both",
+                        help="the engine's layout (host: the growing one's former name; none: --slots only)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[7, 15, 31, 63], help="tree sizes (rows - 1)")
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3], help="right-path depths (tau - 1)")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
@@ -276,6 +329,10 @@ def parser() -> Parser:
     parser.add_argument("--head", action="store_true", help="also time a random EAGLE-3 head's EAGLE-2 trees")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the target's forward (on the fixed layout: inside its captured steps)")
+    parser.add_argument("--slots", type=int, nargs="+", default=[],
+                        help="also time regeneration's decoding step at these many slots (continuous batching)")
+    parser.add_argument("--spans", type=int, nargs="+", default=[256, 1024],
+                        help="positions each slot attends over in --slots' steps")
     parser.add_argument("--trace", default=None, help="write a profiler trace of a few cycles to this folder")
     parser.add_argument("-o", "--output", default=None, help="write the results as JSON")
     return parser
@@ -286,10 +343,12 @@ def main(argv: list[str]) -> dict:
     args = parser().parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     started = time.perf_counter()
-    runtimes = ("fixed", "growing") if args.runtime == "both" else (args.runtime,)
+    runtimes = {"both": ("fixed", "growing"), "none": ()}.get(args.runtime, (args.runtime,))
     results = {"command": " ".join(["specchat runtime-check", *argv]), "shape": args.shape, "layers": args.layers,
                "dtype": args.dtype, "hardware": hardware(),
                "runs": {runtime: measure(args, runtime) for runtime in runtimes}}
+    if args.slots:
+        results["slots"] = slot_steps(args)
     results["seconds"] = round(time.perf_counter() - started, 1)
     print(table(results))
     if args.output:

@@ -137,6 +137,12 @@ def test_each_greedy_answer_is_the_prompts_own(target):
         ended = next((at for at, token in enumerate(tokens) if token in stops), None)
         assert (answers[i].tokens, answers[i].finish) == (tokens[:ended], "length" if ended is None else "stop"), i
     assert sum(a.finish == "stop" for a in answers.values()) >= 2
+    # The accounting: every prompt token prefilled once, every later token drawn by a step of a busy slot.
+    times = decoder.times
+    assert times.prefill_tokens == sum(map(len, prompts)) and times.prefills >= len(prompts) // 2
+    assert times.busy_rows == sum(len(a.tokens) + (a.finish == "stop") - 1 for a in answers.values())
+    assert times.steps <= times.busy_rows <= 3 * times.steps and times.span_positions >= times.steps
+    assert f"{times.steps:,} steps" in times.summary(3, 60.0)
 
 
 def test_sampled_answers_follow_the_targets_distribution(target):
@@ -267,7 +273,7 @@ def test_data_commands(tmp_path, capsys, qwen_dir):
     status, _, err = invoke(["data", "regenerate", str(tmp_path / "data"), "--model", str(qwen_dir), "--device", "cpu",
                              "--dtype", "float32", "--max-new-tokens", "4", "--temperature", "0", "--part", "1/1"],
                             capsys)
-    assert status == 0 and "answered 3 greedy" in err, err
+    assert status == 0 and "answered 3 greedy" in err and "slots busy" in err and "prompt tokens" in err, err
     status, out, _ = invoke(["data", "status", str(tmp_path / "data")], capsys)
     assert status == 0 and "2 prompts answered, 3 turns (100% of the turns)" in out and "all checksums right" in out
     status, _, err = invoke(["data", "regenerate", str(tmp_path / "data"), "--part", "3/2"], capsys)

@@ -44,3 +44,18 @@ def test_compile_asks_for_the_compiled_forward_on_either_layout():
         compiled = runtime_check.build_target("tiny", 1, "cpu", torch.float32, runtime, compile=True)
         assert compiled.compiled and "compiled forward" in compiled.runtime  # compiling waits for the first run
         assert not runtime_check.build_target("tiny", 1, "cpu", torch.float32, runtime).compiled
+
+
+def test_slots_time_regenerations_step_alone(tmp_path, capsys):
+    """`--slots` with `--runtime none`: the slot decoder's step at each slot count, span and share
+    sampling, every slot busy; the layouts left out."""
+    output = tmp_path / "slots.json"
+    code, out, _ = invoke(["runtime-check", "--shape", "tiny", "--device", "cpu", "--runtime", "none", "--slots", "2",
+                           "4", "--spans", "128", "--repeats", "1", "--trace", str(tmp_path / "trace"), "-o", str(output)],
+                          capsys)
+    assert code == 0 and "regeneration steps" in out
+    results = json.loads(output.read_text())
+    assert results["runs"] == {}
+    assert [(row["slots"], row["sampling"]) for row in results["slots"]] == [(2, 0), (2, 1), (4, 0), (4, 2)]
+    assert all(0 < row["span"] <= 128 and row["tok_s"] > 0 for row in results["slots"])
+    assert (tmp_path / "trace" / "slots-summary.txt").is_file()

@@ -21,6 +21,7 @@ drawn from the target's distribution at its slot's temperature, as plain decodin
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -166,6 +167,31 @@ def draw(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Gene
     return torch.where(hot, sample_rows(probs, generator), greedy)
 
 
+@dataclass
+class SlotTimes:
+    """Where a `SlotDecoder`'s time went, in wall seconds: each phase ends by reading its result on
+    the host, so on CUDA a phase's seconds include the device's. Capturing (each step shape's eager
+    first run and its capture) is counted apart from the steps."""
+    steps: int = 0  # decoding steps (one token for every busy slot)
+    step_seconds: float = 0.0
+    busy_rows: int = 0  # summed over the steps: the slots that were answering
+    span_positions: int = 0  # summed over the steps: the positions each slot attended over
+    prefills: int = 0  # prefill forwards (each a chunk of several prompts)
+    prefill_tokens: int = 0  # prompt tokens run, padding left out
+    prefill_seconds: float = 0.0
+    capture_seconds: float = 0.0
+
+    def summary(self, slots: int, seconds: float) -> str:
+        """One line; `seconds`: the whole run's, whose rest (tokenizing, writing answers) is said too."""
+        if not self.steps:
+            return "no decoding step"
+        rest = seconds - self.step_seconds - self.prefill_seconds - self.capture_seconds
+        return (f"decoding {self.step_seconds:.0f} s ({self.steps:,} steps of {1000 * self.step_seconds / self.steps:.1f} ms, "
+                f"{self.busy_rows / self.steps:.0f} of {slots} slots busy, span {self.span_positions / self.steps:,.0f}), "
+                f"prefill {self.prefill_seconds:.0f} s ({self.prefills:,} forwards, {self.prefill_tokens:,} prompt tokens), "
+                f"capturing {self.capture_seconds:.0f} s, the rest (tokenizing, writing) {rest:.0f} s")
+
+
 class SlotDecoder:
     """Answers requests `slots` at a time (continuous batching), each in at most `max_new_tokens`
     tokens, a stop token ending it; prompts of up to `max_prompt_tokens`."""
@@ -196,6 +222,7 @@ class SlotDecoder:
         self.host_temperatures = np.zeros(slots, dtype=np.float32)
         self.answers = np.zeros((slots, max_new_tokens), dtype=np.int64)
         self.counts = np.zeros(slots, dtype=np.int64)
+        self.times = SlotTimes()
 
     def run(self, pending: deque, admit: Callable[[], bool] = lambda: True) -> Iterator[Answer]:
         """Answer the requests of `pending` (the caller may append more between answers) until none
@@ -208,7 +235,7 @@ class SlotDecoder:
                 continue
             if busy == 0:
                 return
-            yield from self._step()
+            yield from self.step()
 
     def _admit(self, pending: deque, free: list[int]) -> list[Answer]:
         """Prefill as many pending prompts into free slots as one prefill's budget takes."""
@@ -221,7 +248,9 @@ class SlotDecoder:
             assert len(request.ids) + self.max_new_tokens < self.cache.capacity, "a prompt longer than the slots hold"
             chosen.append((free[len(chosen)], request))
             tokens += size
+        started = time.perf_counter()
         first = self._prefill(chosen)
+        self.times.prefill_seconds += time.perf_counter() - started
         for (slot, request), token in zip(chosen, first):
             self.requests[slot] = request
             self.host_tokens[slot], self.host_positions[slot] = token, len(request.ids)
@@ -245,6 +274,8 @@ class SlotDecoder:
             positions = torch.arange(start, start + width, device=device).expand(len(rows), width)
             final, _ = rows_forward(self.forward, ids.to(device), positions,
                                     SlotAttention(self.cache, slots, positions, start + width, self.forward.scaling))
+            self.times.prefills += 1
+            self.times.prefill_tokens += sum(min(width, lengths[i] - start) for i in rows)
             ending = [(row, i) for row, i in enumerate(rows) if lengths[i] <= start + width]
             if ending:
                 last = final[[row for row, _ in ending], [lengths[i] - 1 - start for _, i in ending]]
@@ -261,18 +292,33 @@ class SlotDecoder:
                                 SlotAttention(self.cache, None, positions, span, self.forward.scaling))
         self.drawn.copy_(draw(self.target.lm_head(final[:, 0]), self.temperatures, self.generator, sampled))
 
+    def fill(self, length: int, temperatures: list[float]) -> None:
+        """Every slot busy at once, each as if `length` tokens were in (no prompt is run: the cache
+        holds what it holds), at its temperature: where `specchat runtime-check --slots` times steps."""
+        for slot, temperature in enumerate(temperatures):
+            self.requests[slot] = Request([0] * length, temperature)
+            self.host_positions[slot], self.host_temperatures[slot], self.counts[slot] = length, temperature, 1
+
     @torch.inference_mode()
-    def _step(self) -> list[Answer]:
+    def step(self) -> list[Answer]:
+        """One token for every busy slot; the answers that ended (their slots freed)."""
         busy = np.array([request is not None for request in self.requests])
         needed = int(self.host_positions[busy].max()) + 1
         span = next(s for s in self.spans if s >= needed) if self.graphs.capture else needed
         sampled = bool((self.host_temperatures[busy] > 0).any())
+        started, capturing = time.perf_counter(), self.graphs.capture_seconds
         for static, host in ((self.tokens, self.host_tokens), (self.positions, self.host_positions),
                              (self.temperatures, self.host_temperatures)):
             static.copy_(torch.from_numpy(host))
         self.graphs.run((span, sampled), lambda: self._decode(span, sampled), self.generator if sampled else None)
         drawn = self.drawn.cpu().numpy()
+        captured = self.graphs.capture_seconds - capturing
+        self.times.capture_seconds += captured
+        self.times.step_seconds += time.perf_counter() - started - captured
         slots = np.flatnonzero(busy)
+        self.times.steps += 1
+        self.times.busy_rows += len(slots)
+        self.times.span_positions += span
         self.answers[slots, self.counts[slots]] = drawn[slots]
         self.counts[slots] += 1
         self.host_tokens[slots] = drawn[slots]

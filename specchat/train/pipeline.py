@@ -176,6 +176,8 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log,
                                               max_new_tokens=options.regenerate_max_tokens, seed=options.seed),
                             ChatFormat(target.tokenizer).stop_ids, progress("regenerating answers"))
         log(f"regeneration: {result.summary()}")
+        if result.breakdown():
+            log(f"regeneration: {result.breakdown()}")
         conversations = [data_mod.TrainingConversation(messages, where)
                          for messages, where in folder.conversations(result.scan)]
         summary["regenerated"] = len(conversations)

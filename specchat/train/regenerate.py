@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.decode.runtime.cache import KVCache
-from specchat.train.batched import Answer, Request, SlotDecoder
+from specchat.train.batched import Answer, Request, SlotDecoder, SlotTimes
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
 from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS
@@ -55,6 +55,8 @@ class RegenerateReport:
     tokens: int = 0  # answer tokens drawn (those of stop tokens included)
     stopped: bool = False  # by the time limit
     scan: Scan | None = None  # the folder afterwards
+    slots: int = 0  # sequences decoded at once
+    times: SlotTimes | None = None  # where the continuous batching's time went (None: transformers' generate)
 
     def summary(self) -> str:
         answered = ", ".join(f"{n:,} {name}" for name, n in self.answered.items()) or "nothing"
@@ -63,6 +65,10 @@ class RegenerateReport:
         return (f"answered {answered} in {self.seconds:.0f} s{rate}" + (f"; still to answer: {pending}" if pending else "")
                 + (f"; {self.too_long:,} conversations stopped at a turn past the prompt limit" if self.too_long else "")
                 + ("; stopped by the time limit" if self.stopped else ""))
+
+    def breakdown(self) -> str | None:
+        """Where the time went, as one line (None for transformers' `generate`, which does not say)."""
+        return self.times.summary(self.slots, self.seconds) if self.times is not None else None
 
 
 def batch_size_for(device: torch.device) -> int:
@@ -148,6 +154,8 @@ def regenerate(prompts: list[PromptRecord], target, folder: DataFolder, options:
                       for t in options.temperatures}
     report.scan = folder.scan()  # the manifest says what this run added
     report.seconds = time.monotonic() - started
+    if decoder is not None:
+        report.slots, report.times = options.batch_size, decoder.times
     return report
 
 
