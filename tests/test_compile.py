@@ -64,7 +64,7 @@ def test_auto_compiles_on_cuda_only():
     assert compiles("on", torch.device("cpu")) and not compiles("off", torch.device("cuda"))
 
 
-def test_the_forward_compiles_whole_and_computes_what_the_eager_one_does(capsys):
+def test_the_compiled_forward_computes_what_the_eager_one_does(capsys):
     compiled = tiny_target("on")
     assert compiled.compiled and "compiled" in compiled.runtime
     compiled.warm_up()
@@ -75,6 +75,21 @@ def test_the_forward_compiles_whole_and_computes_what_the_eager_one_does(capsys)
         torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(features, eager_features, rtol=1e-4, atol=1e-4)
     assert_compiled_whole()
+
+
+def test_a_deeper_model_compiles_no_more_graphs():
+    """One layer is compiled and every layer runs it (regional compilation): the graphs a prefill,
+    a token and a tree step compile are as many for 5 layers as for 2, so compiling costs one layer's
+    time whatever the depth (a whole 24-layer forward did not finish compiling in a GPU block)."""
+    graphs = []
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        spec = ModelSpec(model="tiny", dtype="float32", device="cpu", compile="on")
+        steps(Target(build_model("qwen2", num_hidden_layers=layers), build_tokenizer(), "tiny", spec=spec))
+        assert_compiled_whole()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1], graphs
 
 
 @pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,

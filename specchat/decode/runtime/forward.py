@@ -1,5 +1,6 @@
 """specchat's own forward pass over a loaded Llama-family decoder, with the KV cache as two tensors
-and a length: what `torch.compile(fullgraph=True)` captures whole (`--compile`).
+and a length: what `torch.compile(fullgraph=True)` captures without a break (`--compile`), one
+decoder layer at a time, every layer running the same compiled graphs.
 
 transformers' forward is general (any cache class, mask builders, output records, hooks); on a CPU
 that Python costs ~8 ms of a ~21 ms decode step of the 0.5B (the linear layers take ~13; measured
@@ -144,9 +145,13 @@ class DecoderForward:
         embedding = self.embed_tokens.weight
         self.dtype, self.device = embedding.dtype, embedding.device
         self.compiled = compile
-        # dynamic: the cached length and the number of new tokens vary every call, so one graph serves
-        # them all (dynamo specializes 0 and 1 only: a first prefill, one token, several tokens).
-        self._run = torch.compile(self._forward, fullgraph=True, dynamic=True) if compile else self._forward
+        # One decoder layer is compiled, not the whole forward: every layer runs the same graphs (its
+        # modules' weights and its part of the caches are their inputs), which compile in a layer's
+        # time rather than the whole depth's (the whole 24-layer forward was still compiling its first
+        # step shapes after 150 s on an H200's host, 2026-11-26; on two CPU cores a runtime check's
+        # compiling fell from ~200 s to ~20 s). dynamic: the cached length and the number of new tokens
+        # vary every call, so one graph serves them all (a first prefill, one token, several tokens).
+        self._layer_step = torch.compile(self._layer, fullgraph=True, dynamic=True) if compile else self._layer
         # Quantized layers on a CPU: the whole forward as one call into the kernel's extension.
         self.fused = None if cpu_decoder.unfused_reason(self) else cpu_decoder.build(self)
 
@@ -168,7 +173,7 @@ class DecoderForward:
             mask = causal_mask(start, n, input_ids.device)  # plain and tree steps; eager one-token steps need none
         if self.compiled:
             input_ids, positions, mask = map(own, (input_ids, positions, mask))
-        final, hidden = self._run(input_ids, positions, mask, keys, values, start)
+        final, hidden = self._forward(input_ids, positions, mask, keys, values, start)
         cache.extend(n)
         return final, [hidden[i] for i in feature_layers]
 
@@ -193,7 +198,7 @@ class DecoderForward:
         keys, values = cache.storage.buffers
         if self.compiled:
             input_ids, positions, mask, slots = map(own, (input_ids, positions, mask, slots))
-        final, hidden = self._run(input_ids, positions, mask, keys, values, slots, span)
+        final, hidden = self._forward(input_ids, positions, mask, keys, values, slots, span)
         return final, [hidden[i] for i in feature_layers]
 
     def _forward(self, input_ids, positions, mask, keys, values, start, span: int | None = None):
@@ -208,15 +213,21 @@ class DecoderForward:
         hidden = []
         for index, layer in enumerate(self.layers):
             hidden.append(x[0])  # the input of layer i is feature i
-            x = x + self._attention(index, layer, layer.input_layernorm(x), cos, sin, mask, keys, values, start, span)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._layer_step(layer, self.projections[index], x, cos, sin, mask, keys[index], values[index], start,
+                                 span)
         final = self.norm(x)[0]
         return final, hidden + [final]
 
-    def _attention(self, index, layer, x, cos, sin, mask, keys, values, start, span):
+    def _layer(self, layer, projections, x, cos, sin, mask, keys, values, start, span):
+        """One decoder layer: attention (writing the new keys and values into this layer's `keys` and
+        `values` [kv_heads, capacity, d]) and MLP."""
+        x = x + self._attention(layer, projections, layer.input_layernorm(x), cos, sin, mask, keys, values, start, span)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _attention(self, layer, projections, x, cos, sin, mask, keys, values, start, span):
         module = layer.self_attn
         n = x.shape[1]
-        q, k, v = self.projections[index](x)
+        q, k, v = projections(x)
         q = q.view(1, n, self.heads, self.head_dim)
         k = k.view(1, n, self.kv_heads, self.head_dim)
         if self.normalizes_heads:
@@ -226,11 +237,10 @@ class DecoderForward:
         v = v.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
         if span is None:  # the growing cache: the next n positions
             span = start + n
-            keys[index, :, start:span] = k[0]
-            values[index, :, start:span] = v[0]
+            keys[:, start:span] = k[0]
+            values[:, start:span] = v[0]
         else:  # the fixed envelope: slots on the device
-            keys[index].index_copy_(1, start, k[0])
-            values[index].index_copy_(1, start, v[0])
-        out = attention(q, keys[index : index + 1, :, :span], values[index : index + 1, :, :span], mask,
-                        self.scaling)  # [1, heads, n, d]
+            keys.index_copy_(1, start, k[0])
+            values.index_copy_(1, start, v[0])
+        out = attention(q, keys[None, :, :span], values[None, :, :span], mask, self.scaling)  # [1, heads, n, d]
         return module.o_proj(out.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
