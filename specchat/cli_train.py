@@ -224,6 +224,9 @@ def train_option(*decls, **attrs):
 @train_option("--features", type=click.Choice(FEATURE_CHOICES),
               help="stored: the target's features extracted once into the work folder; live: computed by the "
                    "target on the device for every batch (no feature files); auto: live on a GPU where it fits.")
+@train_option("--init", metavar="HEAD",
+              help="Start from this head of the same format (a bundled head's name, a folder or a hub id): its "
+                   "weights, draft vocabulary and widths, rather than new ones.")
 @train_option("--draft-vocab", type=int,
               help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
 @train_option("--intermediate-size", type=int, help="MLP width of the head (default: the target's).")

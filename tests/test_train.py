@@ -522,3 +522,32 @@ def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, cap
     taus = [e["tau"] for e in record["held_out_top1"]]
     assert len(taus) == 2 and record["selected"]["tau"] == max(taus)
     assert load_head(str(out), load_tiny_target(qwen_dir)).kind == "eagle3"
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])  # an EAGLE head shares the target's LM head too
+def test_training_can_start_from_a_head(kind, qwen_dir, tmp_path, capsys):
+    """--init HEAD: its weights and draft vocabulary are where training starts (at a learning rate
+    of 0 they come out as they went in), training.json says so, and a size that contradicts the
+    head is a one-line usage error."""
+    from conftest import invoke
+    from safetensors.torch import load_file
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                      {"role": "assistant", "content": "answer " + "xyz" * (3 + i % 5)}]})
+             for i in range(10)]
+    data = write(tmp_path, "chat.jsonl", "\n".join(lines))
+    common = ["train", "--kind", kind, "--data", data, "--model", str(qwen_dir), "--dtype", "float32",
+              "--device", "cpu", "--work-dir", str(tmp_path / "work"), "--max-steps", "2", "--batch-tokens", "120",
+              "--ttt-steps", "2", "--held-out", "0.2", "--eval-every", "2", "--warmup", "1"]
+    code, _, err = invoke(common + ["-o", str(tmp_path / "first"), "--draft-vocab", "40"], capsys)
+    assert code == 0, err
+    code, _, err = invoke(common + ["-o", str(tmp_path / "second"), "--init", str(tmp_path / "first"), "--lr", "0"],
+                          capsys)
+    assert code == 0, err
+    assert f"starting from {tmp_path / 'first'}: its draft vocabulary of 40 tokens" in err
+    first, second = load_file(tmp_path / "first" / "model.safetensors"), load_file(tmp_path / "second" / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((tmp_path / "second" / "training.json").read_text())["initialized_from"] == str(tmp_path / "first")
+    code, _, err = invoke(common + ["-o", str(tmp_path / "third"), "--init", str(tmp_path / "first"),
+                                    "--draft-vocab", "50"], capsys)
+    assert code == 2 and "--draft-vocab 50 differs" in err.strip().splitlines()[-1], err

@@ -42,6 +42,7 @@ class TrainOptions:
     work_dir: str | None = None  # None: under the cache, keyed by the target and the data
     prepare_only: bool = False
     # The head and its training (specchat.train.trainer.TrainConfig).
+    init: str | None = None  # start from this head (bundled name, folder, hub id): its weights and vocabulary
     draft_vocab: int | None = None  # None: 32000 (EAGLE-3's size)
     intermediate_size: int | None = None  # None: the target's
     ttt_steps: int | None = None  # None: the paper's (7 for eagle3, 1 for eagle/jakiro)

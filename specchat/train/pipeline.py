@@ -23,6 +23,7 @@ import torch
 
 from specchat import __version__
 from specchat import exports as exporting
+from specchat import sources
 from specchat.chat import ChatFormat
 from drafters import FORMATS, save_head
 from drafters.eagle3 import default_feature_layers
@@ -84,7 +85,7 @@ def run(target, options: TrainOptions, log: Callable[[str], None], progress) -> 
         summary["held_out_fraction"] = options.held_out
         shard = int(options.max_shard_mb * 2**20) if options.max_shard_mb else None
         record = train_head(target, store, train_config(options), Path(options.output), summary, options.held_out,
-                            options.resume, log, bars.training, shard)
+                            options.resume, log, bars.training, shard, init=options.init)
     log(outcome(record, options.output))
     if options.exports and record["finished"]:
         for layout in options.exports:
@@ -226,9 +227,42 @@ def split(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]
     return indices[held:], indices[:held]
 
 
+def initial_head(name: str, target, store: FeatureStore, config: TrainConfig, log):
+    """The head `--init` names, to train on: its own weights in float32 (the target's embedding it
+    shares stays as it is), its draft vocabulary (on the host; None: the whole vocabulary) and that
+    vocabulary's share of the assistant tokens."""
+    head, folder = sources.load_head(name, target, config.kind)
+    vocab = head.draft_to_target
+    sizes = {"--draft-vocab": (config.draft_vocab, target.vocab_size if vocab is None else len(vocab)),
+             "--intermediate-size": (config.intermediate_size, head.config.intermediate_size)}
+    for option, (asked, own) in sizes.items():
+        if asked is not None and asked != own:
+            raise UsageError(f"{option} {asked} differs from {folder}'s {own}: --init keeps the head's sizes")
+    # Loaded in the target's dtype; trained in float32 as a new head is, but for what it shares with
+    # the target (its embedding, and an EAGLE head's LM head), which stays the target's.
+    shared = {id(t) for module in (target.embed_tokens, target.lm_head) for t in (*module.parameters(), *module.buffers())}
+    for module in head.modules():
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if id(tensor) not in shared and tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+    if vocab is None:
+        coverage = 1.0
+    else:
+        vocab = vocab.cpu()
+        covered = total = 0
+        for tokens, mask in store.tokens_and_masks():
+            answer = tokens[mask]
+            covered, total = covered + int(torch.isin(torch.as_tensor(answer), vocab).sum()), total + len(answer)
+        coverage = covered / max(1, total)
+    log(f"starting from {folder}" + ("" if vocab is None else
+        f": its draft vocabulary of {len(vocab):,} tokens covers {coverage:.1%} of the assistant tokens"))
+    return head.train(), vocab, coverage
+
+
 def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, data_summary: dict, held_out_fraction: float,
-               resume: bool, log, progress, max_shard_bytes: int | None = None) -> dict:
-    """Train one head on the store and write it (published format + training.json) to `output`.
+               resume: bool, log, progress, max_shard_bytes: int | None = None, init: str | None = None) -> dict:
+    """Train one head on the store and write it (published format + training.json) to `output`;
+    `init` names a head to start from (`initial_head`), else a new one is made.
 
     The head trains on the target's device. When held-out sequences are evaluated, `output` holds
     the head with the best simulated tau so far (written when it appears); otherwise the last one.
@@ -236,11 +270,14 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
     """
     device = target.device  # the one place the training device is decided: where the target is
     train_ids, held_out = split(len(store), held_out_fraction, config.seed)
-    size = config.draft_vocab or PAPER_DRAFT_VOCAB
-    vocab, coverage = (None, 1.0) if size >= target.vocab_size else draft_vocabulary(store, size, target.vocab_size)
-    if vocab is not None:
-        log(f"draft vocabulary: {len(vocab):,} tokens covering {coverage:.1%} of the assistant tokens")
-    head = build_head(config.kind, target, config, vocab)
+    if init is not None:
+        head, vocab, coverage = initial_head(init, target, store, config, log)
+    else:
+        size = config.draft_vocab or PAPER_DRAFT_VOCAB
+        vocab, coverage = (None, 1.0) if size >= target.vocab_size else draft_vocabulary(store, size, target.vocab_size)
+        if vocab is not None:
+            log(f"draft vocabulary: {len(vocab):,} tokens covering {coverage:.1%} of the assistant tokens")
+        head = build_head(config.kind, target, config, vocab)
     started = time.perf_counter()
     output.mkdir(parents=True, exist_ok=True)
 
@@ -258,6 +295,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
             "data": {**data_summary, "train_conversations": len(train_ids), "held_out_conversations": len(held_out)},
             "draft_vocab": {"size": None if vocab is None else len(vocab), "assistant_token_coverage": round(coverage, 4)},
             "recipe": recipe_description(config),
+            "initialized_from": init,  # --init: the head training started from (None: a new one)
             "hyperparameters": asdict(config),
             "steps": state.step,
             "finished": state.stopped is None,
