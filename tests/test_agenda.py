@@ -129,7 +129,7 @@ def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     commands = [c[2:] if c[0] == "timeout" else c for c in commands]  # a stage that may not overrun its minutes
     specchat_commands = [c[3:] for c in commands if c[1:3] == ("-m", "specchat")]
-    assert [c[0] for c in specchat_commands] == ["runtime-check", "runtime-check", "bench", "data", "data", "train"]
+    assert [c[0] for c in specchat_commands] == ["runtime-check"] * 3 + ["bench", "data", "data", "train"]
     for args in specchat_commands:
         if args[0] == "runtime-check":  # it parses its own options
             runtime_check.parser().parse_args(list(args[1:]))  # exits on an option it does not take
@@ -145,3 +145,52 @@ def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
     for test in (arg for arg in pytest_command if arg.startswith("tests/")):
         path, _, name = test.partition("::")
         assert (root / path).is_file() and (not name or f"def {name}(" in (root / path).read_text())
+
+
+def test_detached_stages_outlive_the_call_wait_for_the_model_and_come_back(tmp_path, there, monkeypatch):
+    """--detach starts the chain in a session of its own from a copy of the checkout; the chain
+    waits for the last piece, fits training into the block's deadline, runs the CUDA tests beside
+    training, marks each stage done; --wait brings a stage's logs and pieces back."""
+    (there / "data").mkdir(parents=True)
+    Path("specchat/module.py").write_text("")
+    Path(".gpu/pieces/00").mkdir(parents=True)
+    spawned = {}
+
+    class Spawned:
+        pid = os.getpid()  # a process that is there
+
+        def __init__(self, command, **options):
+            spawned.update(command=command, **options)
+
+    monkeypatch.setattr(agenda.subprocess, "Popen", Spawned)
+    result = CliRunner().invoke(agenda.cli, ["device", "--detach", "--check", "--answer-minutes", "3",
+                                             "--train-minutes", "4.5", "--back", "--deadline-in", "300"])
+    assert result.exit_code == 0, result.output
+    assert spawned["command"][3:] == ["device", "--chain", "--check", "--back", "--answer-minutes", "3.0",
+                                      "--train-minutes", "4.5", "--train-rate", str(float(agenda.PLANNED_TRAIN_RATE)),
+                                      "--batch", "512", "--device", "cuda"]
+    assert spawned["start_new_session"] and spawned["cwd"] == there / "src"
+    assert (there / "src/specchat/module.py").is_file() and not (there / "src/.gpu").exists()
+    assert agenda._chain_running()
+    # The chain itself, its commands recorded rather than run.
+    commands, beside = [], []
+    monkeypatch.setattr(agenda.Stages, "run", lambda self, stage, *command, log=None, env=None: commands.append(command))
+    monkeypatch.setattr(agenda.Stages, "beside", lambda self, stage, *command: lambda: beside.append(command))
+    monkeypatch.setattr(agenda, "receive", lambda piece: [])
+    monkeypatch.setattr(agenda, "back", lambda out: (out / "answers.tgz.00").write_text(out.name))
+    (there / "ready").touch()
+    result = CliRunner().invoke(agenda.cli, ["device", "--chain", "--check", "--answer-minutes", "3",
+                                             "--train-minutes", "4.5", "--back"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in sorted(there.glob("chain/*.done"))] == ["answer.done", "check.done", "train.done"]
+    assert beside and "pytest" in beside[0] and not any("pytest" in c for c in commands)
+    train = next(c for c in commands if "train" in c)
+    minutes = float(train[train.index("--max-minutes") + 1])
+    assert 1.0 <= minutes <= (300 - agenda.TRAIN_OVERHEAD_SECONDS) / 60 < 4.5  # the deadline, not the minutes asked
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    result = CliRunner().invoke(agenda.cli, ["device", "--wait", "answer", "--limit", "5"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["answer-logs.tgz", "answers.tgz.00"]
+    assert (out / "answers.tgz.00").read_text() == "answer"

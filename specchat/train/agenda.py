@@ -12,7 +12,10 @@ brings back at most 8 files of 16 MiB; a session has 15 minutes of it, and a mac
 is given back with all it held. So a piece is chunks of whole files (wheels and prompts first, so
 the first call can run the runtime check while the model is still on its way), each file checked
 by its sha256 once all its chunks are there and kept in /tmp/agenda while the machine stays warm.
-The stages run `python3 -m specchat ...`, with the carried wheels on the path.
+The stages run `python3 -m specchat ...`, with the carried wheels on the path. With `--detach`
+they run as a chain in a process session of their own that outlives the call (the machine stays
+while calls follow one another), so the GPU works while the next pieces come and between calls;
+`--wait STAGE` brings a finished stage's results back.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -44,12 +48,24 @@ THERE = Path("/tmp/agenda")  # on the GPU machine: chunks, files, wheels, data, 
 BENCH_METHODS = "vanilla,eagle,eagle2,deagle,jakiro,pld"
 # The runtime check on random weights of the real shapes (what follows the Python interpreter).
 RUNTIME_CHECK = ("-m", "specchat", "runtime-check")
-# EAGLE-3 training on an H100, target features live: ~1.8 GFLOP a token (the 0.5B's forward, the
-# head's 7 unrolled steps forward and backward) at ~100 TFLOP/s (docs/gpu-agenda.md).
-PLANNED_TRAIN_RATE = 55_000
+# EAGLE-3 training, target features live: planned at 55k tokens/s (~1.8 GFLOP a token at ~100 TFLOP/s,
+# docs/gpu-agenda.md); an H200 trained at 43-48k on 2026-11-26 (the CUDA tests beside it at first).
+PLANNED_TRAIN_RATE = 45_000
+# What a training stage spends besides its minutes: loading the target, counting the draft
+# vocabulary, the last evaluation, writing the head (95 s on that H200, 365 s for 4.5 minutes).
+TRAIN_OVERHEAD_SECONDS = 110
+SLOT_COUNTS = ("256", "512", "1024")  # the regeneration steps the check times (--batch is 512)
+CUDA_TESTS = ("timeout", "150", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
+              "tests/test_layouts.py", "tests/test_compile.py", "tests/test_data.py::test_captured_steps_answer_as_eager_ones",
+              "tests/test_train.py::test_training_on_cuda")
+CHAIN_STAGES = ("check", "bench", "answer", "train")  # what --wait can wait for, in the order they run
 # The head's recipe (README, "Bundled heads"): 8192-token draft vocabulary, MLP 2048, 7 TTT steps.
+# Started from the bundled head (held-out τ 2.51 after 26M tokens), at a third of its learning rate:
+# from scratch, 4.5 minutes on an H200 reached 2.06 (2026-11-26), and no checkpoint comes back
+# from a block to go on from (its optimizer state is larger than a call returns).
 TRAIN_BATCH_TOKENS = 16384
-TRAIN_ARGS = ("--kind", "eagle3", "--draft-vocab", "8192", "--intermediate-size", "2048", "--lr", "3e-4",
+TRAIN_ARGS = ("--kind", "eagle3", "--init", "qwen2.5-coder-0.5b-eagle3", "--draft-vocab", "8192",
+              "--intermediate-size", "2048", "--lr", "1e-4",
               "--batch-size", "16", "--batch-tokens", str(TRAIN_BATCH_TOKENS), "--eval-every", "100",
               "--checkpoint-every", "200",
               "--checkpoint-precision", "compact", "--max-shard-mb", "14", "--features", "live", "--resume")
@@ -229,16 +245,35 @@ class Stages:
         (self.out / "agenda.json").write_text(json.dumps(self.record, indent=1) + "\n")
         return status
 
+    def beside(self, stage: str, *command: str) -> Callable[[], int]:
+        """Start one command beside the stages that follow, its output kept in $OUT/STAGE.log; the
+        returned function waits for it and records its status and time."""
+        started, sink = time.monotonic(), open(self.out / f"{stage}.log", "a")
+        click.echo(f"[agenda {self.minutes():.1f} min] {stage} (beside what follows): {' '.join(command)}", err=True)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=self.env)
+
+        def finish() -> int:
+            status = process.wait()
+            sink.close()
+            self.record["stages"].append({"stage": stage, "command": list(command), "status": status,
+                                          "seconds": round(time.monotonic() - started, 1), "beside": True})
+            (self.out / "agenda.json").write_text(json.dumps(self.record, indent=1) + "\n")
+            return status
+        return finish
+
     def specchat(self, stage: str, *args: str, log: str | None = None, env: dict | None = None) -> int:
         return self.run(stage, sys.executable, "-m", "specchat", *args, log=log, env=env)
 
 
 @cli.command()
 @click.argument("piece", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--check", is_flag=True, help="The runtime check on random weights of the real shapes, and the CUDA tests.")
+@click.option("--check", is_flag=True,
+              help="The runtime check on random weights of the real shapes (the engine's fixed envelope eager, "
+                   "regeneration's slot steps, the envelope compiled), and the CUDA tests.")
 @click.option("--bench", is_flag=True, help="specchat bench on the real 0.5B, and the first answer of a fresh start.")
 @click.option("--answer-minutes", type=float, default=None, help="Answer the prompts (both temperatures) this long.")
-@click.option("--train-minutes", type=float, default=None, help="Train the EAGLE-3 head this long (resumes).")
+@click.option("--train-minutes", type=float, default=None,
+              help="Train the EAGLE-3 head this long (resumes); detached, at most what --deadline-in leaves.")
 @click.option("--train-rate", type=float, default=PLANNED_TRAIN_RATE, show_default=True,
               help="Training tokens per second planned: the learning-rate schedule ends after the steps that "
                    "--train-minutes take at this rate (more data than that is not seen twice).")
@@ -246,34 +281,75 @@ class Stages:
 @click.option("--model", default=None, help="The target to answer with and train for (default: the embedded 0.5B).")
 @click.option("--device", "where", default="cuda", show_default=True, help="Where to answer and train.")
 @click.option("--back", "bring_back", is_flag=True,
-              help="Put the head and the answers not brought back yet in $OUT, as far as room is left.")
-def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch, model, where, bring_back):
+              help="After answering and after training: the answers not brought back yet and the head, in pieces.")
+@click.option("--detach", is_flag=True,
+              help="Run the stages in a process session of their own, on a copy of this checkout, and return at "
+                   "once: they outlive the call (the machine stays while calls follow), those that need the model "
+                   "wait for its last piece, and --wait brings their results back.")
+@click.option("--deadline-in", type=float, default=None,
+              help="Seconds of device time the block has left: a detached training stage ends in time for the way back.")
+@click.option("--wait", "wait_for", type=click.Choice(CHAIN_STAGES), default=None,
+              help="Wait for the detached stages up to this one (or --limit), then bring back what they left.")
+@click.option("--limit", type=float, default=540, show_default=True, help="Seconds --wait waits at most.")
+@click.option("--chain", is_flag=True, hidden=True)  # the detached process itself
+def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch, model, where, bring_back, detach,
+           deadline_in, wait_for, limit, chain):
     """On the GPU machine: take PIECE in, then run the stages asked for, in the agenda's order."""
     target = ("--device", where) + (("--model", model) if model else ())
-    out = Path(os.environ.get("OUT", THERE / "out"))
+    out = _chain() if chain else Path(os.environ.get("OUT", THERE / "out"))
     out.mkdir(parents=True, exist_ok=True)
     stages = Stages(out)
-    missing = receive(piece)
-    click.echo(f"[agenda] {len(missing)} files still to come" + (f" ({missing[0]}, ...)" if missing else ": all here"),
-               err=True)
-    if missing and (bench or answer_minutes or train_minutes):
-        raise click.ClickException("the model, heads or prompts are not all here yet: send the other pieces first")
+    if not chain:
+        missing = receive(piece)
+        click.echo(f"[agenda] {len(missing)} files still to come" + (f" ({missing[0]}, ...)" if missing else ": all here"),
+                   err=True)
+        if not missing:
+            (THERE / "ready").touch()
+        if deadline_in is not None:
+            (THERE / "deadline").write_text(str(time.time() + deadline_in))
+        if detach:
+            flags = [flag for flag, asked in (("--check", check), ("--bench", bench), ("--back", bring_back)) if asked]
+            for flag, value in (("--answer-minutes", answer_minutes), ("--train-minutes", train_minutes),
+                                ("--train-rate", train_rate), ("--batch", batch), ("--model", model), ("--device", where)):
+                flags += [flag, str(value)] if value is not None else []
+            return _detach(flags)
+        if wait_for:
+            return _gather(wait_for, limit, out)
+        if missing and (bench or answer_minutes or train_minutes):
+            raise click.ClickException("the model, heads or prompts are not all here yet: send the other pieces first")
+
+    def finished(stage: str) -> None:  # for --wait
+        if chain:
+            (_chain() / f"{stage}.done").touch()
+
+    tests = None
     if check:
         stages.run("gpu", "nvidia-smi", "-L", log="runtime-0.5b.log")
-        # The fixed envelope only (the growing runtime's eager steps on CUDA, 36 ms a token on an H200,
-        # took most of the 2026-11-26 check's four minutes and are not the CUDA default), eager and
-        # compiled: a captured step replayed ~1,250 small kernels there (docs/bench-gpu). The compiled
-        # run takes two tree sizes (each step shape compiles once; six graphs on the tiny shape took
-        # 57 s on two CPU cores), and neither may take the block: each stops after 4 minutes.
-        for stage, extra in (("runtime-0.5b", ("--repeats", "2")),
-                             ("runtime-0.5b-compiled", ("--compile", "--nodes", "7", "63", "--repeats", "1"))):
-            stages.run(stage, "timeout", "240", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b", "--runtime",
-                       "fixed", "--tokens", "128", "--head", *extra, "--trace", str(THERE / "trace" / stage),
-                       "-o", str(out / f"{stage}.json"))
-        stages.run("test-cuda", "timeout", "150", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                   "-k", "cuda", "tests/test_layouts.py", "tests/test_compile.py",
-                   "tests/test_data.py::test_captured_steps_answer_as_eager_ones", "tests/test_train.py::test_training_on_cuda")
+        # The fixed envelope eager; regeneration's slot steps (15,176 answers took 158 s on the
+        # 2026-11-26 second block's H200, ~21 ms a step at 512 slots where a few ms were planned: the
+        # slot check says where); then the envelope with the compiled forward (the whole forward's
+        # first step shapes were still compiling after 150 s there; it now compiles one layer).
+        # None may take the block.
+        stages.run("runtime-0.5b", "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b",
+                   "--runtime", "fixed", "--tokens", "128", "--head", "--nodes", "7", "63", "--repeats", "2",
+                   "--trace", str(THERE / "trace" / "runtime-0.5b"), "-o", str(out / "runtime-0.5b.json"))
+        stages.run("runtime-slots", "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b",
+                   "--runtime", "none", "--slots", *SLOT_COUNTS, "--spans", "256", "1024",
+                   "--trace", str(THERE / "trace" / "slots"), "-o", str(out / "runtime-slots.json"))
+        stages.run("runtime-0.5b-compiled", "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape",
+                   "qwen2.5-0.5b", "--runtime", "fixed", "--tokens", "128", "--head", "--nodes", "7", "63",
+                   "--repeats", "2", "--compile", "--trace", str(THERE / "trace" / "runtime-0.5b-compiled"),
+                   "-o", str(out / "runtime-0.5b-compiled.json"))
         _tar_within(THERE / "trace", out / "trace.tgz")
+        if chain and train_minutes:  # beside training: they check correctness, not speed
+            tests = stages.beside("test-cuda", *CUDA_TESTS)
+        else:
+            stages.run("test-cuda", *CUDA_TESTS)
+        finished("check")
+    if chain and (bench or answer_minutes or train_minutes):
+        while not (THERE / "ready").is_file():  # the foreground call that brought the last piece says so
+            time.sleep(2)
+        receive(None)  # the heads into this checkout
     if bench:
         stages.specchat("bench", "bench", "docs/prompts/cpu10.jsonl", "--device", "cuda", "--methods", BENCH_METHODS,
                         "--limit", "5", "--max-new-tokens", "128", "--temperature", "0", "-o", str(THERE / "bench-h100"))
@@ -281,17 +357,94 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
         shutil.rmtree(THERE / "fresh", ignore_errors=True)
         stages.run("first-answer", "bash", "-c", f"time (echo 'Say hi' | {sys.executable} -m specchat chat --device cuda "
                    "--max-new-tokens 16)", env={"XDG_CACHE_HOME": str(THERE / "fresh")})
+        finished("bench")
     if answer_minutes:
         stages.specchat("regenerate", "data", "regenerate", str(THERE / "data"), *target, "--batch", str(batch),
                         "--max-minutes", f"{answer_minutes:g}")
         stages.specchat("status", "data", "status", str(THERE / "data"), log="status.txt")
+        if bring_back:
+            back(_stage_out(out, "answer", chain))
+        finished("answer")
     if train_minutes:
+        minutes = _train_minutes(train_minutes) if chain else train_minutes
         stages.specchat("train", "train", *TRAIN_ARGS, *target, "--data", str(THERE / "data"),
-                        "--work-dir", str(THERE / "work"), "-o", str(THERE / "head"), "--max-minutes", f"{train_minutes:g}",
-                        "--max-steps", str(max(1, int(60 * train_minutes * train_rate / TRAIN_BATCH_TOKENS))))
-    if bring_back:
-        back(out)
+                        "--work-dir", str(THERE / "work"), "-o", str(THERE / "head"), "--max-minutes", f"{minutes:g}",
+                        "--max-steps", str(max(1, int(60 * minutes * train_rate / TRAIN_BATCH_TOKENS))))
+        if tests is not None:
+            tests()
+        if bring_back:
+            back(_stage_out(out, "train", chain))
+        finished("train")
     click.echo(f"[agenda] done in {stages.minutes():.1f} min", err=True)
+
+
+def _detach(flags: list[str]) -> None:
+    """Start `device --chain FLAGS` in a new process session, from a copy of this checkout (the
+    next call lays the checkout anew under it), its output in the chain's log."""
+    source = THERE / "src"
+    shutil.rmtree(source, ignore_errors=True)
+    # Not the hidden folders (.gpu's pieces, a virtual environment, .git) nor caches.
+    shutil.copytree(Path.cwd(), source, symlinks=True, ignore=shutil.ignore_patterns(".*", "__pycache__", "*.egg-info"))
+    shutil.rmtree(_chain(), ignore_errors=True)
+    _chain().mkdir(parents=True)
+    argv = ["--chain", *flags]
+    with open(_chain() / "chain.log", "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "specchat.train.agenda", "device", *argv], cwd=source, stdout=log,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    (_chain() / "pid").write_text(str(process.pid))
+    click.echo(f"[agenda] detached: device {' '.join(argv)} (log: {_chain() / 'chain.log'})", err=True)
+
+
+def _stage_out(out: Path, stage: str, chain: bool) -> Path:
+    """Where a stage's returned pieces go: this call's $OUT, or the chain's folder for the stage."""
+    if not chain:
+        return out
+    (out / stage).mkdir(exist_ok=True)
+    return out / stage
+
+
+def _train_minutes(asked: float) -> float:
+    """The training minutes a detached chain can give: what it was asked, or what the block's
+    deadline leaves after loading, the last evaluation and the way back, at least one."""
+    deadline = THERE / "deadline"
+    if not deadline.is_file():
+        return asked
+    left = (float(deadline.read_text()) - time.time() - TRAIN_OVERHEAD_SECONDS) / 60
+    return max(1.0, min(asked, int(100 * left) / 100))  # down to the hundredth
+
+
+def _gather(stage: str, limit: float, out: Path) -> None:
+    """Wait until the chain has finished `stage` (or has ended, or `limit` seconds), then put its
+    logs (one tarball) and the pieces that stage left into $OUT."""
+    ends = time.monotonic() + limit
+    while time.monotonic() < ends and not (_chain() / f"{stage}.done").is_file() and _chain_running():
+        time.sleep(2)
+    pieces = [p for p in _chain().rglob("*.tgz.*") if p.parent.name == stage]
+    with tarfile.open(out / f"{stage}-logs.tgz", "w:gz") as tar:
+        tar.add(_chain(), arcname="chain", filter=lambda info: None if ".tgz." in info.name else info)
+    for path in pieces:
+        shutil.copy(path, out / path.name)
+    click.echo((_chain() / "chain.log").read_text()[-4000:], err=True)
+    state = "finished" if (_chain() / f"{stage}.done").is_file() else "NOT finished"
+    click.echo(f"[agenda] {stage} {state}; back: {', '.join(sorted(p.name for p in out.iterdir()))}", err=True)
+
+
+def _chain() -> Path:
+    """The detached stages' folder: their logs, results and returned pieces (a folder per stage)."""
+    return THERE / "chain"
+
+
+def _chain_running() -> bool:
+    """Whether the detached chain's process is still there."""
+    pid = _chain() / "pid"
+    if not pid.is_file():
+        return False
+    try:
+        os.kill(int(pid.read_text()), 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _tar_within(folder: Path, target: Path) -> None:
