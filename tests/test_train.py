@@ -518,7 +518,7 @@ def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, cap
     record = json.loads((out / "training.json").read_text())
     assert record["finished"] and record["steps"] == 4 and record["hyperparameters"]["batch_size"] == 2
     code, _, err = invoke([a for a in args if a != "--resume"] + ["--max-minutes", "0.0001"], capsys)
-    assert code == 0 and "starting from scratch: this run's checkpoints replace the one" in err
+    assert code == 0 and "starting at step 0: this run's checkpoints replace the one" in err
     taus = [e["tau"] for e in record["held_out_top1"]]
     assert len(taus) == 2 and record["selected"]["tau"] == max(taus)
     assert load_head(str(out), load_tiny_target(qwen_dir)).kind == "eagle3"

@@ -220,9 +220,9 @@ class Trainer:
             self.log(f"resumed from {folder} at step {self.state.step:,}/{self.total_steps:,} "
                      f"(epoch {self.state.epoch + 1}, {loaded.meta['precision']} checkpoint)")
         elif resume and folder is not None:
-            self.log(f"no checkpoint in {folder}: starting from scratch")
+            self.log(f"no checkpoint in {folder}: starting at step 0")
         elif folder is not None and ckpt.exists(folder):
-            self.log(f"starting from scratch: this run's checkpoints replace the one in {folder} "
+            self.log(f"starting at step 0: this run's checkpoints replace the one in {folder} "
                      "(--resume continues it)")
 
     def run(self) -> TrainState:
