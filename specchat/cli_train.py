@@ -107,8 +107,8 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatur
         report = regenerate(records, target, DataFolder(folder), options, ChatFormat(target.tokenizer).stop_ids,
                             bars.stage("answering prompts"))
     click.echo(f"specchat data regenerate: {report.summary()}", err=True)
-    if report.breakdown():
-        click.echo(f"specchat data regenerate: {report.breakdown()}", err=True)
+    if breakdown := report.breakdown():
+        click.echo(f"specchat data regenerate: {breakdown}", err=True)
 
 
 @data.command(name="import")

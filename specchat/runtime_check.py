@@ -31,6 +31,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.runtime.machine import hardware, synchronize
 from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import UsageError
-from specchat.train.batched import SlotDecoder
+from specchat.train.batched import SlotDecoder, SlotTimes
 
 # The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct; the
 # embedded GGUF files carry the same): the shapes the embedded models decode at.
@@ -211,40 +212,24 @@ def slot_steps(args) -> list[dict]:
     its own: the slot decoder captures its steps)."""
     target = build_target(args.shape, args.layers, args.device, getattr(torch, args.dtype), "growing")
     timed_steps, results = SLOT_STEPS * args.repeats, []
+    extra = timed_steps + 3 + 3 + 2  # tokens per slot: the timed steps, warm-up and capture, a trace's, a margin
     for slots in args.slots:
         for span in args.spans:
-            for sampling in (0.0, 0.5):
-                extra = timed_steps + 3 + 3 + 2  # the timed steps, warm-up and capture, a trace's, a margin
+            for hot in (0, round(slots / 2)):  # slots sampling
                 decoder = SlotDecoder(target, slots, max_prompt_tokens=span, max_new_tokens=extra, stop_ids=frozenset())
-                hot = round(slots * sampling)
                 decoder.fill(max(1, span - extra), [1.0] * hot + [0.0] * (slots - hot))
                 for _ in range(3):
                     decoder.step()
-                before = decoder.times.step_seconds, decoder.times.steps, decoder.times.span_positions
+                decoder.times = times = SlotTimes(slots)  # the timed steps' alone
                 for _ in range(timed_steps):
                     decoder.step()
-                seconds = decoder.times.step_seconds - before[0]
-                steps = decoder.times.steps - before[1]
-                step_ms = 1000 * seconds / steps
-                results.append({"slots": slots, "span": (decoder.times.span_positions - before[2]) // steps,
-                                "sampling": hot, "step_ms": round(step_ms, 3), "tok_s": round(1000 * slots / step_ms, 1)})
+                step_ms = 1000 * times.step_seconds / times.steps
+                results.append({"slots": slots, "span": times.span_positions // times.steps, "sampling": hot,
+                                "step_ms": round(step_ms, 3), "tok_s": round(1000 * slots / step_ms, 1)})
                 if args.trace and slots == max(args.slots) and span == max(args.spans) and hot:
-                    trace_slots(args, decoder, target.device)
+                    write_trace(args.trace, "slots-steps.json", "slots-summary.txt", target.device,
+                                lambda: [decoder.step() for _ in range(3)])
     return results
-
-
-def trace_slots(args, decoder: SlotDecoder, device: torch.device) -> None:
-    """A profiler trace of a few slot steps (the decoder's state as the timing left it)."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
-        for _ in range(3):
-            decoder.step()
-        synchronize(device)
-    folder = Path(args.trace)
-    folder.mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(str(folder / "slots-steps.json"))
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    (folder / "slots-summary.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
 
 
 def head_cycle(args, target: Target, prompt: list[int]) -> dict:
@@ -274,15 +259,20 @@ def trace(args, target: Target, prompt: list[int], plain: list[int], runtime: st
     engine = Engine(target, oracle)
     run(engine, prompt, args.tokens)  # warm-up and capture
     engine.reset()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
+    write_trace(args.trace, f"{runtime}-cycles.json", f"{runtime}-summary.txt", target.device,
+                lambda: run(engine, prompt, min(args.tokens, 4 * (max(args.depths) + 1))))
+
+
+def write_trace(folder: str, trace_name: str, summary_name: str, device: torch.device, work: Callable[[], object]) -> None:
+    """A torch profiler trace of `work` (CUDA kernels too on CUDA) and its summary table, into `folder`."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
-        run(engine, prompt, min(args.tokens, 4 * (max(args.depths) + 1)))
-        synchronize(target.device)
-    folder = Path(args.trace)
-    folder.mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(str(folder / f"{runtime}-cycles.json"))
-    sort = "cuda_time_total" if target.device.type == "cuda" else "cpu_time_total"
-    (folder / f"{runtime}-summary.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
+        work()
+        synchronize(device)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(Path(folder) / trace_name))
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    (Path(folder) / summary_name).write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
 
 
 def table(results: dict) -> str:

@@ -240,8 +240,12 @@ class Stages:
                 sys.stderr.write(line)
                 sink.write(line)
             status = process.wait()
+        return self._recorded(stage, command, status, started)
+
+    def _recorded(self, stage: str, command: tuple[str, ...], status: int, started: float, **extra) -> int:
+        """A finished stage's status and time into $OUT/agenda.json; its status."""
         self.record["stages"].append({"stage": stage, "command": list(command), "status": status,
-                                      "seconds": round(time.monotonic() - started, 1)})
+                                      "seconds": round(time.monotonic() - started, 1), **extra})
         (self.out / "agenda.json").write_text(json.dumps(self.record, indent=1) + "\n")
         return status
 
@@ -255,10 +259,7 @@ class Stages:
         def finish() -> int:
             status = process.wait()
             sink.close()
-            self.record["stages"].append({"stage": stage, "command": list(command), "status": status,
-                                          "seconds": round(time.monotonic() - started, 1), "beside": True})
-            (self.out / "agenda.json").write_text(json.dumps(self.record, indent=1) + "\n")
-            return status
+            return self._recorded(stage, command, status, started, beside=True)
         return finish
 
     def specchat(self, stage: str, *args: str, log: str | None = None, env: dict | None = None) -> int:
@@ -330,16 +331,12 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
         # slot check says where); then the envelope with the compiled forward (the whole forward's
         # first step shapes were still compiling after 150 s there; it now compiles one layer).
         # None may take the block.
-        stages.run("runtime-0.5b", "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b",
-                   "--runtime", "fixed", "--tokens", "128", "--head", "--nodes", "7", "63", "--repeats", "2",
-                   "--trace", str(THERE / "trace" / "runtime-0.5b"), "-o", str(out / "runtime-0.5b.json"))
-        stages.run("runtime-slots", "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b",
-                   "--runtime", "none", "--slots", *SLOT_COUNTS, "--spans", "256", "1024",
-                   "--trace", str(THERE / "trace" / "slots"), "-o", str(out / "runtime-slots.json"))
-        stages.run("runtime-0.5b-compiled", "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape",
-                   "qwen2.5-0.5b", "--runtime", "fixed", "--tokens", "128", "--head", "--nodes", "7", "63",
-                   "--repeats", "2", "--compile", "--trace", str(THERE / "trace" / "runtime-0.5b-compiled"),
-                   "-o", str(out / "runtime-0.5b-compiled.json"))
+        envelope = ("--runtime", "fixed", "--tokens", "128", "--head", "--nodes", "7", "63", "--repeats", "2")
+        for stage, options in (("runtime-0.5b", envelope),
+                               ("runtime-slots", ("--runtime", "none", "--slots", *SLOT_COUNTS, "--spans", "256", "1024")),
+                               ("runtime-0.5b-compiled", (*envelope, "--compile"))):
+            stages.run(stage, "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b", *options,
+                       "--trace", str(THERE / "trace" / stage), "-o", str(out / f"{stage}.json"))
         _tar_within(THERE / "trace", out / "trace.tgz")
         if chain and train_minutes:  # beside training: they check correctness, not speed
             tests = stages.beside("test-cuda", *CUDA_TESTS)

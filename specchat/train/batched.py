@@ -172,6 +172,7 @@ class SlotTimes:
     """Where a `SlotDecoder`'s time went, in wall seconds: each phase ends by reading its result on
     the host, so on CUDA a phase's seconds include the device's. Capturing (each step shape's eager
     first run and its capture) is counted apart from the steps."""
+    slots: int  # sequences decoded at once
     steps: int = 0  # decoding steps (one token for every busy slot)
     step_seconds: float = 0.0
     busy_rows: int = 0  # summed over the steps: the slots that were answering
@@ -181,13 +182,13 @@ class SlotTimes:
     prefill_seconds: float = 0.0
     capture_seconds: float = 0.0
 
-    def summary(self, slots: int, seconds: float) -> str:
+    def summary(self, seconds: float) -> str:
         """One line; `seconds`: the whole run's, whose rest (tokenizing, writing answers) is said too."""
         if not self.steps:
             return "no decoding step"
         rest = seconds - self.step_seconds - self.prefill_seconds - self.capture_seconds
         return (f"decoding {self.step_seconds:.0f} s ({self.steps:,} steps of {1000 * self.step_seconds / self.steps:.1f} ms, "
-                f"{self.busy_rows / self.steps:.0f} of {slots} slots busy, span {self.span_positions / self.steps:,.0f}), "
+                f"{self.busy_rows / self.steps:.0f} of {self.slots} slots busy, span {self.span_positions / self.steps:,.0f}), "
                 f"prefill {self.prefill_seconds:.0f} s ({self.prefills:,} forwards, {self.prefill_tokens:,} prompt tokens), "
                 f"capturing {self.capture_seconds:.0f} s, the rest (tokenizing, writing) {rest:.0f} s")
 
@@ -222,7 +223,7 @@ class SlotDecoder:
         self.host_temperatures = np.zeros(slots, dtype=np.float32)
         self.answers = np.zeros((slots, max_new_tokens), dtype=np.int64)
         self.counts = np.zeros(slots, dtype=np.int64)
-        self.times = SlotTimes()
+        self.times = SlotTimes(slots)
 
     def run(self, pending: deque, admit: Callable[[], bool] = lambda: True) -> Iterator[Answer]:
         """Answer the requests of `pending` (the caller may append more between answers) until none

@@ -37,7 +37,8 @@ from specchat.train.losses import RIGHT_WEIGHT
 from specchat.train.options import FEATURE_CHOICES, TrainOptions
 from specchat.train.prompts import prompt_record
 from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
-from specchat.train.trainer import PAPER_DRAFT_VOCAB, TrainConfig, build_head, draft_vocabulary, head_class, train
+from specchat.train.trainer import (PAPER_DRAFT_VOCAB, TrainConfig, assistant_token_counts, build_head, covered_share,
+                                    draft_vocabulary, head_class, train)
 
 
 @dataclass
@@ -177,8 +178,8 @@ def prepare(target, options: PrepareOptions, work: Path, need_aux: bool, log,
                                               max_new_tokens=options.regenerate_max_tokens, seed=options.seed),
                             ChatFormat(target.tokenizer).stop_ids, progress("regenerating answers"))
         log(f"regeneration: {result.summary()}")
-        if result.breakdown():
-            log(f"regeneration: {result.breakdown()}")
+        if breakdown := result.breakdown():
+            log(f"regeneration: {breakdown}")
         conversations = [data_mod.TrainingConversation(messages, where)
                          for messages, where in folder.conversations(result.scan)]
         summary["regenerated"] = len(conversations)
@@ -246,16 +247,12 @@ def initial_head(name: str, target, store: FeatureStore, config: TrainConfig, lo
             if id(tensor) not in shared and tensor.is_floating_point():
                 tensor.data = tensor.data.float()
     if vocab is None:
-        coverage = 1.0
-    else:
-        vocab = vocab.cpu()
-        covered = total = 0
-        for tokens, mask in store.tokens_and_masks():
-            answer = tokens[mask]
-            covered, total = covered + int(torch.isin(torch.as_tensor(answer), vocab).sum()), total + len(answer)
-        coverage = covered / max(1, total)
-    log(f"starting from {folder}" + ("" if vocab is None else
-        f": its draft vocabulary of {len(vocab):,} tokens covers {coverage:.1%} of the assistant tokens"))
+        log(f"starting from {folder}")
+        return head.train(), None, 1.0
+    vocab = vocab.cpu()
+    coverage = covered_share(assistant_token_counts(store), vocab.tolist())
+    log(f"starting from {folder}: its draft vocabulary of {len(vocab):,} tokens covers {coverage:.1%} of the "
+        "assistant tokens")
     return head.train(), vocab, coverage
 
 

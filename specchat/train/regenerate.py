@@ -55,7 +55,6 @@ class RegenerateReport:
     tokens: int = 0  # answer tokens drawn (those of stop tokens included)
     stopped: bool = False  # by the time limit
     scan: Scan | None = None  # the folder afterwards
-    slots: int = 0  # sequences decoded at once
     times: SlotTimes | None = None  # where the continuous batching's time went (None: transformers' generate)
 
     def summary(self) -> str:
@@ -68,7 +67,7 @@ class RegenerateReport:
 
     def breakdown(self) -> str | None:
         """Where the time went, as one line (None for transformers' `generate`, which does not say)."""
-        return self.times.summary(self.slots, self.seconds) if self.times is not None else None
+        return self.times.summary(self.seconds) if self.times is not None else None
 
 
 def batch_size_for(device: torch.device) -> int:
@@ -154,8 +153,7 @@ def regenerate(prompts: list[PromptRecord], target, folder: DataFolder, options:
                       for t in options.temperatures}
     report.scan = folder.scan()  # the manifest says what this run added
     report.seconds = time.monotonic() - started
-    if decoder is not None:
-        report.slots, report.times = options.batch_size, decoder.times
+    report.times = decoder.times if decoder is not None else None
     return report
 
 

@@ -79,19 +79,29 @@ def head_class(kind: str) -> type[DraftHead]:
     return FORMATS[kind].HEAD
 
 
-def draft_vocabulary(store, size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent tokens at assistant positions (ascending ids, on the CPU), and the
-    share of assistant tokens they cover."""
+def assistant_token_counts(store) -> Counter:
+    """How often each token id appears at assistant positions."""
     counts = Counter()
     for tokens, mask in store.tokens_and_masks():
         counts.update(tokens[mask].tolist())
+    return counts
+
+
+def covered_share(counts: Counter, vocab) -> float:
+    """The share of the counted assistant tokens that the token ids `vocab` cover."""
+    total = sum(counts.values())
+    return sum(counts[t] for t in vocab) / total if total else 0.0
+
+
+def draft_vocabulary(store, size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent tokens at assistant positions (ascending ids, on the CPU), and the
+    share of assistant tokens they cover."""
+    counts = assistant_token_counts(store)
     chosen = [token for token, _ in counts.most_common(size)]
     if len(chosen) < size:  # pad with the smallest unused ids so the vocabulary has the asked size
         used = set(chosen)
         chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
-    total = sum(counts.values())
-    covered = sum(counts[t] for t in chosen) / total if total else 0.0
-    return torch.tensor(sorted(chosen), dtype=torch.long), covered
+    return torch.tensor(sorted(chosen), dtype=torch.long), covered_share(counts, chosen)
 
 
 def build_head(kind: str, target, config: TrainConfig, vocab: torch.Tensor | None) -> DraftHead:
