@@ -417,7 +417,7 @@ def _gather(stage: str, limit: float, out: Path) -> None:
     ends = time.monotonic() + limit
     while time.monotonic() < ends and not (_chain() / f"{stage}.done").is_file() and _chain_running():
         time.sleep(2)
-    pieces = [p for p in _chain().rglob("*.tgz.*") if p.parent.name == stage]
+    pieces = sorted((_chain() / stage).glob("*.tgz.*"))  # where `_stage_out` put them
     with tarfile.open(out / f"{stage}-logs.tgz", "w:gz") as tar:
         tar.add(_chain(), arcname="chain", filter=lambda info: None if ".tgz." in info.name else info)
     for path in pieces:
