@@ -250,6 +250,7 @@ def _aggregate(rows: list[TurnResult], compared: bool) -> dict:
         "tree_depth": _mean([max(c["depths"]) for r in rows for c in r.cycles if c.get("depths")]),
         "stop_depth": _mean([c["stop_depth"] for r in rows for c in r.cycles if "stop_depth" in c]),
         "breakdown": bench_breakdown.cycle_breakdown(total, len(rows)),  # ms per cycle by part (--breakdown)
+        "arms": {arm: round(share, 4) for arm, share in total.arm_shares().items()},  # decoding steps by draft source
     }
     checked = [r for r in rows if r.compared]
     if compared and checked:

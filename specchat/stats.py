@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from specchat.decode.drafting.pace import Arm
 from specchat.decode.drafting.tree import Source
 
 
@@ -37,6 +38,7 @@ class Stats:
     products_seconds: float = 0.0
     attention_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens per speculative cycle, bonus included
+    arms: dict[str, int] = field(default_factory=dict)  # decoding steps by what drafted them (`Arm` values)
     finish_reason: str | None = None  # of the latest reply counted
 
     def add_step(self, step) -> None:
@@ -54,6 +56,10 @@ class Stats:
             self.forward_seconds += step.forward.forward_seconds
             self.products_seconds += step.forward.products_seconds
             self.attention_seconds += step.forward.attention_seconds
+        if not step.prefill:
+            tree = None if step.cycle is None else step.cycle.tree
+            arm = Arm.PLAIN if tree is None or not len(tree) else tree.arm or Arm.HEAD
+            self.arms[arm.value] = self.arms.get(arm.value, 0) + 1
         if not step.prefill and step.cycle is not None:
             self.accept_lengths.append(len(step.tokens))
             tree = step.cycle.tree
@@ -64,10 +70,12 @@ class Stats:
         self.finish_reason = step.finish_reason or self.finish_reason
 
     def __iadd__(self, other: Stats) -> Stats:
-        """Every counter of `Stats` summed (lists joined); the latest finish reason kept."""
+        """Every counter of `Stats` summed (lists joined, arms by arm); the latest finish reason kept."""
         for counter in dataclasses.fields(Stats):
             if counter.name == "finish_reason":
                 self.finish_reason = other.finish_reason or self.finish_reason
+            elif counter.name == "arms":
+                self.arms = {arm: self.arms.get(arm, 0) + other.arms.get(arm, 0) for arm in self.arms | other.arms}
             else:
                 setattr(self, counter.name, getattr(self, counter.name) + getattr(other, counter.name))
         return self
@@ -100,7 +108,13 @@ class Stats:
             "acceptance_rate": _round(self.acceptance_rate, 4),
             "accepted_from_lookup": self.accepted_from_lookup,
             "lookup_seconds": round(self.lookup_seconds, 4),
+            "arms": dict(self.arms),
         }
+
+    def arm_shares(self) -> dict[str, float]:
+        """Each arm's share of the decoding steps (after the prefill), largest first."""
+        steps = sum(self.arms.values())
+        return {arm: count / steps for arm, count in sorted(self.arms.items(), key=lambda item: -item[1])}
 
 
 def _round(value: float | None, digits: int) -> float | None:

@@ -98,6 +98,9 @@ def stats_line(stats, estimated_speedup: float | None = None, comparison=None) -
         parts.append(f"acceptance {stats.acceptance_rate:.0%} ({stats.accepted_tokens}/{stats.draft_tokens} drafted)")
     if stats.accepted_from_lookup:
         parts.append(f"{stats.accepted_from_lookup} accepted from lookup")
+    shares = stats.arm_shares()
+    if len(shares) > 1:  # the pace took several draft sources
+        parts.append("steps " + " ".join(f"{arm} {share:.0%}" for arm, share in shares.items()))
     if comparison is not None:
         verdict = "same answer"
         if comparison.divergence is not None:
@@ -252,6 +255,11 @@ class ChatUI:
                 depths = " · ".join(f"{depth}: {hit / reached:.0%} ({hit}/{reached})"
                                     for depth, hit, reached in t.acceptance_by_depth)
                 self.info.print(Text(f"{method} acceptance by tree depth  {depths}", style="dim"))
+        for method, t in used.items():
+            shares = t.arm_shares()
+            if len(shares) > 1:
+                steps = " · ".join(f"{arm} {share:.0%} ({t.arms[arm]})" for arm, share in shares.items())
+                self.info.print(Text(f"{method} steps by draft source  {steps}", style="dim"))
         self.info.print(Text(f"runtime: {runtime}", style="dim"))
 
     def tree(self, cycle, tokenizer) -> None:

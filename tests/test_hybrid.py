@@ -7,7 +7,8 @@ import pytest
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.heads import HeadProposer
-from specchat.decode.drafting.selection import Candidates, HeadTrust, Pace
+from specchat.decode.drafting.pace import Arm, Pace
+from specchat.decode.drafting.selection import Candidates, HeadTrust
 from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
@@ -174,46 +175,84 @@ def test_forgetting_drops_the_history_too():
     assert source.matches(root=3, limit=3) == []
 
 
-def test_the_pace_drafts_while_drafting_pays_and_checks_again_ever_later_or_for_a_likely_lookup():
+def run_pace(pace, found, rates, steps):
+    """`steps` steps where each arm earns its `rates` (tokens per 10 ms); returns how often each ran."""
+    runs = {arm: 0 for arm in rates}
+    for _ in range(steps):
+        arm = pace.choose(found)
+        runs[arm] += 1
+        pace.learn(arm, found, tokens=rates[arm], milliseconds=10.0)
+    return runs
+
+
+def test_the_pace_takes_the_fastest_arm_and_tries_the_others_ever_later():
     pace = Pace(plain_ms=10.0)
-    assert pace.drafts()  # nothing measured yet
+    assert pace.choose(found=False) is Arm.HEAD  # nothing measured yet: the head first
     waits = []
     for _ in range(6):
-        pace.learn(tokens=1, milliseconds=30.0, drafted=True)  # a cycle: 1 token in the time of 3 plain steps
-        assert pace.drafts(lookup_accept=0.7)  # a lookup continuation likely to be accepted
+        pace.learn(Arm.HEAD, False, tokens=1, milliseconds=30.0)  # a cycle: 1 token in the time of 3 plain steps
         plain_steps = 0
-        while not pace.drafts():
-            pace.learn(tokens=1, milliseconds=10.0, drafted=False)
+        while pace.choose(found=False) is Arm.PLAIN:
+            pace.learn(Arm.PLAIN, False, tokens=1, milliseconds=10.0)
             plain_steps += 1
         waits.append(plain_steps)
-    assert waits == [8, 16, 32, 32, 32, 32]  # each check that finds drafting slower waits twice as long
-    for _ in range(6):  # the text turned easy: 5 tokens a cycle, each cycle checked at once until the average pays
-        pace.learn(tokens=5, milliseconds=30.0, drafted=True)
-        assert pace.drafts()
-    assert pace.pays() and pace.wait == Pace.EXPLORE
-    pace.learn(tokens=1, milliseconds=300.0, drafted=True)  # drafting went slow again: plain steps ...
-    assert not pace.drafts()
-    pace.check_soon()  # ... until a new reply, whose first step drafts
-    assert pace.drafts()
-    plain = list(pace.plain)
+    assert waits == [8, 16, 32, 32, 32, 32]  # each try that finds the head slower waits twice as long
+    head, plain = pace.records[(Arm.HEAD, False)], pace.records[(Arm.PLAIN, False)]
+    while head.rate < plain.rate:  # the text turned easy: 5 tokens a cycle, each tried at once until the average pays
+        assert pace.choose(found=False) is Arm.HEAD
+        pace.learn(Arm.HEAD, False, tokens=5, milliseconds=30.0)
+    waits = []
+    for _ in range(5):  # plain steps are tried again ever later in turn
+        head_cycles = 0
+        while pace.choose(found=False) is Arm.HEAD:
+            pace.learn(Arm.HEAD, False, tokens=5, milliseconds=30.0)
+            head_cycles += 1
+        pace.learn(Arm.PLAIN, False, tokens=1, milliseconds=10.0)
+        waits.append(head_cycles)
+    assert waits == [0, 8, 16, 32, 32]
+    pace.learn(Arm.HEAD, False, tokens=1, milliseconds=300.0)  # drafting went slow again: plain steps ...
+    assert pace.choose(found=False) is Arm.PLAIN
+    pace.check_soon()  # ... until a new reply, whose first step tries every other arm
+    assert pace.choose(found=False) is Arm.HEAD
+    plain = pace.records[(Arm.PLAIN, False)].rate
     pace.forget()  # an unrelated conversation: nothing measured of its drafting yet, a plain step's cost kept
-    assert pace.drafts() and pace.plain == plain and pace.drafting == [0.0, 0.0]
+    assert pace.choose(found=False) is Arm.HEAD and pace.records[(Arm.PLAIN, False)].rate == plain
+
+
+def test_with_a_continuation_found_the_pace_weighs_lookup_alone_apart_from_the_head():
+    pace = Pace(plain_ms=10.0)
+    # With a continuation lookup alone earns most; without one the head beats plain steps.
+    with_lookup = run_pace(pace, True, {Arm.PLAIN: 1, Arm.LOOKUP: 3, Arm.HEAD: 2}, 200)
+    without = run_pace(pace, False, {Arm.PLAIN: 1, Arm.HEAD: 2}, 200)
+    assert with_lookup[Arm.LOOKUP] > 170 and with_lookup[Arm.HEAD] >= 1 and with_lookup[Arm.PLAIN] >= 1
+    assert without[Arm.HEAD] > 170 and Arm.LOOKUP not in without
+    assert pace.best_rate(found=True) == pace.records[(Arm.LOOKUP, True)].rate  # each context keeps its own records
+    assert pace.best_rate(found=False) == pace.records[(Arm.HEAD, False)].rate
+    # a continuation likely accepted is never passed over for a plain step, even where plain steps were fastest
+    slow = Pace(plain_ms=10.0, arms=(Arm.PLAIN, Arm.LOOKUP))
+    run_pace(slow, True, {Arm.PLAIN: 1, Arm.LOOKUP: 0.5}, 50)
+    assert slow.choose(found=True) is Arm.PLAIN and slow.choose(found=True, lookup_accept=0.7) is Arm.LOOKUP
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong"])
-def test_plain_steps_taken_for_the_pace_leave_greedy_output_plain(bigram, kind):
-    """Whichever steps the pace makes plain (here every other one, by script), output stays plain
-    decoding's and the head's cache follows the context: drafting resumes where it left off."""
+def test_every_arm_the_pace_takes_leaves_greedy_output_plain(bigram, kind):
+    """Whichever arm the pace takes (here head, plain, lookup alone in turn, by script), output stays
+    plain decoding's and the head's cache follows the context: drafting resumes where it left off."""
     if bigram.envelope is not None:
         pytest.skip("the pace is the growing layout's (the fixed one verifies a whole bucket every step)")
     settings = GenerationSettings(max_new_tokens=30)
     plain = tokens_of(Engine(bigram), PROMPT, settings)
     proposer = hybrid(bigram, ScriptedLookup(PROMPT + plain, kind), pace=True)
-    turns = iter([True, False] * 30)
-    proposer.pace.drafts = lambda lookup_accept=0.0: next(turns)
+    turns = iter([Arm.HEAD, Arm.PLAIN, Arm.LOOKUP] * 30)
+    proposer.pace.choose = lambda found, lookup_accept=0.0: next(turns)
     steps = list(Engine(bigram, proposer).generate(PROMPT, settings))
     assert [t for step in steps for t in step.tokens] == plain
-    drafted = [len(step.cycle.tree) > 0 for step in steps[1:] if step.cycle is not None]
-    assert any(drafted) and not all(drafted)
+    stats = Stats()
+    for step in steps:
+        stats.add_step(step)
+    assert set(stats.arms) == {"head", "plain", "lookup"}
     if kind == "right":
         assert sum(step.drafted.count(True) for step in steps) >= 5
+        lookup_alone = [step for step in steps[1:] if step.cycle.tree.arm is Arm.LOOKUP]
+        assert all(set(step.cycle.tree.sources) == {Source.LOOKUP} for step in lookup_alone)
+        assert sum(len(step.tokens) for step in lookup_alone) > len(lookup_alone)  # lookup alone drafted tokens

@@ -16,6 +16,7 @@ branch). Each package imports only those below it (acceptance and drafting share
       shapes.py        what a head drafts: EAGLE-1 static, EAGLE-2, DEAGLE, Jakiro; the tree budget
       heads.py         drafting those shapes with a draft head (its cache on each layout)
       selection.py     which candidates are verified, lookup chains merged in; what hybrid drafting learns
+      pace.py          which draft source each cycle takes (plain, lookup alone, the head), as measured (torch-free)
       lookup.py        n-gram continuations of text already seen (torch-free)
       prompt_lookup.py pld: a lookup chain as the draft
       draft_model.py   sps: chains from a small draft model (its cache on each layout)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from specchat.decode.acceptance.sampling import sample_rows, target_probs
+from specchat.decode.drafting.pace import Arm
 from specchat.decode.drafting.tree import DraftTree
 from specchat.decode.runtime.envelope import HostInputs, Window
 from specchat.decode.runtime.target import Target
@@ -109,9 +110,11 @@ class DraftModelProposer:
             ids = token
         tokens, probs, q = torch.cat(tokens), torch.cat(probs), torch.stack(qs) if qs else None
         if self.envelope is not None:
-            return DraftTree.device_chain(tokens, torch.ones(self.k, dtype=torch.bool, device=tokens.device), probs, q)
-        tree = DraftTree.chain(tokens.tolist(), probs.tolist())
-        tree.q = q
+            tree = DraftTree.device_chain(tokens, torch.ones(self.k, dtype=torch.bool, device=tokens.device), probs, q)
+        else:
+            tree = DraftTree.chain(tokens.tolist(), probs.tolist())
+            tree.q = q
+        tree.arm = Arm.MODEL
         return tree
 
     def _logits(self, ids: torch.Tensor, step: int, length, span: int | None) -> torch.Tensor:

@@ -34,8 +34,9 @@ from drafters.cache import FixedHeadCache, HeadCache
 from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.lookup import LookupSource, Match
+from specchat.decode.drafting.pace import Arm, Pace
 from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust, LookupRates,
-                                                Pace, merge_lookup, select_fixed)
+                                                merge_lookup, select_fixed)
 from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree, tree_budget
 from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
@@ -60,17 +61,21 @@ class HeadProposer(HeadSteps):
             curve: the verify-cost curve (the growing layout): with a lookup source, each cycle verifies
                 the number of nodes that maximizes expected tokens per second (else the shape's budget).
             lookup_tokens: the longest lookup chain.
-            pace: take plain steps while they are measured faster than drafting cycles (`Pace`; the
-                growing layout, given a curve: the fixed one verifies a whole bucket every step).
+            pace: each cycle takes plain steps, lookup continuations alone or the head's tree, whichever
+                has been measured fastest in this chat (`Pace`; the growing layout, given a curve: the
+                fixed one verifies a whole bucket every step).
         """
         shape.check(head)
         super().__init__(head)
         self.shape, self.lookup, self.curve = shape, lookup, curve
         self.lookup_tokens = lookup_tokens if lookup is not None else 0
         self.rates, self.trust = LookupRates(), HeadTrust()
-        self.pace = Pace(curve.cost(1)) if pace and curve is not None and target.envelope is None else None
+        arms = (Arm.PLAIN, Arm.LOOKUP, Arm.HEAD) if lookup is not None else (Arm.PLAIN, Arm.HEAD)
+        self.pace = Pace(curve.cost(1), arms) if pace and curve is not None and target.envelope is None else None
         self.feature_layers = head.feature_layers(target.num_layers)
         self.matches: list[Match] = []
+        self.arm = Arm.HEAD  # this cycle's (`Pace`)
+        self.lookup_tree: DraftTree | None = None  # the LOOKUP arm's tree, chosen in `prepare`
         self.started = self.lookup_seconds = 0.0
 
     @staticmethod
@@ -103,18 +108,41 @@ class HeadProposer(HeadSteps):
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         self.started = time.perf_counter()
         nodes = self.budget(max_depth, max_nodes)
+        self.matches = []
         if nodes and self.lookup is not None:
             self.matches = self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES)
             self.chains(self.matches)
+        self.arm = Arm.HEAD
         if nodes and self.pace is not None:
             likeliest = max((self.rates.estimate(match.evidence) for match in self.matches), default=0.0)
-            nodes = nodes if self.pace.drafts(likeliest) else 0  # 0: a plain step, which gives the head its features
+            self.arm = self.pace.choose(bool(self.matches), likeliest)
+            if self.arm is Arm.PLAIN:
+                nodes = 0  # a plain step, which gives the head its features
+            elif self.arm is Arm.LOOKUP:  # the continuations alone; the head catches up in its next context pass
+                self.lookup_tree = self.lookup_only(max_nodes)
+                nodes = len(self.lookup_tree)
         self.lookup_seconds = time.perf_counter() - self.started if self.lookup is not None else 0.0
         return nodes
 
     @torch.inference_mode()
     def draft(self, root, length, span: int | None, sampling, rng) -> DraftTree:
-        return self.select(self.grow(self.context_pass(root, span)))
+        if self.arm is Arm.LOOKUP:
+            tree, self.lookup_tree = self.lookup_tree, None
+            return tree
+        tree = self.select(self.grow(self.context_pass(root, span)))
+        tree.arm = Arm.HEAD
+        return tree
+
+    def lookup_only(self, max_nodes: int) -> DraftTree:
+        """The lookup continuations as a tree of as many nodes as pay at this machine's verify cost (the
+        first always: so that their acceptance rate keeps learning)."""
+        candidates = Candidates([], [], [], [], [])
+        for match in self.matches:
+            candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
+        drafting_ms = 1000 * (time.perf_counter() - self.started)
+        tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
+        tree.arm = Arm.LOOKUP
+        return tree
 
     def committed(self, tokens: list[int], cycle: Cycle) -> None:
         self.confirm(tokens)
@@ -128,7 +156,8 @@ class HeadProposer(HeadSteps):
         if self.curve is not None and cycle.forward_seconds:
             self.curve.observe(len(cycle.tree) + 1, 1000 * cycle.forward_seconds)
         if self.pace is not None:
-            self.pace.learn(len(cycle.accepted) + 1, 1000 * (time.perf_counter() - self.started), len(cycle.tree) > 0)
+            arm = self.arm if len(cycle.tree) else Arm.PLAIN
+            self.pace.learn(arm, bool(self.matches), len(cycle.accepted) + 1, 1000 * (time.perf_counter() - self.started))
 
     # What a layout's subclass keeps: the head's cache (`rewind_cache`, `pend`: prompt positions,
     # `commit` and `confirm`: a cycle's), the cycle's budget (`budget`) and lookup chains (`chains`),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LookupSource
+from specchat.decode.drafting.pace import Arm
 from specchat.decode.drafting.selection import Candidates, LookupRates
 from specchat.decode.drafting.tree import DraftTree, Source
 from specchat.decode.runtime.calibrate import Curve
@@ -76,10 +77,12 @@ class LookupProposer:
         if self.envelope is None:
             tree = DraftTree.chain(self.chain, source=Source.LOOKUP)
             tree.evidence = [self.evidence] * len(self.chain)
-            return tree
-        tokens = self.inputs.tokens[: self.width]
-        return DraftTree.device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,
-                                      source=Source.LOOKUP)
+        else:
+            tokens = self.inputs.tokens[: self.width]
+            tree = DraftTree.device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,
+                                          source=Source.LOOKUP)
+        tree.arm = Arm.LOOKUP
+        return tree
 
     def commit(self, tree, acceptance, root, features) -> None:
         pass

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specchat.decode.drafting.pace import Arm
+
 if TYPE_CHECKING:  # only for annotations: the fixed layout's arrays, a sampled draft's q, DEAGLE's trace
     import torch
 
@@ -95,6 +97,7 @@ class DraftTree:
         trace: what the trace should know beyond the nodes (DEAGLE's votes: `deagle.DepthTrace`), or None.
         lookup_seconds: the cycle's time spent finding lookup continuations.
         head_trust: the hybrid drafter's trust in the head this cycle (`selection.HeadTrust`), if any.
+        arm: what drafted it (`pace.Arm`: the head's tree, lookup continuations alone, a draft model).
     """
 
     tokens: list[int]
@@ -109,6 +112,7 @@ class DraftTree:
     trace: DepthTrace | None = None
     lookup_seconds: float = 0.0
     head_trust: float | None = None
+    arm: Arm | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -171,6 +175,8 @@ class Cycle:
             record["lookup_seconds"] = round(tree.lookup_seconds, 6)
         if tree.head_trust is not None:
             record["head_trust"] = round(tree.head_trust, 3)
+        if tree.arm is not None:
+            record["arm"] = tree.arm.value
         return record | (tree.trace.record() if tree.trace is not None else {})
 
 
