@@ -3,13 +3,14 @@ proposes (on both of the engine's layouts), with the lookup found in the convers
 chat's earlier text."""
 
 import pytest
+import torch
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.heads import HeadProposer
 from specchat.decode.drafting.pace import Arm, Pace
 from specchat.decode.drafting.selection import Candidates, HeadTrust
-from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
+from specchat.decode.drafting.shapes import CandidateTable, DeagleTree, DynamicTreeParams, Growth
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.drafting.lookup import LookupSource, Match
@@ -256,3 +257,20 @@ def test_every_arm_the_pace_takes_leaves_greedy_output_plain(bigram, kind):
         lookup_alone = [step for step in steps[1:] if step.cycle.tree.arm is Arm.LOOKUP]
         assert all(set(step.cycle.tree.sources) == {Source.LOOKUP} for step in lookup_alone)
         assert sum(len(step.tokens) for step in lookup_alone) > len(lookup_alone)  # lookup alone drafted tokens
+
+
+def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(bigram):
+    """With rows that cost nothing the likely node is expanded (its unlikely siblings are not); where a
+    verified row costs as much as the forward, not even it: drafting stops after one level."""
+    if bigram.envelope is not None:
+        pytest.skip("the rate rules are the growing layout's (the fixed one drafts its whole shape)")
+    probs = torch.tensor([0.9, 0.05, 0.05])
+    steep = Curve({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0})
+    for curve, expanded in ((FLAT, [0]), (steep, [])):
+        proposer = hybrid(bigram, None, curve)
+        proposer.prepare(root=5, max_depth=6, max_nodes=30)
+        table = CandidateTable.allocate(3, "cpu")
+        table.write(0, torch.tensor([5, 6, 7]), -1, 1, probs.log(), probs.log())
+        growth = Growth(table, beam=torch.arange(3), beam_hidden=None, beam_entries=torch.zeros(3, 6, dtype=torch.bool),
+                        beam_scores=[probs.log()])
+        assert proposer.narrow(growth, torch.arange(3), depth=1).tolist() == expanded

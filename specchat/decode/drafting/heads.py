@@ -43,6 +43,10 @@ from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, 
 from specchat.decode.runtime.target import Target
 
 PROMPT_CHUNK = 512  # prompt rows the fixed layout feeds the head at once (eagerly, padded to a bucket)
+# A draft level's cost before one is measured (the bundled head's on two Zen 3 cores: its layer and
+# draft-vocabulary LM head for a row or two, the top-k and the rate rule), and how fast the measured
+# average forgets.
+LEVEL_MS, LEVEL_DECAY = 0.8, 0.8
 
 
 class HeadProposer(HeadSteps):
@@ -146,10 +150,10 @@ class HeadProposer(HeadSteps):
 
     def committed(self, tokens: list[int], cycle: Cycle) -> None:
         self.confirm(tokens)
+        self.trust.learn(cycle)
         if self.lookup is not None:
             self.lookup.observe(tokens)
             self.rates.learn(cycle)
-            self.trust.learn(cycle)
             cycle.tree.lookup_seconds = self.lookup_seconds
         # Live verify forwards heal the cost curve; only the growing layout has one (and times its
         # verify forward apart: `Cycle.forward_seconds`), the fixed one verifies its whole bucket.
@@ -175,6 +179,8 @@ class GrowingHead(HeadProposer):
         self.pending_tokens: list[int] = []  # the tokens at those positions
         self.keep = self.depth = self.max_nodes = 0  # this cycle's budget
         self.head_trust = 1.0
+        self.level_ms = LEVEL_MS  # a draft level's cost, as measured (`narrow`)
+        self.level_started: float | None = None
 
     def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
@@ -200,12 +206,18 @@ class GrowingHead(HeadProposer):
         self.pending_tokens.extend(tokens)
 
     def budget(self, max_depth: int, max_nodes: int) -> int:
-        """This cycle's budget within the room (`tree_budget`); none without room for a draft token."""
+        """This cycle's budget within the room: with a verify-cost curve the rate rules size the tree
+        (`narrow`, `select`), within the shape's depth; else `tree_budget`. None without room for a
+        draft token."""
         if max_depth < 1:
             return 0
-        self.head_trust = self.trust.factor() if self.lookup is not None and self.curve is not None else 1.0
-        self.keep, self.depth = tree_budget(self.shape, max_depth, max_nodes, self.head_trust, self.curve)
         self.max_nodes = max_nodes
+        if self.curve is not None:
+            self.head_trust = self.trust.factor()
+            self.keep, self.depth = 1, self.shape.depth_for(max_depth)
+        else:
+            self.head_trust = 1.0
+            self.keep, self.depth = tree_budget(self.shape, max_depth, max_nodes)
         return self.keep
 
     def chains(self, matches: list[Match]) -> None:
@@ -229,20 +241,51 @@ class GrowingHead(HeadProposer):
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
 
-    def select(self, table: CandidateTable) -> DraftTree:
-        """The table read once; the best `keep` nodes, or with lookup chains the head's own tree plus the
-        nodes worth verifying at this machine's cost (`Candidates.select_for_rate`)."""
-        candidates = Candidates.from_table(table, self.shape.trace(table))
-        if self.lookup is None:
-            return candidates.select(self.keep)
-        heads_tree = candidates.best(self.keep)  # what `--lookup off` verifies (at full trust): lookup only adds
+    def candidates(self, table: CandidateTable, trace=None) -> Candidates:
+        """The table read once, joined by this cycle's lookup chains."""
+        candidates = Candidates.from_table(table, trace)
         for match in self.matches:
             candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
+        return candidates
+
+    def narrow(self, growth: Growth, beam: torch.Tensor, depth: int) -> torch.Tensor:
+        """With a verify-cost curve, the beam nodes whose expansion is expected to pay: each one the
+        cycle would verify now (`Candidates.rate_choice`) whose best child, expected to be accepted as
+        often as the node was given its parent, adds more tokens than its share of the cycle's time:
+        one more draft level (as measured) and one more verified row. A CPU verifies few nodes (on two
+        AVX2 cores each costs a sixth of a forward), so most cycles draft one or two levels, not the
+        shape's whole depth (EAGLE-2's beam fills every level: a tree of which one node was verified
+        cost 7 ms of drafting, 40% of a plain step, on a Zen 3)."""
+        now = time.perf_counter()
+        if self.level_started is not None:  # the level just scored: its forward, LM head, top-k and this rule
+            self.level_ms = LEVEL_DECAY * self.level_ms + (1 - LEVEL_DECAY) * 1000 * (now - self.level_started)
+        self.level_started = now
+        if self.curve is None:
+            return beam
+        candidates = self.candidates(growth.table)
+        drafting_ms = 1000 * (now - self.started)
+        choice = candidates.rate_choice(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
+                                        head_trust=self.head_trust)
+        count = len(choice.nodes)
+        marginal = self.level_ms + self.curve.cost(count + 2) - self.curve.cost(count + 1)
+        worth = choice.expected * marginal / choice.milliseconds  # the tokens a further level must add
+        chosen = set(choice.nodes)
+        nodes, probs = beam.tolist(), candidates.probs
+        keep = [row for row, node in enumerate(nodes)
+                if node in chosen and choice.values[node] * probs[node] > worth]
+        return beam[keep]
+
+    def select(self, table: CandidateTable) -> DraftTree:
+        """The table read once; with a verify-cost curve the head's best node and as many more (the
+        head's and lookup chains') as pay at this machine's cost (`Candidates.select_for_rate`), else
+        the best `keep` nodes."""
+        self.level_started = None
+        candidates = self.candidates(table, self.shape.trace(table))
         if self.curve is None:
             tree = candidates.select(self.keep)
         else:
             drafting_ms = 1000 * (time.perf_counter() - self.started)
-            tree = candidates.select_for_rate(self.curve, drafting_ms, self.max_nodes, kept=heads_tree,
+            tree = candidates.select_for_rate(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
                                               head_trust=self.head_trust)
         tree.head_trust = self.head_trust
         return tree

@@ -36,6 +36,17 @@ LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle
 LOOKUP_TOKENS = 16  # the longest lookup chain (the verify budget decides how much of it is verified)
 
 
+@dataclass(frozen=True)
+class RateChoice:
+    """The nodes a cycle verifies at this machine's cost (`Candidates.rate_choice`), with the cycle they
+    make: expected tokens (the bonus included) and milliseconds (drafting so far and verifying)."""
+
+    nodes: list[int]
+    expected: float
+    milliseconds: float
+    values: list[float]  # every candidate's expected acceptance (`Candidates.values`)
+
+
 @dataclass
 class Candidates:
     """Nodes a cycle could verify, parents before children, each scored by the log-probability that
@@ -94,14 +105,18 @@ class Candidates:
         """The `keep` best nodes, as a tree."""
         return self._tree(self.best(keep))
 
-    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
-                        head_trust: float = 1.0) -> DraftTree:
+    def values(self, head_trust: float = 1.0) -> list[float]:
+        """Each node's expected acceptance: its path probability, the head's alone scaled by `head_trust`."""
+        return [math.exp(score) * (head_trust if source == Source.HEAD else 1.0)
+                for score, source in zip(self.scores, self.sources or [Source.HEAD] * len(self.scores))]
+
+    def rate_choice(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
+                    head_trust: float = 1.0) -> RateChoice:
         """The `kept` nodes and as many of the best others as maximize expected tokens (1 + the sum
-        of the nodes' path probabilities, the head's alone scaled by `head_trust` <= 1) per
-        millisecond of the cycle (drafting so far + verifying them all). `kept` must be a connected
-        tree; the others join in rank order, so every node's parent is chosen before it."""
-        value = [math.exp(score) * (head_trust if source == Source.HEAD else 1.0)
-                 for score, source in zip(self.scores, self.sources or [Source.HEAD] * len(self.scores))]
+        of the nodes' values, `values`) per millisecond of the cycle (drafting so far + verifying them
+        all). `kept` must be a connected tree; the others join in rank order, so every node's parent
+        is chosen before it."""
+        value = self.values(head_trust)
         kept = list(kept)[:max_nodes]
         taken = set(kept)
         # Rank order keeps every parent before its children: a child's path probability never exceeds
@@ -110,13 +125,19 @@ class Candidates:
         ranked = kept + [i for i in self._ranked(value) if i not in taken]
         ranked = ranked[: max(len(kept), min(max_nodes, curve.largest - 1))]
         expected = 1.0 + sum(value[node] for node in kept)
-        best, best_rate = len(kept), expected / (drafting_ms + curve.cost(len(kept) + 1))
+        best, best_expected = len(kept), expected
+        best_rate = expected / (drafting_ms + curve.cost(len(kept) + 1))
         for count in range(len(kept) + 1, len(ranked) + 1):
             expected += value[ranked[count - 1]]
             rate = expected / (drafting_ms + curve.cost(count + 1))
             if rate > best_rate:
-                best, best_rate = count, rate
-        return self._tree(ranked[:best])
+                best, best_rate, best_expected = count, rate, expected
+        return RateChoice(ranked[:best], best_expected, best_expected / best_rate, value)
+
+    def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
+                        head_trust: float = 1.0) -> DraftTree:
+        """The nodes `rate_choice` takes, as a tree."""
+        return self._tree(self.rate_choice(curve, drafting_ms, max_nodes, kept, head_trust).nodes)
 
     def _tree(self, chosen: list[int]) -> DraftTree:
         chosen = sorted(chosen, key=lambda i: (self.depths[i], -self.scores[i], i))  # parents first, siblings by score
@@ -251,7 +272,7 @@ class HeadTrust:
 
     A trained head's confidence tracks its acceptance under greedy decoding (EAGLE-2, arXiv
     2406.16858, Fig. 6); under sampling fewer of its drafts survive than it is sure of, and every
-    verified token costs the same, so the budget shrinks with the trust (`Curve.best_total_tokens`).
+    verified token costs the same, so fewer of its nodes pay (`Candidates.rate_choice`).
     Starts at full trust and forgets slowly; at most 1, so a head node never outranks its parent.
     """
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from drafters import DraftHead
-from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DeagleParams, DepthTrace, DepthVote
 
 # EAGLE-2 (Li et al. 2024, arXiv 2406.16858) reference settings: 60 tokens verified per cycle
@@ -55,6 +54,11 @@ class HeadSteps(ABC):
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         """DEAGLE voted (`fired`, a 0-d tensor): whether to stop drafting now (the host reads it);
         else the levels after it are dropped (`growth.alive`)."""
+
+    def narrow(self, growth: Growth, beam: torch.Tensor, depth: int) -> torch.Tensor:
+        """Of the next `beam` (table indices of the best nodes at `depth`, best first), those worth
+        expanding; all of them by default (a fixed shape expands its whole beam), none: drafting stops."""
+        return beam
 
     def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [m, draft vocab] of the token after each output."""
@@ -108,23 +112,18 @@ class Growth:
     beam_hidden: torch.Tensor | None  # the head's outputs at their parents (what predicted them)
     beam_entries: torch.Tensor  # [k, E] the entries each beam node's path holds
     beam_scores: list[torch.Tensor]  # per depth, the path log-probabilities of the beam nodes
+    entries_fed: int = 0  # the head's cache entries this cycle's beams took so far (one per fed node)
     parent_rows: torch.Tensor | None = None  # each beam node's parent's row in the beam before (Jakiro)
     alive: torch.Tensor | None = None  # 0-d: False once DEAGLE voted to stop (the fixed layout)
     two_ahead: tuple | None = None  # Jakiro: top-k of the two-ahead predictions of the last fed beam
 
 
-def tree_budget(shape: StaticTree | DynamicTree, max_depth: int, max_nodes: int, trust: float = 1.0,
-                curve: Curve | None = None) -> tuple[int, int]:
-    """How many nodes a cycle verifies and how deep the head drafts, on either layout: the shape's
-    budget within the room (`max_depth` levels and `max_nodes` nodes: the growing layout's reply and
-    context room, the fixed layout's largest tree). Where the head is trusted less than it is sure
-    of (`trust` < 1: under sampling, hybrid drafting) and this machine's verify-cost `curve` is
-    known, the smaller tree worth verifying at that trust, drafted one level past it at most."""
-    keep, depth = shape.verified(max_nodes), shape.depth_for(max_depth)
-    trusted = max(1, curve.best_total_tokens(trust) - 1) if trust < 1 else keep
-    if trusted < keep:
-        keep, depth = trusted, min(depth, trusted + 1)
-    return keep, depth
+def tree_budget(shape: StaticTree | DynamicTree, max_depth: int, max_nodes: int) -> tuple[int, int]:
+    """How many nodes a cycle verifies and how deep the head drafts where no verify-cost curve sizes the
+    tree (the fixed layout, a GPU): the shape's budget within the room (`max_depth` levels and
+    `max_nodes` nodes: the growing layout's reply and context room, the fixed layout's largest tree).
+    With a curve the growing layout's rate rules size it instead (`heads.GrowingHead.narrow`)."""
+    return shape.verified(max_nodes), shape.depth_for(max_depth)
 
 
 @dataclass(frozen=True)
@@ -277,17 +276,26 @@ class DynamicTree:
         growth = Growth(table, beam=torch.arange(k, device=device), beam_hidden=root_hidden.expand(k, -1),
                         beam_entries=torch.zeros(k, self.entries(depth), dtype=torch.bool, device=device),
                         beam_scores=[top_logp])
-        for level in range(1, depth):
+        if depth > 1:
+            growth.beam = steps.narrow(growth, growth.beam, 1)
+            growth.beam_hidden, growth.beam_entries = growth.beam_hidden[: len(growth.beam)], \
+                growth.beam_entries[: len(growth.beam)]
+            growth.beam_scores = [top_logp[growth.beam]]
+        for level in range(1, depth if len(growth.beam) else 1):
             if stop is not None and steps.stops(stop(level, growth, keep), growth):
                 break
-            child_logp, child_ids, out = self.children(steps, growth, level, depth)  # each [k, k]
+            child_logp, child_ids, out = self.children(steps, growth, level, depth)  # each [beam, k]
             child_scores = table.scores[growth.beam][:, None] + child_logp
             if growth.alive is not None:
                 child_scores = child_scores.masked_fill(~growth.alive, float("-inf"))
             first_child = k + (level - 1) * k * k
-            table.write(first_child, steps.to_target(child_ids).flatten(), growth.beam[:, None].expand(k, k).flatten(),
-                        level + 1, child_logp.flatten(), child_scores.flatten())
+            table.write(first_child, steps.to_target(child_ids).flatten(),
+                        growth.beam[:, None].expand(-1, k).flatten(), level + 1, child_logp.flatten(),
+                        child_scores.flatten())
             best = child_scores.flatten().topk(k).indices
+            best = steps.narrow(growth, first_child + best, level + 1) - first_child if level + 1 < depth else best
+            if not len(best):
+                break
             growth.parent_rows = best // k
             growth.beam = first_child + best
             growth.beam_hidden = None if out is None else out[growth.parent_rows]
@@ -303,10 +311,10 @@ class DynamicTree:
 
     def feed_beam(self, steps: HeadSteps, growth: Growth, level: int, both: bool = False):
         """Run the head on the beam nodes (at depth `level`); returns their outputs (and two-ahead outputs)."""
-        k = len(growth.beam)
-        first_entry = (level - 1) * k
-        own = first_entry + torch.arange(k, device=growth.beam.device)
+        first_entry = growth.entries_fed  # (level - 1) * k where every beam is whole
+        own = first_entry + torch.arange(len(growth.beam), device=growth.beam.device)
         growth.beam_entries = growth.beam_entries | torch.nn.functional.one_hot(own, growth.beam_entries.shape[1]).bool()
+        growth.entries_fed += len(growth.beam)
         return steps.feed(growth.beam_hidden, growth.table.tokens[growth.beam], level, first_entry,
                           growth.beam_entries, both)
 
@@ -334,7 +342,7 @@ class DeagleTree(DynamicTree):
         """The cycle's depth and votes, for the trace (the growing layout's drafter: reads the votes)."""
         k = self.params.top_k
         history = table.vote.history()
-        drafted = (table.filled - k) // (k * k) + 1  # levels drafted
+        drafted = -(-(table.filled - k) // (k * k)) + 1  # levels drafted (a narrowed beam fills a level in part)
         fired = len(history) == drafted  # a vote after the last level drafted: it fired
         return DepthTrace(drafted, history, history[-1].votes if fired else None)
 
