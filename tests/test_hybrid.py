@@ -79,7 +79,7 @@ def test_sampling_with_lookup_follows_the_target_distribution(bigram):
 def test_a_lookup_chain_merges_with_the_heads_nodes_where_they_agree():
     candidates = Candidates(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.3, 0.5],
                             scores=[-0.69, -1.2, -1.39])
-    candidates.add_chain([5, 7, 9, 9, 9], accept=0.9, evidence=6)
+    candidates.add_chain([5, 7, 9, 9, 9], [0.9] * 5, [6] * 5)
     H, L, B = Source.HEAD, Source.LOOKUP, Source.BOTH
     assert candidates.sources == [B, H, B, L, L, L]
     tree = candidates.select(5)
@@ -90,7 +90,7 @@ def test_a_lookup_chain_merges_with_the_heads_nodes_where_they_agree():
 def test_the_budget_verifies_a_long_confident_chain_and_little_of_a_weak_one():
     def chain(accept):
         candidates = Candidates([], [], [], [], [])
-        candidates.add_chain(list(range(100, 116)), accept=accept, evidence=8)
+        candidates.add_chain(list(range(100, 116)), [accept] * 16, [8] * 16)
         return candidates
 
     steep = Curve({1: 10.0, 2: 13.0, 4: 19.0, 8: 31.0, 16: 55.0})
@@ -104,7 +104,7 @@ def test_lookup_only_adds_to_the_heads_own_tree():
         found = Candidates(tokens=[5, 6, 7, 8], parents=[-1, -1, 0, 2], depths=[1, 1, 2, 3],
                            probs=[0.3, 0.2, 0.3, 0.3], scores=[-1.2, -1.6, -2.4, -3.6])
         heads_tree = found.best(4)
-        found.add_chain([9, 10, 11, 12, 13, 14], accept=accept, evidence=8)
+        found.add_chain([9, 10, 11, 12, 13, 14], [accept] * 6, [8] * 6)
         return found, heads_tree
 
     steep = Curve({1: 10.0, 2: 13.0, 4: 19.0, 8: 31.0, 16: 55.0})
@@ -148,7 +148,7 @@ def test_the_engine_tells_the_drafter_what_was_accepted(bigram, kind):
 def test_a_less_trusted_head_gets_fewer_of_its_nodes_verified():
     found = Candidates(tokens=[5, 6, 7, 8], parents=[-1, 0, 1, 2], depths=[1, 2, 3, 4],
                        probs=[0.9, 0.9, 0.9, 0.9], scores=[-0.105, -0.211, -0.316, -0.421])
-    found.add_chain([9], accept=0.3, evidence=1)
+    found.add_chain([9], [0.3], [1])
     avx2 = Curve({1: 22.6, 2: 23.5, 3: 26.4, 4: 31.0, 6: 42.8, 8: 46.0, 16: 73.7})
     trusted, doubted = found.select_for_rate(avx2, 5.0, 64), found.select_for_rate(avx2, 5.0, 64, head_trust=0.3)
     assert len(doubted) < len(trusted) and all(p < i for i, p in enumerate(doubted.parents))

@@ -144,10 +144,13 @@ def test_lookup_chains_merge_on_the_device_as_on_the_host(seed):
     best = int(table.scores[k : k + k * k].argmax()) + k
     spelled = [int(table.tokens[int(table.parents[best])]), int(table.tokens[best]), 555, 556, 557]
     chains = torch.tensor([spelled + [0] * 3, [999, 998, 997] + [0] * 5])
-    lengths, accept, evidence = torch.tensor([5, 3]), torch.tensor([0.6, 0.3]), torch.tensor([4, 2])
+    lengths = torch.tensor([5, 3])
+    # each token's own rate and evidence (`LookupRates.along`); past a chain's length the device form's rate 1
+    accept = torch.rand(2, 8, generator=generator).clamp(min=0.05).masked_fill(torch.arange(8) >= lengths[:, None], 1.0)
+    evidence = torch.randint(1, 12, (2, 8), generator=generator)
     host = Candidates.from_table(table, None)
-    for chain, length, rate, strength in zip(chains.tolist(), lengths.tolist(), accept.tolist(), evidence.tolist()):
-        host.add_chain(chain[:length], rate, strength)
+    for chain, length, rates, strengths in zip(chains.tolist(), lengths.tolist(), accept.tolist(), evidence.tolist()):
+        host.add_chain(chain[:length], rates[:length], strengths[:length])
     keep = 12
     ours = select_fixed(merge_lookup(table, chains, lengths, accept.log(), depth, evidence), keep, 8)
     theirs = host.select(keep)

@@ -142,7 +142,7 @@ class HeadProposer(HeadSteps):
         first always: so that their acceptance rate keeps learning)."""
         candidates = Candidates([], [], [], [], [])
         for match in self.matches:
-            candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
+            candidates.add_chain(match.tokens, *self.rates.along(match))
         drafting_ms = 1000 * (time.perf_counter() - self.started)
         tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
         tree.arm = Arm.LOOKUP
@@ -245,7 +245,7 @@ class GrowingHead(HeadProposer):
         """The table read once, joined by this cycle's lookup chains."""
         candidates = Candidates.from_table(table, trace)
         for match in self.matches:
-            candidates.add_chain(match.tokens, self.rates.estimate(match.evidence), match.evidence)
+            candidates.add_chain(match.tokens, *self.rates.along(match))
         return candidates
 
     def narrow(self, growth: Growth, beam: torch.Tensor, depth: int) -> torch.Tensor:
@@ -330,9 +330,9 @@ class FixedHead(HeadProposer):
         self.waiting: list[tuple[list[int], torch.Tensor]] = []  # prompt rows not yet fed (tokens, features)
         self.context_end, self.span = None, 0  # this draft step's: where the committed entries end, its window
         if self.lookup is not None:
-            self.lookups = HostInputs(device, tokens=(LOOKUP_BRANCHES, self.lookup_tokens), lengths=LOOKUP_BRANCHES,
-                                      evidence=LOOKUP_BRANCHES)
-            self.accept = HostInputs(device, torch.float32, rates=LOOKUP_BRANCHES)
+            shape = (LOOKUP_BRANCHES, self.lookup_tokens)
+            self.lookups = HostInputs(device, tokens=shape, lengths=LOOKUP_BRANCHES, evidence=shape)
+            self.accept = HostInputs(device, torch.float32, rates=shape)
 
     def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1
@@ -375,12 +375,12 @@ class FixedHead(HeadProposer):
         self.pending, self.waiting = 1, []
 
     def chains(self, matches: list[Match]) -> None:
-        """The lookup chains, for the draft step to merge (a missing chain's rate 1: its log is 0, never NaN)."""
-        rates = self.rates
+        """The lookup chains, for the draft step to merge (a missing token's rate 1: its log is 0, never NaN)."""
+        along = [self.rates.along(match) for match in matches]
         self.lookups.write(tokens=[match.tokens for match in matches], lengths=[len(match.tokens) for match in matches],
-                           evidence=[match.evidence for match in matches])
-        self.accept.write(rates=[rates.estimate(match.evidence) for match in matches] +
-                          [1.0] * (LOOKUP_BRANCHES - len(matches)))
+                           evidence=[evidences for _, evidences in along])
+        rates = [accepts + [1.0] * (self.lookup_tokens - len(accepts)) for accepts, _ in along]
+        self.accept.write(rates=rates + [[1.0] * self.lookup_tokens] * (LOOKUP_BRANCHES - len(matches)))
 
     def context_pass(self, root: torch.Tensor, span: int) -> torch.Tensor:
         """The pending positions through the head (at its fixed rows); the output that predicts the root's children."""

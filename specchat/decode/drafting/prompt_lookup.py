@@ -38,7 +38,7 @@ class LookupProposer:
         self.k, self.envelope = draft_tokens, target.envelope
         self.source = LookupSource(max_ngram, min_ngram)
         self.chain: list[int] = []  # this cycle's
-        self.evidence = 0  # its match's strength (tokens of agreeing context)
+        self.evidence: list[int] = []  # its tokens' evidence (tokens of agreeing context: `LookupRates.along`)
         self.curve, self.rates = curve, LookupRates()
         self.width = 0  # the fixed layout's: chain positions the draft step fills (its bucket, or k)
         if self.envelope is not None:
@@ -60,10 +60,10 @@ class LookupProposer:
 
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         found = self.source.matches(root, min(self.k, max_depth, max_nodes))
-        self.chain, self.evidence = (found[0].tokens, found[0].evidence) if found else ([], 0)
+        self.chain, self.evidence = (found[0].tokens, self.rates.along(found[0])[1]) if found else ([], [])
         if self.chain and self.curve is not None:  # the hybrid's rate rule on the chain alone, its first token kept
             chain = Candidates([], [], [], [], [])  # (so that the acceptance rate keeps learning)
-            chain.add_chain(self.chain, self.rates.estimate(self.evidence), self.evidence)
+            chain.add_chain(self.chain, *self.rates.along(found[0]))
             self.chain = self.chain[: len(chain.select_for_rate(self.curve, 0.0, len(self.chain), kept=[0]))]
         if not self.chain or self.envelope is None:
             return len(self.chain)
@@ -76,7 +76,7 @@ class LookupProposer:
         """The chain (lookup needs neither the sampling settings nor the random stream: it is deterministic)."""
         if self.envelope is None:
             tree = DraftTree.chain(self.chain, source=Source.LOOKUP)
-            tree.evidence = [self.evidence] * len(self.chain)
+            tree.evidence = self.evidence[: len(self.chain)]
         else:
             tokens = self.inputs.tokens[: self.width]
             tree = DraftTree.device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,

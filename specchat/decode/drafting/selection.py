@@ -29,6 +29,7 @@ import torch
 
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DepthTrace
+from specchat.decode.drafting.lookup import Match
 from specchat.decode.drafting.shapes import CandidateTable
 from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 
@@ -68,15 +69,16 @@ class Candidates:
         return cls(table.tokens[:n].tolist(), table.parents[:n].tolist(), table.depths[:n].tolist(),
                    table.logps[:n].exp().tolist(), table.scores[:n].tolist(), trace=trace)
 
-    def add_chain(self, tokens: list[int], accept: float, evidence: int) -> None:
-        """A lookup continuation from the root, each token accepted with probability `accept` given
-        its parent; where the head proposed the same token under the same parent, the node is shared."""
+    def add_chain(self, tokens: list[int], accepts: list[float], evidences: list[int]) -> None:
+        """A lookup continuation from the root, token j accepted with probability `accepts[j]` given its
+        parent, found with `evidences[j]` tokens of agreeing context (`LookupRates.along`); where the
+        head proposed the same token under the same parent, the node is shared."""
         if not self.sources:
             self.sources = [Source.HEAD] * len(self.tokens)
             self.evidence = [0] * len(self.tokens)
         child = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
         parent, score = -1, 0.0
-        for depth, token in enumerate(tokens, start=1):
+        for depth, (token, accept, evidence) in enumerate(zip(tokens, accepts, evidences), start=1):
             score += math.log(accept)
             node = child.get((parent, token))
             if node is None:
@@ -172,12 +174,13 @@ def select_fixed(table: CandidateTable, keep: int, depth: int) -> DraftTree:
 
 def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Tensor, log_accept: torch.Tensor,
                  head_depth: int, evidence: torch.Tensor) -> CandidateTable:
-    """The head's candidates joined by lookup chains [branches, L] (`lengths` of them real, each token
-    accepted with probability exp(`log_accept`) given its parent, found with `evidence` tokens of
-    agreeing context): `Candidates.add_chain` on the device. A chain's prefix that some head node's
-    path spells merges into it (BOTH, the better score, the stronger evidence); the rest hangs below
-    as lookup nodes. Along a chain the score is
-    s_j = max(head score of the node it merged with, s_{j-1} + log_accept), s_{-1} = 0."""
+    """The head's candidates joined by lookup chains [branches, L] (`lengths` of them real, token j of
+    a chain accepted with probability exp(`log_accept`[:, j]) given its parent, found with
+    `evidence`[:, j] tokens of agreeing context): `Candidates.add_chain` on the device. A chain's
+    prefix that some head node's path spells merges into it (BOTH, the better score, the stronger
+    evidence); the rest hangs below as lookup nodes. Along a chain the score is
+    s_j = max(head score of the node it merged with, s_{j-1} + log_accept_j), s_{-1} = 0, which with
+    C_j the sum of log_accept up to j is max(C_j, max over merges i <= j of head score_i + C_j - C_i)."""
     device = chains.device
     branches, length = chains.shape
     size = len(table.tokens)
@@ -201,15 +204,16 @@ def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Ten
     spelled &= real[:, :, None] & (positions < head_depth)[None, :, None]
     merged, merged_node = spelled.any(-1), spelled.byte().argmax(-1)
     head_score = torch.where(merged, table.scores[merged_node], float("-inf"))
-    steps = (positions[:, None] - positions[None, :]).float()  # [j, i]: j - i
-    reach = head_score[:, None, :] + steps[None] * log_accept[:, None, None]
-    reach = reach.masked_fill(steps[None] < 0, float("-inf")).amax(-1)
-    scores = torch.maximum(reach, (positions + 1).float()[None, :] * log_accept[:, None])  # [branches, L]
+    along = log_accept.cumsum(1)  # C_j
+    after = (positions[:, None] >= positions[None, :])  # [j, i]: a merge at i reaches j
+    reach = head_score[:, None, :] + along[:, :, None] - along[:, None, :]
+    reach = reach.masked_fill(~after[None], float("-inf")).amax(-1)
+    scores = torch.maximum(reach, along)  # [branches, L]
     # The head nodes a chain merged with: the better score, BOTH, the stronger evidence.
     target = torch.where(merged, merged_node, size).flatten()  # `size`: a slot that absorbs the rest
     head_scores = torch.cat([table.scores, table.scores.new_full((1,), float("-inf"))])
     head_scores = head_scores.scatter_reduce(0, target, scores.flatten(), "amax")[:size]
-    chain_evidence = evidence[:, None].expand(branches, length).flatten()
+    chain_evidence = evidence.flatten()
     head_evidence = torch.full((size + 1,), -1, device=device).scatter_reduce(0, target, chain_evidence, "amax")[:size]
     head_sources = torch.where(head_evidence >= 0, int(Source.BOTH), int(Source.HEAD))
     # The chain positions that did not merge: new nodes, each under the one before (or its merge).
@@ -221,7 +225,7 @@ def merge_lookup(table: CandidateTable, chains: torch.Tensor, lengths: torch.Ten
         tokens=torch.cat([table.tokens, chains.flatten()]),
         parents=torch.cat([table.parents, parents.flatten()]),
         depths=torch.cat([table.depths, (positions + 1).expand(branches, length).flatten()]),
-        logps=torch.cat([table.logps, log_accept[:, None].expand(branches, length).flatten()]),
+        logps=torch.cat([table.logps, log_accept.flatten()]),
         scores=torch.cat([head_scores, scores.masked_fill(~new, float("-inf")).flatten()]),
         filled=size + branches * length,
         sources=torch.cat([head_sources, torch.full((branches * length,), int(Source.LOOKUP), device=device)]),
@@ -237,7 +241,7 @@ class LookupRates:
     its own text raises it within a few cycles.
     """
 
-    BUCKETS = (1, 2, 3, 5, 8)  # evidence of at least this many tokens
+    BUCKETS = (1, 2, 3, 5, 8, 13)  # evidence of at least this many tokens (a chain's grows along it: `along`)
     PRIOR = (1.0, 2.0)  # accepted, offered
     DECAY = 0.98
 
@@ -250,6 +254,13 @@ class LookupRates:
     def estimate(self, evidence: int) -> float:
         accepted, offered = self.counts[self._bucket(evidence)]
         return min(0.99, max(0.01, accepted / offered))
+
+    def along(self, match: Match) -> tuple[list[float], list[int]]:
+        """Per token of a continuation, its acceptance estimate and its evidence: the match's, grown by
+        the tokens before it in the chain (a token is tried only where they were accepted, and then
+        they agree too), so a long copy is trusted more the further it goes."""
+        evidences = [match.evidence + j for j in range(len(match.tokens))]
+        return [self.estimate(evidence) for evidence in evidences], evidences
 
     def learn(self, cycle: Cycle) -> None:
         """Count, at every node of the accepted path (the root first), which of its lookup children
