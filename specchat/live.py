@@ -139,7 +139,7 @@ class LiveChat:
             return report  # nothing was decoded after the prefill, or no room to time plain steps
         stats = turn.stats
         report.estimated_speedup = estimated_speedup(stats.new_tokens, stats.seconds, stats.prefill_seconds,
-                                                     self.clock.seconds_per_step())
+                                                     self.clock.seconds_per_step(stats))
         if report.estimated_speedup is not None:
             self.totals[self.last_method].add_estimate(stats, report.estimated_speedup)
         return report

@@ -5,10 +5,12 @@ Speedup is measured on the decoding phase: tokens after the first one per second
 what each engine already has cached - the conversation so far, or nothing after a method switch -
 and not on the method, so including it would measure the cache rather than the speculation.
 
-- The *estimate* times a few plain decoding steps of the target at the reply's context length
-  (on the engine's own cache, which is trimmed back afterwards): plain decoding would have spent
-  one such step per token after the first. Timings are kept per context-length bucket, so a
-  session pays for a handful of steps per bucket, not per reply.
+- The *estimate*: plain decoding would have spent one plain step per token after the first. Where
+  the reply took enough plain steps itself (the pace takes them where drafting does not pay) their
+  mean time is that step; else a few plain steps are timed at the reply's context length (on the
+  engine's own cache, which is trimmed back afterwards), kept per context-length bucket, so a
+  session pays for a handful of steps per bucket, not per reply. A timed step is a whole one (the
+  forward and the choice of the token), as plain decoding takes it.
 - The *comparison* decodes the same prompt plainly on a separate engine (same target weights,
   own cache, same settings and random state) and measures the real ratio.
 
@@ -29,6 +31,8 @@ from specchat.decode.engine.engine import Engine, GenerationSettings
 
 # One untimed step warms up allocations; the median of the timed ones resists a noisy neighbour.
 WARMUP_STEPS, TIMED_STEPS = 1, 3
+# A reply's own plain steps stand for plain decoding's once there are this many of them.
+OWN_PLAIN_STEPS = 4
 # A divergence where plain decoding's top-2 logits were closer than this counts as a near-tie.
 NEAR_TIE_LOGITS = 0.5
 SMALLEST_BUCKET = 64
@@ -49,8 +53,12 @@ class PlainStepClock:
         self.engine = engine
         self.seconds_by_bucket: dict[int, float] = {}
 
-    def seconds_per_step(self) -> float:
-        """The plain step time at the engine's current context length (measured if not known)."""
+    def seconds_per_step(self, stats=None) -> float:
+        """The plain step time: the mean of a reply's own plain steps (`stats`, a `specchat.stats.Stats`)
+        where it took OWN_PLAIN_STEPS or more, else at the engine's current context length (measured
+        if not known)."""
+        if stats is not None and stats.plain_steps >= OWN_PLAIN_STEPS:
+            return stats.plain_step_seconds
         bucket = context_bucket(self.engine.cache.length)
         if bucket not in self.seconds_by_bucket:
             self.seconds_by_bucket[bucket] = self._measure()

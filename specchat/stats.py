@@ -39,6 +39,7 @@ class Stats:
     attention_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens per speculative cycle, bonus included
     arms: dict[str, int] = field(default_factory=dict)  # decoding steps by what drafted them (`Arm` values)
+    plain_seconds: float = 0.0  # of the decoding steps that verified no draft (arms["plain"] of them)
     finish_reason: str | None = None  # of the latest reply counted
 
     def add_step(self, step) -> None:
@@ -60,6 +61,7 @@ class Stats:
             tree = None if step.cycle is None else step.cycle.tree
             arm = Arm.PLAIN if tree is None or not len(tree) else tree.arm or Arm.HEAD
             self.arms[arm.value] = self.arms.get(arm.value, 0) + 1
+            self.plain_seconds += step.seconds if arm is Arm.PLAIN else 0.0
         if not step.prefill and step.cycle is not None:
             self.accept_lengths.append(len(step.tokens))
             tree = step.cycle.tree
@@ -110,6 +112,16 @@ class Stats:
             "lookup_seconds": round(self.lookup_seconds, 4),
             "arms": dict(self.arms),
         }
+
+    @property
+    def plain_steps(self) -> int:
+        """Decoding steps that verified no draft."""
+        return self.arms.get(Arm.PLAIN.value, 0)
+
+    @property
+    def plain_step_seconds(self) -> float | None:
+        """A plain step's mean time in this record (None without plain steps)."""
+        return self.plain_seconds / self.plain_steps if self.plain_steps else None
 
     def arm_shares(self) -> dict[str, float]:
         """Each arm's share of the decoding steps (after the prefill), largest first."""

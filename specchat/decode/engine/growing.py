@@ -88,15 +88,15 @@ class GrowingLayout:
         return cycle, [row_margins[row] for row in keep], drafted - start, verified - drafted, forward
 
     def plain_step_seconds(self, steps: int, context_ids: list[int]) -> list[float]:
-        """Plain steps on top of the cache, timed, then trimmed away."""
+        """Plain steps on top of the cache (the forward and the greedy choice, as a plain step takes
+        them), timed, then trimmed away."""
         committed = self.cache.length
-        token = torch.tensor([[context_ids[-1] if context_ids else 0]], device=self.target.device)
+        root, greedy = context_ids[-1] if context_ids else 0, SamplingParams()
         timings = []
         try:
             for _ in range(steps):
                 begun = time.perf_counter()
-                self.target.forward(token, self.cache, logits_for="last")
-                synchronize(self.target.device)
+                self.plain_step(root, len(context_ids), greedy, None)
                 timings.append(time.perf_counter() - begun)
         finally:
             self.cache.trim(committed)
