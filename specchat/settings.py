@@ -157,9 +157,10 @@ class Settings:
                             "answers of the chat): lookup continuations join the head's tree and compete for the "
                             "verify budget (hybrid drafting).")
     plain_when_faster: bool = _setting(False, "method", "plain_when_faster",
-                                       "Head methods take plain decoding steps while those are measured faster than "
-                                       "drafting cycles in the chat (sampling at a high temperature, text the head "
-                                       "drafts badly), drafting again every few steps to check (CPUs).")
+                                       "Head methods choose each cycle's draft source by what it has earned in the "
+                                       "chat: plain steps, lookup continuations alone (with --lookup) or the head's "
+                                       "tree, whichever has been measured fastest, trying the others again every few "
+                                       "steps (CPUs).")
     jakiro_reference_attach: bool = _setting(False, "method", "jakiro_reference_attach",
                                              "jakiro: attach the parallel last level by row, as the reference code does "
                                              "(default: to each node's own parent).")
