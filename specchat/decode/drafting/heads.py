@@ -62,8 +62,9 @@ class HeadProposer(HeadSteps):
         """
         Args:
             lookup: also draft from text already seen (hybrid trees).
-            curve: the verify-cost curve (the growing layout): with a lookup source, each cycle verifies
-                the number of nodes that maximizes expected tokens per second (else the shape's budget).
+            curve: the verify-cost curve (the growing layout on a CPU): each cycle drafts and verifies
+                the nodes that maximize expected tokens per second (`GrowingHead.narrow`, `select`;
+                without it, the shape's budget).
             lookup_tokens: the longest lookup chain.
             pace: each cycle takes plain steps, lookup continuations alone or the head's tree, whichever
                 has been measured fastest in this chat (`Pace`; the growing layout, given a curve: the
@@ -137,14 +138,18 @@ class HeadProposer(HeadSteps):
         tree.arm = Arm.HEAD
         return tree
 
+    def candidates(self, table: CandidateTable | None = None, trace=None) -> Candidates:
+        """The table (none: no head nodes) read once, joined by this cycle's lookup chains (host lists)."""
+        candidates = Candidates([], [], [], [], []) if table is None else Candidates.from_table(table, trace)
+        for match in self.matches:
+            candidates.add_chain(match.tokens, *self.rates.along(match))
+        return candidates
+
     def lookup_only(self, max_nodes: int) -> DraftTree:
         """The lookup continuations as a tree of as many nodes as pay at this machine's verify cost (the
         first always: so that their acceptance rate keeps learning)."""
-        candidates = Candidates([], [], [], [], [])
-        for match in self.matches:
-            candidates.add_chain(match.tokens, *self.rates.along(match))
         drafting_ms = 1000 * (time.perf_counter() - self.started)
-        tree = candidates.select_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
+        tree = self.candidates().select_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
         tree.arm = Arm.LOOKUP
         return tree
 
@@ -212,7 +217,7 @@ class GrowingHead(HeadProposer):
         if max_depth < 1:
             return 0
         self.max_nodes = max_nodes
-        if self.curve is not None:
+        if self.curve is not None:  # `keep`: the head's best node, verified every head cycle
             self.head_trust = self.trust.factor()
             self.keep, self.depth = 1, self.shape.depth_for(max_depth)
         else:
@@ -240,13 +245,6 @@ class GrowingHead(HeadProposer):
             return self.shape.grow(self, root_hidden, self.depth, self.max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
-
-    def candidates(self, table: CandidateTable, trace=None) -> Candidates:
-        """The table read once, joined by this cycle's lookup chains."""
-        candidates = Candidates.from_table(table, trace)
-        for match in self.matches:
-            candidates.add_chain(match.tokens, *self.rates.along(match))
-        return candidates
 
     def narrow(self, growth: Growth, beam: torch.Tensor, depth: int) -> torch.Tensor:
         """With a verify-cost curve, the beam nodes whose expansion is expected to pay: each one the
