@@ -51,25 +51,23 @@ class Stats:
         self.verify_seconds += step.verify_seconds
         self.draft_tokens += step.draft_tokens
         self.accepted_tokens += sum(step.drafted)
+        self.finish_reason = step.finish_reason or self.finish_reason
         if step.prefill:
             self.prefill_seconds += step.seconds
-        else:
-            self.forward_seconds += step.forward.forward_seconds
-            self.products_seconds += step.forward.products_seconds
-            self.attention_seconds += step.forward.attention_seconds
-        if not step.prefill:
-            tree = None if step.cycle is None else step.cycle.tree
-            arm = Arm.PLAIN if tree is None or not len(tree) else tree.arm or Arm.HEAD
-            self.arms[arm.value] = self.arms.get(arm.value, 0) + 1
-            self.plain_seconds += step.seconds if arm is Arm.PLAIN else 0.0
-        if not step.prefill and step.cycle is not None:
+            return
+        self.forward_seconds += step.forward.forward_seconds
+        self.products_seconds += step.forward.products_seconds
+        self.attention_seconds += step.forward.attention_seconds
+        tree = None if step.cycle is None else step.cycle.tree
+        arm = Arm.PLAIN if tree is None or not len(tree) else tree.arm or Arm.HEAD  # (a proposer naming none: a head)
+        self.arms[arm.value] = self.arms.get(arm.value, 0) + 1
+        self.plain_seconds += step.seconds if arm is Arm.PLAIN else 0.0
+        if tree is not None:
             self.accept_lengths.append(len(step.tokens))
-            tree = step.cycle.tree
             if tree.sources:  # the accepted nodes this step kept (an end of turn or the budget may cut the path)
                 kept = step.cycle.accepted[: sum(step.drafted)]
                 self.accepted_from_lookup += sum(tree.sources[node] != Source.HEAD for node in kept)
             self.lookup_seconds += tree.lookup_seconds
-        self.finish_reason = step.finish_reason or self.finish_reason
 
     def __iadd__(self, other: Stats) -> Stats:
         """Every counter of `Stats` summed (lists joined, arms by arm); the latest finish reason kept."""

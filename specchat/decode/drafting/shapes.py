@@ -276,13 +276,13 @@ class DynamicTree:
         growth = Growth(table, beam=torch.arange(k, device=device), beam_hidden=root_hidden.expand(k, -1),
                         beam_entries=torch.zeros(k, self.entries(depth), dtype=torch.bool, device=device),
                         beam_scores=[top_logp])
-        if depth > 1:
+        if depth > 1:  # the first beam narrowed as each later one is (below)
             growth.beam = steps.narrow(growth, growth.beam, 1)
-            growth.beam_hidden, growth.beam_entries = growth.beam_hidden[: len(growth.beam)], \
-                growth.beam_entries[: len(growth.beam)]
+            growth.beam_hidden = growth.beam_hidden[: len(growth.beam)]
+            growth.beam_entries = growth.beam_entries[: len(growth.beam)]
             growth.beam_scores = [top_logp[growth.beam]]
-        for level in range(1, depth if len(growth.beam) else 1):
-            if stop is not None and steps.stops(stop(level, growth, keep), growth):
+        for level in range(1, depth):
+            if not len(growth.beam) or stop is not None and steps.stops(stop(level, growth, keep), growth):
                 break
             child_logp, child_ids, out = self.children(steps, growth, level, depth)  # each [beam, k]
             child_scores = table.scores[growth.beam][:, None] + child_logp
