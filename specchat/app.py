@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specchat.answers import AnswerStore
 from specchat.chat import ChatFormat, ChatSession, resolve_template
+from specchat.decode import options
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.live import LiveChat
 from specchat.methods import checked_draft
@@ -60,23 +62,34 @@ def generation_settings(settings: Settings, checked: Checked, chat_format: ChatF
                               stop_ids=chat_format.stop_ids)
 
 
+def answer_store(settings: Settings, target: Target, by_default: bool) -> AnswerStore | None:
+    """This user's earlier answers under the target's tokenizer, where `--answer-index` wants them
+    (auto: `by_default`, which chat says and run and bench do not)."""
+    wanted = settings.answer_index == "on" or (settings.answer_index == options.AUTO and by_default)
+    return AnswerStore.for_tokenizer(target.tokenizer) if wanted else None
+
+
 def open_session(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
-                 load_model: LoadModel) -> ChatSession:
-    """A chat session on a loaded target, decoding with the settings' method (its draft loads here)."""
-    engine = Engine(target, build_proposer(settings, target, load_model))
+                 load_model: LoadModel, answers: AnswerStore | None = None, keep_answers: bool = False) -> ChatSession:
+    """A chat session on a loaded target, decoding with the settings' method (its draft loads here);
+    lookup drafts from the `answers` too, and the session adds its own to them where `keep_answers`."""
+    earlier = answers.index(settings.pld_max_ngram) if answers is not None else None
+    engine = Engine(target, build_proposer(settings, target, load_model, earlier))
     return ChatSession(engine, chat_format, generation, make_generator(settings.seed, target.device),
-                       system=settings.system)
+                       system=settings.system, earlier=earlier, answers=answers if keep_answers else None)
 
 
-def open_chat(settings: Settings, profile: str | None, target_loaded: Callable[[], None] | None = None) -> LiveChat:
+def open_chat(settings: Settings, profile: str | None, target_loaded: Callable[[], None] | None = None,
+              answers_by_default: bool = False) -> LiveChat:
     """Everything `chat` and `run` need: the target, the method's proposer and a session around
     them, whose method and settings can change mid-chat. `target_loaded()` runs once the target
-    has loaded (so that a model that cannot load gives the only message)."""
+    has loaded (so that a model that cannot load gives the only message); `answers_by_default`: the
+    command keeps and reads this user's earlier answers unless told otherwise (`answer_store`)."""
     checked = check(settings)
     target, chat_format = load_chat_model(settings, checked)
     if target_loaded is not None:
         target_loaded()
     load_model = model_loader(settings)
     session = open_session(settings, target, chat_format, generation_settings(settings, checked, chat_format),
-                           load_model)
+                           load_model, answer_store(settings, target, answers_by_default), keep_answers=True)
     return LiveChat(session, settings, profile, load_model)

@@ -254,5 +254,6 @@ def _runner(settings: Settings, target, chat_format, generation, load_model):
     entry = METHODS[settings.method]
     if entry.peer:
         return RUNNERS[entry](settings, target, chat_format, generation, load_model)
-    session = app.open_session(settings, target, chat_format, generation, load_model)
+    session = app.open_session(settings, target, chat_format, generation, load_model,
+                               app.answer_store(settings, target, by_default=False))  # read only: measured answers are not kept
     return SessionRunner(session), session.engine.proposer

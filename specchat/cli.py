@@ -78,12 +78,13 @@ def resolve_settings(options: dict) -> tuple[Settings, str]:
     return settings_mod.resolve({k: options.get(k) for k in FIELDS}, options.get("profile"))
 
 
-def open_chat(settings: Settings, profile: str, note: str | None = None):
+def open_chat(settings: Settings, profile: str, note: str | None = None, answers_by_default: bool = False):
     """The chat for `settings`; `note` is shown once the target has loaded (so that a model that
-    cannot load gives the only message)."""
+    cannot load gives the only message); `answers_by_default`: `--answer-index auto` means on."""
     from specchat import app  # torch and transformers load here
 
-    return app.open_chat(settings, profile, (lambda: click.echo(f"specchat: {note}", err=True)) if note else None)
+    return app.open_chat(settings, profile, (lambda: click.echo(f"specchat: {note}", err=True)) if note else None,
+                         answers_by_default)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -104,13 +105,13 @@ def chat(**options):
         prompt = read_stdin()
         if not prompt.strip():
             raise UsageError("empty prompt (stdin held no text)")
-        answer_once(open_chat(settings, profile, note), prompt)
+        answer_once(open_chat(settings, profile, note, answers_by_default=True), prompt)
         return
     if note:  # now: once the prompt is up, a line from the loading thread would cut into it
         click.echo(f"specchat: {note}", err=True)
     global terminal_chat_ran
     terminal_chat_ran = True  # however the chat ends, main() then ends the process at once
-    run_repl(lambda: open_chat(settings, profile), settings.model)
+    run_repl(lambda: open_chat(settings, profile, answers_by_default=True), settings.model)
 
 
 def answer_once(chat, prompt: str) -> None:

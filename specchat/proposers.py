@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from specchat import methods
 from specchat.decode.runtime import cpu_decoder, quantized
@@ -20,7 +21,7 @@ from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.drafting.draft_model import (DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch,
                                                   check_tokenizers)
 from specchat.decode.drafting.heads import HeadProposer
-from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, LookupSource
+from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, EarlierAnswers, LookupSource
 from specchat.decode.drafting.prompt_lookup import LookupProposer
 from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree,
                                              DynamicTreeParams, JakiroTree, StaticTree)
@@ -50,21 +51,28 @@ CPU_TOTAL_TOKENS_RANGE = (2, 32)
 LoadModel = Callable[[str], Target]
 
 
-def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None) -> Proposer | None:
-    """The proposer for `settings.method` (None for plain decoding), on `target`'s layout.
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a builder may draw on besides the settings and the target."""
 
-    `load_model(name)` loads a draft model (sps) the way the target was loaded.
-    """
+    load_model: LoadModel | None = None  # `load_model(name)` loads a draft model (sps) the way the target was loaded
+    earlier: EarlierAnswers | None = None  # this user's earlier answers, for lookup (`specchat.answers`)
+
+
+def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None,
+                   earlier: EarlierAnswers | None = None) -> Proposer | None:
+    """The proposer for `settings.method` (None for plain decoding), on `target`'s layout (`DraftInputs`)."""
     entry = method(settings.method)
     if entry.peer:
         raise MethodError(f"{entry.name} is another tool's implementation; only `specchat bench` runs it")
     if settings.static_tree and not entry.static_tree:
         takes = ", ".join(name for name, other in methods.METHODS.items() if other.static_tree)
         raise MethodError(f"--static-tree applies to {takes}, not {entry.name}")
-    return BUILDERS[entry](dataclasses.replace(settings, draft=effective_draft(settings)), target, load_model)
+    return BUILDERS[entry](dataclasses.replace(settings, draft=effective_draft(settings)), target,
+                           DraftInputs(load_model, earlier))
 
 
-def plain(settings: Settings, target: Target, load_model: LoadModel | None) -> None:
+def plain(settings: Settings, target: Target, inputs: DraftInputs) -> None:
     return None
 
 
@@ -74,16 +82,16 @@ def verify_cost_curve(target: Target) -> Curve | None:
     return cached_curve(target) if target.device.type == "cpu" and target.envelope is None else None
 
 
-def lookup(settings: Settings, target: Target, load_model: LoadModel | None) -> LookupProposer:
+def lookup(settings: Settings, target: Target, inputs: DraftInputs) -> LookupProposer:
     try:
         return LookupProposer(target, settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
-                              settings.pld_min_ngram, curve=verify_cost_curve(target))
+                              settings.pld_min_ngram, curve=verify_cost_curve(target), earlier=inputs.earlier)
     except ValueError as error:
         raise MethodError(str(error)) from error
 
 
-def draft_model(settings: Settings, target: Target, load_model: LoadModel | None) -> DraftModelProposer:
-    draft = load_model(settings.draft)
+def draft_model(settings: Settings, target: Target, inputs: DraftInputs) -> DraftModelProposer:
+    draft = inputs.load_model(settings.draft)
     try:
         check_tokenizers(target, draft)
     except TokenizerMismatch as error:
@@ -93,34 +101,34 @@ def draft_model(settings: Settings, target: Target, load_model: LoadModel | None
     return DraftModelProposer(draft, target, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
 
 
-def static_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
-    return _head_proposer(settings, target, lambda: StaticTree(_static_paths(settings, target)))
+def static_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:
+    return _head_proposer(settings, target, inputs, lambda: StaticTree(_static_paths(settings, target)))
 
 
-def dynamic_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
-    return _head_proposer(settings, target, lambda: DynamicTree(dynamic_params(settings, target)))
+def dynamic_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:
+    return _head_proposer(settings, target, inputs, lambda: DynamicTree(dynamic_params(settings, target)))
 
 
-def deagle_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
-    return _head_proposer(settings, target,
+def deagle_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:
+    return _head_proposer(settings, target, inputs,
                           lambda: DeagleTree(dynamic_params(settings, target), deagle_params(settings)))
 
 
-def jakiro_tree(settings: Settings, target: Target, load_model: LoadModel | None) -> HeadProposer:
+def jakiro_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:
     if settings.static_tree:  # a Jakiro head drafts a given static tree like any head
-        return static_tree(settings, target, load_model)
-    return _head_proposer(settings, target,
+        return static_tree(settings, target, inputs)
+    return _head_proposer(settings, target, inputs,
                           lambda: JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
 
 
 # What builds each of specchat's methods (the peers' are `specchat.bench_run.RUNNERS`).
-BUILDERS: dict[methods.Method, Callable[[Settings, Target, LoadModel | None], Proposer | None]] = {
+BUILDERS: dict[methods.Method, Callable[[Settings, Target, DraftInputs], Proposer | None]] = {
     methods.VANILLA: plain, methods.PLD: lookup, methods.SPS: draft_model, methods.EAGLE: static_tree,
     methods.EAGLE2: dynamic_tree, methods.DEAGLE: deagle_tree, methods.JAKIRO: jakiro_tree,
 }
 
 
-def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], object]) -> HeadProposer:
+def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make_shape: Callable[[], object]) -> HeadProposer:
     """The head's proposer; the tree's shape is made once the head has loaded (a head that cannot
     load fails before this machine's verify cost is measured for the shape's size)."""
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
@@ -134,12 +142,12 @@ def _head_proposer(settings: Settings, target: Target, make_shape: Callable[[], 
             head.set_draft_logits_layer(quantized.QuantizedLinear.from_linear(rows, KERNEL_BITS[target.spec.quantize]))
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
-        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram)
+        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, inputs.earlier)
     if settings.lookup or settings.plain_when_faster:  # both weigh what a verified token costs here
         curve = verify_cost_curve(target)
     try:
         return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve,
-                                       pace=settings.plain_when_faster)
+                                       pace=settings.plain_when_faster, lookup_paths=settings.lookup_paths)
     except ValueError as error:
         raise MethodError(str(error)) from error
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from specchat.decode import options
 from specchat.decode.drafting import deagle, lookup
+from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS  # (the `lookup` setting hides the module in the class)
 from specchat.embedded import DEFAULT_MODEL
 from specchat.errors import SpecchatError, UsageError
 from specchat.methods import CHAT_METHODS, HEAD_FORMATS, PLAIN
@@ -156,6 +157,16 @@ class Settings:
                             "Head methods also draft from text already seen (the conversation, earlier turns and "
                             "answers of the chat): lookup continuations join the head's tree and compete for the "
                             "verify budget (hybrid drafting).")
+    lookup_paths: int = _setting(DEFAULT_LOOKUP_PATHS, "method", "lookup_paths",
+                                 "With --lookup on a CPU: the paths of the lookup continuation tree a cycle weighs "
+                                 "(the strongest matches' continuations, each path with its share of them, as in "
+                                 "SuffixDecoding); 1: the strongest continuation alone.", check=_within(1, 16))
+    answer_index: str = _setting(options.AUTO, "method", "answer_index",
+                                 "Lookup (pld, --lookup) also drafts from this user's earlier answers on this "
+                                 "machine, kept in the cache folder (one store per tokenizer, the oldest going "
+                                 "first past 100,000 tokens), never from an answer to the prompt being answered. "
+                                 "auto: on for chat, off for run and bench; on: run keeps its answers too, bench "
+                                 "only reads them.", options.ANSWER_INDEX)
     plain_when_faster: bool = _setting(False, "method", "plain_when_faster",
                                        "Head methods choose each cycle's draft source by what it has earned in the "
                                        "chat: plain steps, lookup continuations alone (with --lookup) or the head's "

@@ -8,12 +8,12 @@ import torch
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.heads import HeadProposer
-from specchat.decode.drafting.pace import Arm, Pace
-from specchat.decode.drafting.selection import Candidates, HeadTrust
+from specchat.decode.drafting.pace import Arm, Found, Pace
+from specchat.decode.drafting.selection import Candidates, HeadTrust, LookupRates
 from specchat.decode.drafting.shapes import CandidateTable, DeagleTree, DynamicTreeParams, Growth
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
-from specchat.decode.drafting.lookup import LookupSource, Match
+from specchat.decode.drafting.lookup import LookupSource, Match, paths
 from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 from specchat.stats import Stats
 
@@ -33,7 +33,7 @@ class ScriptedLookup(LookupSource):
         super().__init__()
         self.script, self.kind = script, kind
 
-    def matches(self, root, limit, count=1):
+    def matches(self, root, limit, count=1, tree=False):
         start = len(self.context_ids) + 1
         right = self.script[start : start + limit]
         if self.kind == "wrong":
@@ -166,6 +166,48 @@ def test_lookup_finds_text_that_left_the_conversation():
     assert source.matches(root=2, limit=2)[0].tokens == [3, 7]  # the conversation first, latest occurrence
 
 
+def test_lookup_takes_the_longest_match_first():
+    """Two occurrences of "2 3": the older agrees with four tokens of context, the latest with two."""
+    source = LookupSource(max_ngram=2)
+    source.observe([10, 11, 2, 3, 40, 41, 99, 2, 3, 50, 51, 98, 10, 11, 2])
+    strongest, latest = source.matches(root=3, limit=2, count=2)
+    assert (strongest.tokens, strongest.evidence) == ([40, 41], 4) and (latest.tokens, latest.evidence) == ([50, 51], 2)
+
+
+def test_the_lookup_tree_gives_each_path_its_share_of_the_occurrences():
+    follows = [[1, 2, 3], [1, 2, 4], [1, 2, 3], [5]]
+    found = paths(follows, [4, 3, 3, 2], count=4)
+    assert [match.tokens for match in found] == [[1, 2, 3], [1, 2, 4], [5]]  # the repeated continuation adds nothing
+    assert found[0].shares == (0.75, 1.0, 2 / 3) and found[1].shares == (0.75, 1.0, 1 / 3) and found[2].shares == (0.25,)
+    assert [match.evidence for match in found] == [4, 3, 2]
+    assert len(paths(follows, [4, 3, 3, 2], count=2)) == 2
+
+
+def test_the_lookup_trees_paths_share_their_common_nodes():
+    source = LookupSource(max_ngram=1)
+    source.observe([8, 7, 1, 2, 3, 9, 7, 1, 2, 4, 6, 7, 1, 2, 3, 5])  # three occurrences of 7, each after another token
+    found = source.matches(root=7, limit=3, count=4, tree=True)
+    assert [match.tokens for match in found] == [[1, 2, 3], [1, 2, 4]]
+    candidates = Candidates([], [], [], [], [])
+    rates = LookupRates()
+    for match in found:
+        candidates.add_chain(match.tokens, *rates.along(match))
+    assert candidates.tokens == [1, 2, 3, 4] and candidates.parents == [-1, 0, 1, 1]
+    assert candidates.shares == [1.0, 1.0, 2 / 3, 1 / 3]
+    assert candidates.probs[3] == pytest.approx(candidates.probs[2] / 2)  # a third of the occurrences: half as likely
+
+
+def test_a_lookup_rate_is_learned_per_unit_of_share():
+    """Nodes taken by half the occurrences, accepted half the time: a unanimous node is then expected
+    to be accepted always (the rate per unit of share is 1)."""
+    rates = LookupRates()
+    tree = DraftTree(tokens=[4, 5], parents=[-1, -1], depths=[1, 1], probs=[0.5, 0.5],
+                     sources=[Source.LOOKUP] * 2, evidence=[6, 6], shares=[0.5, 0.5])
+    for accepted in range(400):
+        rates.learn(Cycle(root=1, tree=tree, accepted=[accepted % 2], bonus=0))
+    assert rates.estimate(6, share=1.0) == pytest.approx(0.99) and rates.estimate(6, share=0.5) == pytest.approx(0.5, abs=0.02)
+
+
 def test_forgetting_drops_the_history_too():
     """bench answers each question on its own: nothing found in an earlier question's text."""
     source = LookupSource(max_ngram=2)
@@ -232,7 +274,10 @@ def test_with_a_continuation_found_the_pace_weighs_lookup_alone_apart_from_the_h
     # a continuation likely accepted is never passed over for a plain step, even where plain steps were fastest
     slow = Pace(plain_ms=10.0, arms=(Arm.PLAIN, Arm.LOOKUP))
     run_pace(slow, True, {Arm.PLAIN: 1, Arm.LOOKUP: 0.5}, 50)
-    assert slow.choose(found=True) is Arm.PLAIN and slow.choose(found=True, lookup_accept=0.7) is Arm.LOOKUP
+    assert slow.choose(Found.CONTINUATION) is Arm.PLAIN
+    run_pace(slow, Found.LIKELY, {Arm.LOOKUP: 0.5}, 50)
+    assert slow.choose(Found.LIKELY) is Arm.LOOKUP and Found.of(True, 0.7) is Found.LIKELY
+    assert Found.of(True, 0.5) is Found.CONTINUATION and Found.of(False, 0.9) is Found.NOTHING
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong"])
@@ -245,7 +290,7 @@ def test_every_arm_the_pace_takes_leaves_greedy_output_plain(bigram, kind):
     plain = tokens_of(Engine(bigram), PROMPT, settings)
     proposer = hybrid(bigram, ScriptedLookup(PROMPT + plain, kind), pace=True)
     turns = iter([Arm.HEAD, Arm.PLAIN, Arm.LOOKUP] * 30)
-    proposer.pace.choose = lambda found, lookup_accept=0.0: next(turns)
+    proposer.pace.choose = lambda found: next(turns)
     steps = list(Engine(bigram, proposer).generate(PROMPT, settings))
     assert [t for step in steps for t in step.tokens] == plain
     stats = Stats()

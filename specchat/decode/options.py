@@ -13,4 +13,5 @@ BITSANDBYTES = ("8bit", "4bit")  # bitsandbytes' quantized weights
 QUANTIZE = (AUTO, "none", *KERNEL_BITS, *BITSANDBYTES)
 COMPILE = (AUTO, "on", "off")  # torch.compile the target's forward: auto = on CUDA without graphs (target.compiles)
 CUDA_GRAPHS = (AUTO, "on", "off")  # the fixed envelope, captured as CUDA graphs: auto = on CUDA (target.fixed_steps)
+ANSWER_INDEX = (AUTO, "on", "off")  # lookup in this user's earlier answers: auto = on for chat (specchat.app)
 MAX_NEW_TOKENS = 512  # most tokens per reply

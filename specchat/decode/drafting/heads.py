@@ -33,10 +33,10 @@ from drafters import DraftHead
 from drafters.cache import FixedHeadCache, HeadCache
 from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.runtime.calibrate import Curve
-from specchat.decode.drafting.lookup import LookupSource, Match
-from specchat.decode.drafting.pace import Arm, Pace
-from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust, LookupRates,
-                                                merge_lookup, select_fixed)
+from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
+from specchat.decode.drafting.pace import Arm, Found, Pace
+from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust,
+                                                LookupRates, merge_lookup, select_fixed)
 from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree, tree_budget
 from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
@@ -55,10 +55,11 @@ class HeadProposer(HeadSteps):
 
     reach = 0
     described = ""
+    lookup_tree: bool  # a cycle's lookup continuations are a tree's paths, else distinct chains (`LookupSource.matches`)
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree,
                  lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS,
-                 pace: bool = False):
+                 pace: bool = False, lookup_paths: int = DEFAULT_LOOKUP_PATHS):
         """
         Args:
             lookup: also draft from text already seen (hybrid trees).
@@ -66,6 +67,8 @@ class HeadProposer(HeadSteps):
                 the nodes that maximize expected tokens per second (`GrowingHead.narrow`, `select`;
                 without it, the shape's budget).
             lookup_tokens: the longest lookup chain.
+            lookup_paths: the lookup tree's paths a cycle weighs (the growing layout's; the fixed one
+                merges LOOKUP_BRANCHES chains in its draft step).
             pace: each cycle takes plain steps, lookup continuations alone or the head's tree, whichever
                 has been measured fastest in this chat (`Pace`; the growing layout, given a curve: the
                 fixed one verifies a whole bucket every step).
@@ -74,18 +77,19 @@ class HeadProposer(HeadSteps):
         super().__init__(head)
         self.shape, self.lookup, self.curve = shape, lookup, curve
         self.lookup_tokens = lookup_tokens if lookup is not None else 0
+        self.lookup_paths = lookup_paths
         self.rates, self.trust = LookupRates(), HeadTrust()
         arms = (Arm.PLAIN, Arm.LOOKUP, Arm.HEAD) if lookup is not None else (Arm.PLAIN, Arm.HEAD)
         self.pace = Pace(curve.cost(1), arms) if pace and curve is not None and target.envelope is None else None
         self.feature_layers = head.feature_layers(target.num_layers)
         self.matches: list[Match] = []
-        self.arm = Arm.HEAD  # this cycle's (`Pace`)
+        self.arm, self.found = Arm.HEAD, Found.NOTHING  # this cycle's (`Pace`)
         self.lookup_tree: DraftTree | None = None  # the LOOKUP arm's tree, chosen in `prepare`
         self.started = self.lookup_seconds = 0.0
 
     @staticmethod
     def for_target(head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options) -> HeadProposer:
-        """The head's proposer on `target`'s layout (`options`: lookup, curve, lookup_tokens)."""
+        """The head's proposer on `target`'s layout (`options`: lookup, curve, lookup_tokens, pace, lookup_paths)."""
         return (GrowingHead if target.envelope is None else FixedHead)(head, target, shape, **options)
 
     def describe(self) -> str:
@@ -97,15 +101,14 @@ class HeadProposer(HeadSteps):
         return self.rewind_cache(length)
 
     def forget(self) -> None:
-        if self.lookup is not None:  # the acceptance rates stay: they describe the head and the model, not the text
-            self.lookup.forget()
-        if self.pace is not None:
-            self.pace.forget()
+        if self.lookup is not None:  # the acceptance rates and the pace stay: they describe the machine, the
+            self.lookup.forget()  # head and the model, not the text
 
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
         self.pend(tokens, features)
         if self.lookup is not None:
             self.lookup.observe(tokens)
+            self.lookup.prompted()
         if self.pace is not None:  # a prompt: a new reply follows
             self.pace.check_soon()
 
@@ -115,12 +118,14 @@ class HeadProposer(HeadSteps):
         nodes = self.budget(max_depth, max_nodes)
         self.matches = []
         if nodes and self.lookup is not None:
-            self.matches = self.lookup.matches(root, min(self.lookup_tokens, max_depth), LOOKUP_BRANCHES)
+            count = self.lookup_paths if self.lookup_tree else LOOKUP_BRANCHES
+            self.matches = self.lookup.matches(root, min(self.lookup_tokens, max_depth), count, self.lookup_tree)
             self.chains(self.matches)
         self.arm = Arm.HEAD
         if nodes and self.pace is not None:
-            likeliest = max((self.rates.estimate(match.evidence) for match in self.matches), default=0.0)
-            self.arm = self.pace.choose(bool(self.matches), likeliest)
+            likeliest = max((self.rates.along(match)[0][0] for match in self.matches), default=0.0)
+            self.found = Found.of(bool(self.matches), likeliest)
+            self.arm = self.pace.choose(self.found)
             if self.arm is Arm.PLAIN:
                 nodes = 0  # a plain step, which gives the head its features
             elif self.arm is Arm.LOOKUP:  # the continuations alone; the head catches up in its next context pass
@@ -166,7 +171,7 @@ class HeadProposer(HeadSteps):
             self.curve.observe(len(cycle.tree) + 1, 1000 * cycle.forward_seconds)
         if self.pace is not None:
             arm = self.arm if len(cycle.tree) else Arm.PLAIN
-            self.pace.learn(arm, bool(self.matches), len(cycle.accepted) + 1, 1000 * (time.perf_counter() - self.started))
+            self.pace.learn(arm, self.found, len(cycle.accepted) + 1, 1000 * (time.perf_counter() - self.started))
 
     # What a layout's subclass keeps: the head's cache (`rewind_cache`, `pend`: prompt positions,
     # `commit` and `confirm`: a cycle's), the cycle's budget (`budget`) and lookup chains (`chains`),
@@ -175,6 +180,8 @@ class HeadProposer(HeadSteps):
 
 class GrowingHead(HeadProposer):
     """The head on the growing layout (see the module docstring)."""
+
+    lookup_tree = True  # the host selection merges the paths
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
         super().__init__(head, target, shape, **options)
@@ -307,6 +314,7 @@ class FixedHead(HeadProposer):
     tree the envelope verifies, whatever the room (acceptance stops at the room instead)."""
 
     described = ", fixed-shape steps"
+    lookup_tree = False  # LOOKUP_BRANCHES chains with distinct first tokens: the draft step merges them
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
         super().__init__(head, target, shape, **options)
@@ -376,8 +384,8 @@ class FixedHead(HeadProposer):
         """The lookup chains, for the draft step to merge (a missing token's rate 1: its log is 0, never NaN)."""
         along = [self.rates.along(match) for match in matches]
         self.lookups.write(tokens=[match.tokens for match in matches], lengths=[len(match.tokens) for match in matches],
-                           evidence=[evidences for _, evidences in along])
-        rates = [accepts + [1.0] * (self.lookup_tokens - len(accepts)) for accepts, _ in along]
+                           evidence=[evidences for _, evidences, _ in along])
+        rates = [accepts + [1.0] * (self.lookup_tokens - len(accepts)) for accepts, _, _ in along]
         self.accept.write(rates=rates + [[1.0] * self.lookup_tokens] * (LOOKUP_BRANCHES - len(matches)))
 
     def context_pass(self, root: torch.Tensor, span: int) -> torch.Tensor:

@@ -8,16 +8,19 @@ A cycle can take one of three arms (`Arm`):
 - HEAD: the draft head's tree, joined by those continuations where there are any (hybrid drafting).
 
 Each arm's record is its recent tokens and milliseconds, a cycle's whole wall time (drafting,
-verification, bookkeeping), decayed so that recent text counts most. Whether a lookup continuation
-was found splits the records in two: a head cycle with a chain to merge is another bet than one
-without, and the lookup arm exists only where there is a chain; a plain step costs the same either
-way (its cost is the machine's), so the plain arm has one record. The next cycle takes the arm with
-the best rate among those it can take, and each other arm is tried again after EXPLORE steps, twice
-as many after each try that finds it still slower (up to LONGEST_WAIT), at once after a try whose
-cycle beat the best; every arm is tried afresh at the start of each reply (its text may draft
-otherwise), and a lookup continuation accepted at least PROMISING often is never passed over for
-a plain step. The text changing kind (prose turning into code that quotes the prompt) shows as the
-found/not found split and in the decayed records.
+verification, bookkeeping), decayed so that recent text counts most. What lookup found splits the
+records in three (`Found`): nothing, a continuation, or one likely accepted (PROMISING or more):
+a head cycle with a chain to merge is another bet than one without, a copy under way (a rewritten
+function) is another than a stray match, and the lookup arm exists only where there is a chain; a
+plain step costs the same in each (its cost is the machine's), so the plain arm has one record.
+The next cycle takes the arm with the best rate among those it can take, and each other arm is
+tried again after EXPLORE steps, twice as many after each try that finds it still slower (up to
+LONGEST_WAIT), at once after a try whose cycle beat the best; every arm is tried afresh at the
+start of each reply (its text may draft otherwise), and a likely continuation is never passed over
+for a plain step. The text changing kind (prose turning into code that quotes the prompt) shows as
+the split and in the decayed records. The records describe this machine, model and head, not the
+text, so they outlast a conversation (`specchat bench` answers each question on its own and keeps
+them, as a chat does across /clear).
 
 Every arm is exact, so output is unchanged: only the pace follows the measurements. Nothing here
 imports torch.
@@ -27,6 +30,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+
+class Found(enum.IntEnum):
+    """What lookup found for a cycle (the context each arm's record is kept for)."""
+
+    NOTHING = 0
+    CONTINUATION = 1
+    LIKELY = 2  # a continuation whose first token is accepted PROMISING often or more
+
+    @classmethod
+    def of(cls, found: bool, lookup_accept: float) -> Found:
+        """`lookup_accept`: the best continuation's first-token acceptance estimate."""
+        return cls.NOTHING if not found else cls.LIKELY if lookup_accept >= Pace.PROMISING else cls.CONTINUATION
 
 
 class Arm(str, enum.Enum):
@@ -59,31 +75,32 @@ class Pace:
     DECAY = 0.9  # per step of each arm: recent text counts most
     EXPLORE, LONGEST_WAIT = 4, 32  # steps before another arm is tried again, doubling up to the longest
     PROMISING = 0.6  # a lookup continuation accepted at least this often is never passed over for a plain step
+    # (`Found.LIKELY`)
 
     def __init__(self, plain_ms: float, arms: tuple[Arm, ...] = (Arm.PLAIN, Arm.LOOKUP, Arm.HEAD)):
         """`plain_ms`: a plain step's cost until plain steps are timed (the verify-cost curve's one token);
         `arms`: those this drafter can take (PLAIN and at least one other)."""
         self.arms = arms
         self.plain_ms = plain_ms
-        self.records: dict[tuple[Arm, bool], ArmRecord] = {}
+        self.records: dict[tuple[Arm, Found], ArmRecord] = {}
         self.forget()
-        self.records[(Arm.PLAIN, False)] = ArmRecord(1.0, plain_ms, wait=self.EXPLORE)
+        self.records[(Arm.PLAIN, Found.NOTHING)] = ArmRecord(1.0, plain_ms, wait=self.EXPLORE)
 
-    def _record(self, arm: Arm, found: bool) -> ArmRecord:
-        return self.records[(arm, found and arm is not Arm.PLAIN)]
+    def _record(self, arm: Arm, found: Found) -> ArmRecord:
+        return self.records[(arm, Found.NOTHING if arm is Arm.PLAIN else Found(found))]
 
-    def candidates(self, found: bool, lookup_accept: float = 0.0) -> list[Arm]:
-        """The arms the next cycle can take: LOOKUP only where a continuation was `found`, PLAIN not
-        where it is likely accepted (`lookup_accept`: the best continuation's acceptance estimate)."""
+    def candidates(self, found: Found) -> list[Arm]:
+        """The arms the next cycle can take: LOOKUP only where a continuation was found, PLAIN not
+        where it is likely accepted."""
         arms = [arm for arm in self.arms if arm is not Arm.LOOKUP or found]
-        if lookup_accept >= self.PROMISING and len(arms) > 1:
+        if found is Found.LIKELY and len(arms) > 1:
             arms.remove(Arm.PLAIN)
         return arms
 
-    def choose(self, found: bool, lookup_accept: float = 0.0) -> Arm:
+    def choose(self, found: Found) -> Arm:
         """The next cycle's arm: one never run yet (the most ambitious first), one whose wait is up
         (the longest overdue), else the fastest."""
-        arms = self.candidates(found, lookup_accept)
+        arms = self.candidates(found)
         records = {arm: self._record(arm, found) for arm in arms}
         untried = [arm for arm in reversed(arms) if records[arm].rate is None]
         if untried:
@@ -92,14 +109,14 @@ class Pace:
         due = [arm for arm in arms if arm is not best and records[arm].since >= records[arm].wait]
         return max(due, key=lambda arm: records[arm].since - records[arm].wait) if due else best
 
-    def best_rate(self, found: bool, besides: Arm | None = None) -> float | None:
+    def best_rate(self, found: Found, besides: Arm | None = None) -> float | None:
         """The best measured rate among the arms open with or without a continuation, `besides` left out."""
         rates = [self._record(arm, found).rate for arm in self.candidates(found) if arm is not besides]
         rates = [rate for rate in rates if rate is not None]
         return max(rates) if rates else None
 
-    def learn(self, arm: Arm, found: bool, tokens: int, milliseconds: float) -> None:
-        """A step's tokens and wall time, taken by `arm` where a continuation was (or was not) `found`."""
+    def learn(self, arm: Arm, found: Found, tokens: int, milliseconds: float) -> None:
+        """A step's tokens and wall time, taken by `arm` where lookup `found` what it found."""
         record = self._record(arm, found)
         rival = self.best_rate(found, besides=arm)
         record.tokens = record.tokens * self.DECAY + tokens
@@ -122,6 +139,6 @@ class Pace:
     def forget(self) -> None:
         """What follows is unrelated: the drafting arms' records go (a plain step's cost stays: it is the machine's)."""
         for arm in self.arms:
-            for found in (False, True):
+            for found in Found:
                 if arm is not Arm.PLAIN:
                     self.records[(arm, found)] = ArmRecord(wait=self.EXPLORE)

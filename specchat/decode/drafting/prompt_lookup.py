@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LookupSource
+from specchat.decode.drafting.lookup import (DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, EarlierAnswers,
+                                              LookupSource)
 from specchat.decode.drafting.pace import Arm
 from specchat.decode.drafting.selection import Candidates, LookupRates
 from specchat.decode.drafting.tree import DraftTree, Source
@@ -30,13 +31,13 @@ class LookupProposer:
     reach = 0
 
     def __init__(self, target: Target, draft_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM,
-                 min_ngram: int = DEFAULT_MIN_NGRAM, curve: Curve | None = None):
+                 min_ngram: int = DEFAULT_MIN_NGRAM, curve: Curve | None = None, earlier: EarlierAnswers | None = None):
         """`curve`: this machine's verify-cost curve (the growing layout on a CPU): chains are cut to
-        the length worth verifying."""
+        the length worth verifying; `earlier`: this user's earlier answers, searched too."""
         if draft_tokens < 1:
             raise ValueError("draft_tokens must be >= 1")
         self.k, self.envelope = draft_tokens, target.envelope
-        self.source = LookupSource(max_ngram, min_ngram)
+        self.source = LookupSource(max_ngram, min_ngram, earlier)
         self.chain: list[int] = []  # this cycle's
         self.evidence: list[int] = []  # its tokens' evidence (tokens of agreeing context: `LookupRates.along`)
         self.curve, self.rates = curve, LookupRates()
@@ -57,6 +58,7 @@ class LookupProposer:
 
     def observe(self, tokens: list[int], features) -> None:
         self.source.observe(tokens)
+        self.source.prompted()
 
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         found = self.source.matches(root, min(self.k, max_depth, max_nodes))

@@ -33,7 +33,7 @@ from specchat.decode.drafting.lookup import Match
 from specchat.decode.drafting.shapes import CandidateTable
 from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 
-LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle
+LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle on the fixed layout
 LOOKUP_TOKENS = 16  # the longest lookup chain (the verify budget decides how much of it is verified)
 
 
@@ -61,6 +61,7 @@ class Candidates:
     sources: list[Source] = field(default_factory=list)  # empty: all the head's
     trace: DepthTrace | None = None  # for the trace (`DraftTree.trace`)
     evidence: list[int] = field(default_factory=list)  # per lookup node, its match's strength (else 0)
+    shares: list[float] = field(default_factory=list)  # per lookup node, its continuation's share (else 1)
 
     @classmethod
     def from_table(cls, table: CandidateTable, trace: DepthTrace | None) -> Candidates:
@@ -69,28 +70,34 @@ class Candidates:
         return cls(table.tokens[:n].tolist(), table.parents[:n].tolist(), table.depths[:n].tolist(),
                    table.logps[:n].exp().tolist(), table.scores[:n].tolist(), trace=trace)
 
-    def add_chain(self, tokens: list[int], accepts: list[float], evidences: list[int]) -> None:
+    def add_chain(self, tokens: list[int], accepts: list[float], evidences: list[int],
+                  shares: list[float] | None = None) -> None:
         """A lookup continuation from the root, token j accepted with probability `accepts[j]` given its
-        parent, found with `evidences[j]` tokens of agreeing context (`LookupRates.along`); where the
-        head proposed the same token under the same parent, the node is shared."""
+        parent, found with `evidences[j]` tokens of agreeing context and taken by `shares[j]` of the
+        occurrences weighed (`LookupRates.along`; None: all of them); where the head or an earlier chain
+        proposed the same token under the same parent, the node is shared."""
+        shares = [1.0] * len(tokens) if shares is None else shares
         if not self.sources:
             self.sources = [Source.HEAD] * len(self.tokens)
             self.evidence = [0] * len(self.tokens)
+            self.shares = [1.0] * len(self.tokens)
         child = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
         parent, score = -1, 0.0
-        for depth, (token, accept, evidence) in enumerate(zip(tokens, accepts, evidences), start=1):
+        for depth, (token, accept, evidence, share) in enumerate(zip(tokens, accepts, evidences, shares), start=1):
             score += math.log(accept)
             node = child.get((parent, token))
             if node is None:
                 node = len(self.tokens)
                 self.tokens.append(token), self.parents.append(parent), self.depths.append(depth)
                 self.probs.append(accept), self.scores.append(score), self.sources.append(Source.LOOKUP)
-                self.evidence.append(evidence)
+                self.evidence.append(evidence), self.shares.append(share)
                 child[(parent, token)] = node
             else:
-                self.sources[node] = Source.BOTH if self.sources[node] == Source.HEAD else self.sources[node]
+                head_only = self.sources[node] == Source.HEAD  # its evidence and share were placeholders
+                self.sources[node] = Source.BOTH if head_only else self.sources[node]
                 self.scores[node] = max(self.scores[node], score)
-                self.evidence[node] = max(self.evidence[node], evidence)
+                self.evidence[node] = evidence if head_only else max(self.evidence[node], evidence)
+                self.shares[node] = share if head_only else max(self.shares[node], share)
             parent, score = node, self.scores[node]
 
     def _ranked(self, values: list[float] | None = None) -> list[int]:
@@ -152,6 +159,7 @@ class Candidates:
             trace=self.trace,
             sources=[self.sources[i] for i in chosen] if self.sources else [],
             evidence=[self.evidence[i] for i in chosen] if self.evidence else [],
+            shares=[self.shares[i] for i in chosen] if self.shares else [],
         )
 
 
@@ -237,6 +245,9 @@ class LookupRates:
     """How often a lookup token is accepted when its parent was, by the strength of its match
     (tokens of agreeing context): the lookup nodes' probabilities, learned as the chat goes.
 
+    A token that only some of the weighed occurrences went on with (its share, `lookup.paths`) is
+    as likely as its share says: its estimate is the strength's rate times the share, and the rate
+    is learned per unit of share (each offer counts its share), so the two stay calibrated together.
     Starts from PRIOR (a weak belief of 1 in 2) and forgets slowly, so a chat that starts quoting
     its own text raises it within a few cycles.
     """
@@ -251,16 +262,18 @@ class LookupRates:
     def _bucket(self, evidence: int) -> int:
         return max(i for i, low in enumerate(self.BUCKETS) if evidence >= low or i == 0)
 
-    def estimate(self, evidence: int) -> float:
+    def estimate(self, evidence: int, share: float = 1.0) -> float:
         accepted, offered = self.counts[self._bucket(evidence)]
-        return min(0.99, max(0.01, accepted / offered))
+        return min(0.99, max(0.01, share * accepted / offered))
 
-    def along(self, match: Match) -> tuple[list[float], list[int]]:
-        """Per token of a continuation, its acceptance estimate and its evidence: the match's, grown by
-        the tokens before it in the chain (a token is tried only where they were accepted, and then
-        they agree too), so a long copy is trusted more the further it goes."""
+    def along(self, match: Match) -> tuple[list[float], list[int], list[float]]:
+        """Per token of a continuation, its acceptance estimate, its evidence and its share: the
+        evidence is the match's, grown by the tokens before it in the chain (a token is tried only
+        where they were accepted, and then they agree too), so a long copy is trusted more the
+        further it goes."""
         evidences = [match.evidence + j for j in range(len(match.tokens))]
-        return [self.estimate(evidence) for evidence in evidences], evidences
+        shares = list(match.shares) or [1.0] * len(match.tokens)
+        return [self.estimate(evidence, share) for evidence, share in zip(evidences, shares)], evidences, shares
 
     def learn(self, cycle: Cycle) -> None:
         """Count, at every node of the accepted path (the root first), which of its lookup children
@@ -274,7 +287,7 @@ class LookupRates:
                 if tree.sources[c] != Source.HEAD:
                     counts = self.counts[self._bucket(tree.evidence[c])]
                     counts[0] = counts[0] * self.DECAY + (c == taken)
-                    counts[1] = counts[1] * self.DECAY + 1
+                    counts[1] = counts[1] * self.DECAY + (tree.shares[c] if tree.shares else 1.0)
 
 
 class HeadTrust:

@@ -92,6 +92,8 @@ class DraftTree:
         sources: per node, what proposed it (`Source`); empty (None on the device): all one drafter's.
         evidence: with `sources`, per node the strength of the lookup match that proposed it (tokens of
             agreeing context; 0 for the head's own nodes).
+        shares: with `sources` on the growing layout, per node the share of the weighed lookup
+            occurrences that went on with it (`lookup.paths`; 1 for the head's own nodes); empty: 1 each.
         valid: the fixed layout's [n] bool (None: every node is real).
         depth: the fixed layout's bound on the depths (0: not bounded).
         trace: what the trace should know beyond the nodes (DEAGLE's votes: `deagle.DepthTrace`), or None.
@@ -107,6 +109,7 @@ class DraftTree:
     q: torch.Tensor | None = None
     sources: list[Source] = field(default_factory=list)
     evidence: list[int] = field(default_factory=list)
+    shares: list[float] = field(default_factory=list)
     valid: torch.Tensor | None = None
     depth: int = 0
     trace: DepthTrace | None = None
@@ -171,6 +174,8 @@ class Cycle:
             record["sources"] = [source.name.lower() for source in tree.sources]
             if tree.evidence:
                 record["lookup_evidence"] = tree.evidence
+            if tree.shares:
+                record["lookup_shares"] = [round(share, 3) for share in tree.shares]
         if tree.lookup_seconds:
             record["lookup_seconds"] = round(tree.lookup_seconds, 6)
         if tree.head_trust is not None:
