@@ -26,7 +26,7 @@ from torch import nn
 
 from drafters.attention import attention
 from drafters.cache import GrowingKV
-from specchat.decode.runtime import cpu_decoder
+from specchat.decode.runtime import cpu_decoder, woq_kernel
 from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.runtime.quantized import SharedProjection
 
@@ -145,6 +145,8 @@ class DecoderForward:
         embedding = self.embed_tokens.weight
         self.dtype, self.device = embedding.dtype, embedding.device
         self.compiled = compile
+        if compile:
+            woq_kernel.prepare_compiling()
         # One decoder layer is compiled, not the whole forward: every layer runs the same graphs (its
         # modules' weights and its part of the caches are their inputs), which compile in a layer's
         # time rather than the whole depth's (the whole 24-layer forward was still compiling its first

@@ -164,11 +164,19 @@ def _woq_linear_shape(x, low, high, scale, offset, bias, N, bits, isa):
     return x.new_empty((x.shape[0], N))
 
 
-@torch.compiler.assume_constant_result
 def traced_isa() -> str:
     """`kernel_isa()`, which a compiled graph takes as a constant (it reads the environment and
-    /proc/cpuinfo, which tracing must not)."""
+    /proc/cpuinfo, which tracing must not), once `prepare_compiling` has marked it so."""
     return kernel_isa()
+
+
+def prepare_compiling() -> None:
+    """Mark `traced_isa` as a constant result for torch.compile: called before a forward that runs
+    the kernel is compiled. Not a decorator: torch.compiler's marker imports torch._dynamo (~2.5 s
+    of a start on a Zen 3 core), which a process that compiles nothing has no use for. The marker
+    marks the function itself (an attribute dynamo reads when it traces a call), so marking it
+    late, and more than once, is the same as decorating it."""
+    torch.compiler.assume_constant_result(traced_isa)
 
 
 @functools.cache
@@ -205,11 +213,12 @@ def kernel_info() -> KernelInfo:
 def kernel_version() -> str:
     """A short hash of the kernel's sources and the path it runs: what a forward costs changes with
     either."""
-    return f"{_source_hash()}-{kernel_isa()}"
+    return f"{source_hash()}-{kernel_isa()}"
 
 
 @functools.cache
-def _source_hash() -> str:
+def source_hash() -> str:
+    """A short hash of the kernel's sources and headers (what a packed model is checked against)."""
     digest = hashlib.sha1()
     for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
