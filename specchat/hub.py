@@ -13,9 +13,6 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from huggingface_hub import hf_hub_download, snapshot_download
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
 from specchat.errors import SpecchatError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -41,6 +38,11 @@ def _offline() -> bool:
 
 def hub_folder(repo: str, allow_patterns: list[str], hint: str = "") -> str:
     """A local snapshot of a hub repository: from the hub cache when offline, else downloaded."""
+    # the hub client (its HTTP stack and API, ~0.15 s to import) loads where a hub id is fetched:
+    # an embedded model, a GGUF file or a local folder never needs it
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     try:
         return snapshot_download(repo, local_files_only=_offline(), allow_patterns=allow_patterns)
     except LocalEntryNotFoundError as error:
@@ -51,6 +53,9 @@ def hub_folder(repo: str, allow_patterns: list[str], hint: str = "") -> str:
 
 def hub_file(repo: str, filename: str, hint: str = "") -> Path:
     """One file of a hub repository, from the hub cache when offline, else downloaded."""
+    from huggingface_hub import hf_hub_download  # (as in `hub_folder`: where a hub id is fetched)
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     try:
         return Path(hf_hub_download(repo, filename, local_files_only=_offline()))
     except LocalEntryNotFoundError as error:
