@@ -8,6 +8,7 @@ command line turns into one line and an exit status.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,14 +24,17 @@ from specchat.settings import Settings
 from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.sources import load_target
 
+log = logging.getLogger(__name__)
 
-def model_loader(settings: Settings) -> LoadModel:
-    """`load(name, gguf_file=None)`: loads a model (the target, or a draft model) the way `settings` say."""
+
+def model_loader(settings: Settings, packed_model: bool = False) -> LoadModel:
+    """`load(name, gguf_file=None)`: loads a model (the target, or a draft model) the way `settings` say;
+    `packed_model`: from its packed file where it has one, without transformers' model (`load_target`)."""
     def load_model(name: str, gguf_file: str | None = None) -> Target:
         return load_target(ModelSpec(model=name, gguf_file=gguf_file, dtype=settings.dtype, device=settings.device,
                                      quantize=settings.quantize, compile=settings.compile,
                                      cuda_graphs=settings.cuda_graphs,
-                                     trust_remote_code=settings.trust_remote_code))
+                                     trust_remote_code=settings.trust_remote_code), packed_model)
 
     return load_model
 
@@ -51,9 +55,9 @@ def check(settings: Settings) -> Checked:
                    resolve_template(settings.chat_template))
 
 
-def load_chat_model(settings: Settings, checked: Checked) -> tuple[Target, ChatFormat]:
+def load_chat_model(settings: Settings, checked: Checked, packed_model: bool = False) -> tuple[Target, ChatFormat]:
     """The target and its chat format (the template the settings name, else the tokenizer's)."""
-    target = model_loader(settings)(settings.model, settings.gguf_file)
+    target = model_loader(settings, packed_model)(settings.model, settings.gguf_file)
     return target, ChatFormat(target.tokenizer, template=checked.template)
 
 
@@ -84,12 +88,16 @@ def open_chat(settings: Settings, profile: str | None, target_loaded: Callable[[
     """Everything `chat` and `run` need: the target, the method's proposer and a session around
     them, whose method and settings can change mid-chat. `target_loaded()` runs once the target
     has loaded (so that a model that cannot load gives the only message); `answers_by_default`: the
-    command keeps and reads this user's earlier answers unless told otherwise (`answer_store`)."""
+    command keeps and reads this user's earlier answers unless told otherwise (`answer_store`).
+
+    The target and any draft model come from their packed files where they have them: a chat
+    needs only their forward, not transformers' model (`specchat.decode.runtime.packed`)."""
     checked = check(settings)
-    target, chat_format = load_chat_model(settings, checked)
+    target, chat_format = load_chat_model(settings, checked, packed_model=True)
     if target_loaded is not None:
         target_loaded()
-    load_model = model_loader(settings)
+    load_model = model_loader(settings, packed_model=True)
     session = open_session(settings, target, chat_format, generation_settings(settings, checked, chat_format),
                            load_model, answer_store(settings, target, answers_by_default), keep_answers=True)
+    log.debug(f"set up {settings.method} decoding (its draft, where it has one, loaded and sized)")
     return LiveChat(session, settings, profile, load_model)

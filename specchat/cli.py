@@ -10,7 +10,9 @@ batch runner (`specchat.batch`), the bench (`specchat.bench_run`) or the runtime
 line on stderr, never a traceback (set SPECCHAT_DEBUG=1 for one).
 
 torch and transformers load only inside the commands that need them (marked where imported),
-so `--help`, `profiles` and the chat prompt come up at once.
+so `--help`, `profiles` and the chat prompt come up at once; the REPL's prompt_toolkit only for a
+chat in a terminal. `--verbose` says the start's phases, each with the seconds since the process
+started (the decoding core's debug lines, `show_core_messages`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import os
 import signal
 import sys
 import threading
+import time
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -31,12 +35,14 @@ from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import atomic_output, check_outputs, read_prompts, read_stdin
 from specchat.methods import METHODS, plain_unless_drafted
-from specchat.repl import run_repl
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI
 
+log = logging.getLogger(__name__)
+
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, Terminated.exit_code
 terminal_chat_ran = False  # set by `chat` when its terminal chat starts: main() then leaves at once
+piped_chat_ran = False  # set by `chat` when it answers a pipe: main() then leaves at once, run as the command itself
 
 
 class SettingOption(click.Option):
@@ -81,10 +87,17 @@ def resolve_settings(options: dict) -> tuple[Settings, str]:
 def open_chat(settings: Settings, profile: str, note: str | None = None, answers_by_default: bool = False):
     """The chat for `settings`; `note` is shown once the target has loaded (so that a model that
     cannot load gives the only message); `answers_by_default`: `--answer-index auto` means on."""
-    from specchat import app  # torch and transformers load here
+    log.debug("read the command line")
+    from specchat import app  # torch loads here (and transformers, where the model needs it: specchat.sources)
 
+    log.debug("imported torch and specchat's decoding core")
     return app.open_chat(settings, profile, (lambda: click.echo(f"specchat: {note}", err=True)) if note else None,
                          answers_by_default)
+
+
+VERBOSE = click.option("--verbose", is_flag=True,
+                       help="Say the start's phases on stderr, each with the seconds since the process started "
+                            "(imports, finding the model, the kernel, loading, the draft, the first token).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -94,9 +107,11 @@ def cli():
 
 
 @cli.command()
+@VERBOSE
 @settings_options
-def chat(**options):
+def chat(verbose, **options):
     """Chat in the terminal; with a pipe on stdin, answer what it holds and exit."""
+    show_core_messages(verbose)
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
     if sys.stdout is None or sys.stdout.closed:
@@ -105,12 +120,16 @@ def chat(**options):
         prompt = read_stdin()
         if not prompt.strip():
             raise UsageError("empty prompt (stdin held no text)")
+        global piped_chat_ran
+        piped_chat_ran = True
         answer_once(open_chat(settings, profile, note, answers_by_default=True), prompt)
         return
     if note:  # now: once the prompt is up, a line from the loading thread would cut into it
         click.echo(f"specchat: {note}", err=True)
     global terminal_chat_ran
     terminal_chat_ran = True  # however the chat ends, main() then ends the process at once
+    from specchat.repl import run_repl  # prompt_toolkit loads here: a piped prompt has no use for it
+
     run_repl(lambda: open_chat(settings, profile, answers_by_default=True), settings.model)
 
 
@@ -119,7 +138,9 @@ def answer_once(chat, prompt: str) -> None:
     ui = ChatUI.for_streams(info_on_stderr=True)
     writer = ui.answer(chat.session.chat_format.decoder() if chat.settings.show_accept else None)
     try:
-        for event in chat.reply(prompt):
+        for index, event in enumerate(chat.reply(prompt)):
+            if index == 0:
+                log.debug("the first token")
             writer.write(event)
     finally:
         writer.close()
@@ -142,9 +163,11 @@ def answer_once(chat, prompt: str) -> None:
 @click.option("--atomic/--no-atomic", default=False,
               help="Write --output to a temporary file and put it in place when the run ends: an interrupted "
                    "run then leaves the old file untouched instead of the records finished so far.")
+@VERBOSE
 @settings_options
-def run(inputs, output, output_format, trace, atomic, **options):
+def run(inputs, output, output_format, trace, atomic, verbose, **options):
     """Answer prompt files (.txt, .jsonl, or - for stdin); one JSON record per line of input."""
+    show_core_messages(verbose)
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
     inputs = list(inputs) or ["-"]
@@ -309,6 +332,10 @@ def leave_at_once(code) -> None:
     a busy one, measured), with the loading thread, if any, stopped wherever it stands (which has
     aborted). Nothing is left to save: answers are printed, the history file is written line by
     line and /save writes at once; so the standard streams are flushed and the process ends.
+
+    A piped chat ends so too, once its answer is out, where `main` runs the process's own command
+    line (the `specchat` script, `python -m specchat`; not a caller's, whose interpreter goes on):
+    the shutdown's clearing of torch's modules took ~1 s of a 5-6 s piped start on 2 Zen 3 cores.
     """
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -319,8 +346,8 @@ def leave_at_once(code) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    global terminal_chat_ran
-    terminal_chat_ran = False
+    global terminal_chat_ran, piped_chat_ran
+    terminal_chat_ran = piped_chat_ran = False
     with sigterm_raises_terminated():
         try:
             run_command(argv)
@@ -330,26 +357,44 @@ def main(argv: list[str] | None = None) -> None:
         except Terminated as stop:  # SIGTERM while an error was being reported
             click.echo(f"specchat: {stop.message}", err=True)
             exit_code = EXIT_TERMINATED
-    if terminal_chat_ran:
+    if terminal_chat_ran or (piped_chat_ran and argv is None):
         leave_at_once(exit_code)
     if exit_code is not None:
         sys.exit(exit_code)
 
 
+def process_start() -> float:
+    """When this process started (`time.time()`'s clock), from /proc (to 10 ms); elsewhere, now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # starttime: ticks since boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+PROCESS_START = process_start()
+
+
 class CoreLines(logging.Handler):
     """The decoding core's messages (`logging.getLogger("specchat")`) as one `specchat: ` line each on
-    stderr, written to whatever stderr is at the time (a test's capture included)."""
+    stderr, written to whatever stderr is at the time (a test's capture included); a debug line (a
+    start phase that ended, `--verbose`) with the seconds since the process started."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"specchat: {record.getMessage()}", file=sys.stderr, flush=True)
+        line = record.getMessage()
+        if record.levelno <= logging.DEBUG:
+            line = f"{record.created - PROCESS_START:6.2f}s  {line}"
+        print(f"specchat: {line}", file=sys.stderr, flush=True)
 
 
-def show_core_messages() -> None:
+def show_core_messages(phases: bool = False) -> None:
+    """The core's messages on stderr; with `phases`, its debug lines too (`--verbose`)."""
     core = logging.getLogger("specchat")
     if not any(isinstance(handler, CoreLines) for handler in core.handlers):
         core.addHandler(CoreLines())
-        core.setLevel(logging.INFO)
         core.propagate = False
+    core.setLevel(logging.DEBUG if phases else logging.INFO)
 
 
 def run_command(argv: list[str] | None) -> None:

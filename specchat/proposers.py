@@ -27,7 +27,7 @@ from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOT
                                              DynamicTreeParams, JakiroTree, StaticTree)
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 from specchat.decode.engine.engine import Proposer
-from specchat.decode.runtime.loading import quantized_cache
+from specchat.decode.runtime.quantized import quantized_cache
 from specchat.decode.options import KERNEL_BITS
 from specchat.decode.runtime.target import Target
 from specchat.methods import MethodError, effective_draft, method

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import struct
@@ -22,20 +23,21 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import torch
 from filelock import FileLock
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 import drafters
 from specchat import embedded
-from specchat.decode.runtime import woq_kernel
+from specchat.decode.runtime import packed, woq_kernel
+from specchat.decode.options import KERNEL_BITS
 from specchat.decode.runtime.machine import cache_dir
-from specchat.decode.runtime.loading import kernel_candidate, load_folder, quiet_transformers, resolve_device, resolve_dtype
-from specchat.decode.runtime.target import ModelSpec, Target, dtype_name
+from specchat.decode.runtime.target import (ModelSpec, Target, dtype_name, kernel_candidate, resolve_device,
+                                            resolve_dtype, resolve_quantize)
 from specchat.errors import ModelLoadError, SpecchatError
 from specchat import heads
 from specchat.hub import HUB_ID, HubError, hub_file, hub_folder
+
+log = logging.getLogger(__name__)
 
 STAMP = "specchat-source.json"  # written last into a converted folder: its presence means "complete"
 
@@ -44,19 +46,56 @@ class DraftHeadError(SpecchatError, ValueError):
     """A draft head cannot be found or loaded; the message names the file, key or mismatch."""
 
 
-def load_target(spec: ModelSpec) -> Target:
+def load_target(spec: ModelSpec, packed_model: bool = False) -> Target:
     """Find, (convert,) and load the target model and its tokenizer.
 
     Where specchat's kernel will likely run the weights, it is compiled on another thread while
     the model is found and converted, and a GGUF is converted to bf16 whatever the activations'
     dtype (the kernel quantizes the weights again; half the bytes to write and to read).
+
+    `packed_model`: where the target may come from a packed model (`packed.applies`: specchat's
+    kernel on a CPU), load it from its file, without transformers (a start in seconds), and where
+    there is none yet, load it through transformers and write one for the next start. For chat and
+    run; what calls transformers' model itself (bench's transformers peers, training) leaves it off.
     """
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
     kernel_likely = kernel_candidate(spec, device, dtype) and not woq_kernel.missing_cpu_features()
     if kernel_likely:
         woq_kernel.start_build()
-    return load_folder(locate(spec, torch.bfloat16 if kernel_likely else dtype), spec, device, dtype)
+    folder = locate(spec, torch.bfloat16 if kernel_likely else dtype)
+    log.debug(f"found the model ({folder})")
+    quantize = resolve_quantize(spec, device, dtype)
+    if quantize in KERNEL_BITS:
+        log.debug(f"the kernel is ready ({woq_kernel.kernel_isa()})")
+    stored = packed.path(folder, quantize, dtype) if packed_model and packed.applies(spec, device, quantize) else None
+    if stored is not None and (target := packed.load(stored, spec, dtype, quantize)) is not None:
+        log.debug(f"loaded the packed model ({target.runtime}; {stored})")
+        return target
+    # transformers loads here, where its model is built: a start from the packed model imports none of it
+    from specchat.decode.runtime.loading import load_folder
+
+    target = load_folder(folder, spec, device, dtype, quantize)
+    log.debug(f"loaded the model through transformers ({target.runtime})")
+    if stored is not None:
+        keep_packed(target, stored)
+    return target
+
+
+def keep_packed(target: Target, destination: Path) -> None:
+    """Write `target` as a packed model for later starts, where it can be one; a cache that cannot
+    be written costs later starts their speed, not this one its model (said in one line)."""
+    reason = packed.unpackable_reason(target)
+    if reason is not None:
+        log.debug(f"no packed model for {target.name} ({reason}): every start loads it through transformers")
+        return
+    try:
+        packed.save(target, destination)
+    except OSError as error:  # a full disk, a read-only cache
+        print(f"specchat: cannot keep the packed model in {destination.parent} ({error.strerror or error}): "
+              f"later starts load through transformers", file=sys.stderr)
+        return
+    log.debug(f"kept the packed model for later starts ({destination})")
 
 
 def _file_sha256(path: Path) -> str:
@@ -125,12 +164,15 @@ def damage(folder: Path) -> str | None:
     """What is wrong with a converted folder in the cache, or None if it is whole.
 
     Cheap (no tensor is read): the files recorded at the end of the conversion are there with
-    their sizes, the ones the loader needs are among them, JSON files parse, safetensors files
-    are as long as their headers say.
+    their sizes, the ones the loader needs are among them, JSON files changed since the stamp was
+    written parse (an unchanged one is as the conversion wrote it, whole, before the stamp: parsing
+    the 0.5B's 11 MB tokenizer.json again took ~0.3 s of every start), safetensors files are as
+    long as their headers say.
     """
     stamp = _read_stamp(folder)
     if stamp is None:
         return f"{STAMP} is missing or damaged"
+    stamped = (folder / STAMP).stat().st_mtime_ns
     recorded = stamp.get("files")
     files = recorded if isinstance(recorded, dict) else _manifest(folder)  # a conversion of an older specchat
     for name in NEEDED_FILES:
@@ -144,7 +186,7 @@ def damage(folder: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} is {path.stat().st_size:,} bytes, {size:,} when written"
-        if name.endswith(".json"):
+        if name.endswith(".json") and path.stat().st_mtime_ns >= stamped:  # (same tick: parsed, to be safe)
             try:
                 json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as error:
@@ -175,6 +217,8 @@ def _gguf_parsed_once():
     once for the weights (`load_gguf_checkpoint` builds a `gguf.GGUFReader` each time, importing the
     name when called); with a 150k-token vocabulary one parse takes ~6 s on a laptop core. While
     converting, one reader per file serves all three (transformers only reads from it)."""
+    import gguf  # the GGUF library loads where a file is converted: a start from a converted folder needs none
+
     original, readers = gguf.GGUFReader, {}
 
     def shared_reader(path, mode="r"):
@@ -192,6 +236,11 @@ def _gguf_parsed_once():
 
 def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
     """Dequantize a GGUF file into `dtype` and save it in `folder` as a Hugging Face model folder."""
+    # transformers loads here, where a GGUF file is converted (once per file): later starts need none of it
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from specchat.decode.runtime.loading import quiet_transformers
+
     quiet_transformers()
     try:
         # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import load_tiny_target
 from drafters.attention import attention, grouped
 from specchat.decode.runtime.loading import ATTENTION
-from specchat.decode.runtime.cache import KVCache
+from specchat.decode.runtime.transformers_cache import KVCache
 
 
 def reference(query, key, value, mask):

@@ -5,7 +5,7 @@ from transformers import DynamicCache
 
 from conftest import build_model
 from drafters.cache import CHUNK
-from specchat.decode.runtime.cache import KVCache
+from specchat.decode.runtime.transformers_cache import KVCache
 
 
 def run(model, ids, cache, positions=None, mask=None):

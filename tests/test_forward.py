@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, Qwen3Config
 from conftest import TINY_VOCAB, build_tokenizer, save_model_folder
 from specchat.decode.runtime import quantized
 from specchat.decode.runtime import woq_kernel
-from specchat.decode.runtime.cache import KVCache, causal_mask
+from specchat.decode.runtime.cache import causal_mask
+from specchat.decode.runtime.transformers_cache import KVCache
 from specchat.decode.runtime.forward import LayerKV, unsupported_reason
 from specchat.decode.runtime.target import Target
 

@@ -203,9 +203,9 @@ def test_auto_keeps_float32_models_unquantized_and_int5_needs_bf16_or_float32_on
 @needs_kernel
 def test_a_cpu_without_native_bf16_runs_the_kernel_on_float32_and_says_what_runs(qwen_dir, monkeypatch, capsys):
     """--dtype auto on an AVX2-class CPU: float32 activations through the int5 kernel, named in /stats and records."""
-    from specchat.decode.runtime import loading
+    from specchat.decode.runtime import target as runtime_target
 
-    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(runtime_target, "cpu_has_bf16", lambda: False)
     target = load_target(ModelSpec(model=str(qwen_dir), device="cpu"))
     assert target.dtype == torch.float32 and target.spec.quantize == "int5"
     assert target.runtime == f"int5 weights, {woq_kernel.kernel_isa()} kernel, float32 activations"

@@ -75,3 +75,54 @@ def test_the_default_runtime_is_the_quantized_kernel_and_divergences_are_near_ti
     for line in out.splitlines():
         turn = json.loads(line)["turns"][0]
         assert turn["identical"] or turn["near_tie"], turn
+
+
+def test_a_start_from_the_packed_model_answers_as_a_start_through_transformers(shared_cache, tmp_path, capsys):
+    """The first start loads through transformers and writes the packed model; the next loads from
+    it (without transformers) and answers the same, token for token."""
+    import shutil
+
+    from specchat.decode.runtime import woq_kernel
+
+    if woq_kernel.unavailable_reason() is not None:
+        pytest.skip("the quantized kernel does not run here")
+    shutil.rmtree(shared_cache / "packed", ignore_errors=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Write a Python function that reverses a list.", "Now in C."]}) + "\n")
+    args = ["run", str(prompts), "--max-new-tokens", "32", "--method", "vanilla", "--verbose"]
+    first = json.loads(run_cli(args, capsys))
+    assert any(shared_cache.glob("packed/*.safetensors"))
+    with pytest.raises(SystemExit) as done:
+        main(args)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    assert done.value.code == 0 and "loaded the packed model" in err, err
+    second = json.loads(out)
+    assert [(t["response"], t["new_tokens"]) for t in second["turns"]] == \
+        [(t["response"], t["new_tokens"]) for t in first["turns"]]
+
+
+def test_the_packed_tokenizer_formats_chats_as_transformers_does_with_the_real_template(shared_cache):
+    import torch
+    from transformers import AutoTokenizer
+
+    from specchat.decode.runtime.target import ModelSpec
+    from specchat.decode.runtime.tokenizer import SnapshotTokenizer, snapshot
+    from specchat.embedded import DEFAULT_MODEL
+    from specchat.sources import locate
+
+    theirs = AutoTokenizer.from_pretrained(locate(ModelSpec(model=DEFAULT_MODEL), torch.bfloat16))
+    ours = SnapshotTokenizer(json.loads(json.dumps(snapshot(theirs))))
+    conversations = [
+        [{"role": "user", "content": "Say hi"}],  # the template's own system prompt
+        [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Say hi"}],
+        [{"role": "user", "content": "Write a haiku about rain."}, {"role": "assistant", "content": "Rain on the roof..."},
+         {"role": "user", "content": "Now one about sun: \u00c5 vs A\u030a, \ufb01, 🙂"}],
+    ]
+    for conversation in conversations:
+        kwargs = dict(add_generation_prompt=True, return_dict=False)
+        assert ours.apply_chat_template(conversation, **kwargs) == theirs.apply_chat_template(conversation, **kwargs)
+    ids = ours.apply_chat_template(conversations[2], add_generation_prompt=True)
+    assert ours.decode(ids) == theirs.decode(ids) and ours.eos_token_id == theirs.eos_token_id
+    text = "def f(x):\n    return x ** 2  # Größe, 東京"
+    assert ours.encode(text) == theirs.encode(text) and len(ours) == len(theirs)

@@ -25,11 +25,14 @@ branch). Each package imports only those below it (acceptance and drafting share
       verify.py        which drafted tokens the target accepts (greedy and sampled, exact rules)
       sampling.py      temperature / top-p / top-k, the draw, greedy choices and margins
     runtime/           the target model at run time
-      target.py        the target: its runtime, one forward (variable or fixed shape)
-      loading.py       loading it from a folder: device, dtype, quantization, attention
+      target.py        the target: device, dtype and weights chosen, its runtime, one forward (variable or fixed shape)
+      loading.py       loading it from a folder through transformers: quantization, attention
+      packed.py        loading it from its packed file, without transformers (CPU kernel targets)
+      tokenizer.py     its tokenizer without transformers: a snapshot, templates rendered as transformers does
       forward.py       specchat's own forward for Llama-family targets (eager or compiled) and its cache
       cpu_decoder.py   that forward in one C++ call on a quantized CPU target; a draft head's layer likewise
-      cache.py         the target's KV cache (transformers' Cache over `drafters.cache`'s storage)
+      cache.py         the causal mask every target cache takes
+      transformers_cache.py  the KV cache of transformers' forward (its Cache over `drafters.cache`'s storage)
       envelope.py      the fixed shapes: capacity, buckets, spans, windows, declared host inputs
       graphs.py        fixed-shape steps captured as CUDA graphs and replayed
       quantized.py     weight-only int5/int4 linear layers for the CPU: the packed format, the layers

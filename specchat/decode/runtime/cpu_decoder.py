@@ -51,7 +51,7 @@ def unfused_reason(forward) -> str | None:
 def build(forward):
     """The extension's `Decoder` over `forward`'s layers (their tensors shared)."""
     kernel = woq_kernel.kernel()
-    shape = (forward.heads, forward.kv_heads, forward.head_dim, _epsilon(forward.norm), forward.scaling,
+    shape = (forward.heads, forward.kv_heads, forward.head_dim, epsilon(forward.norm), forward.scaling,
              woq_kernel.kernel_isa())
     layers = []
     for layer, projections in zip(forward.layers, forward.projections):
@@ -69,7 +69,8 @@ def _weight(norm: nn.Module) -> torch.Tensor:
     return norm.weight.detach().contiguous()
 
 
-def _epsilon(norm: nn.Module) -> float:
+def epsilon(norm: nn.Module) -> float:
+    """An RMS norm's epsilon, under transformers' name or the drafters' one."""
     return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
 
 
@@ -82,7 +83,7 @@ class FusedBlock:
         kernel, attention, mlp = woq_kernel.kernel(), layer.self_attn, layer.mlp
         gate_up = QuantizedLinear.stacked([mlp.gate_proj, mlp.up_proj])
         self.block = kernel.Block(attention.heads, attention.kv_heads, attention.head_dim,
-                                  _epsilon(layer.post_attention_layernorm), attention.head_dim ** -0.5,
+                                  epsilon(layer.post_attention_layernorm), attention.head_dim ** -0.5,
                                   woq_kernel.kernel_isa(),
                                   kernel.Layer(packed(attention.q_proj.stacked), packed(attention.o_proj),
                                                packed(gate_up), packed(mlp.down_proj),

@@ -51,7 +51,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 class LayerKV:
     """The target's KV cache for `DecoderForward`: every layer's keys and values in one `GrowingKV`
     (its batch dimension is the layer). The owner changes its length only through `trim` and
-    `compact`, as with `specchat.decode.runtime.cache.KVCache`; forwards extend it."""
+    `compact`, as with `specchat.decode.runtime.transformers_cache.KVCache`; forwards extend it."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity: int | None = None):

@@ -9,12 +9,9 @@ Where the folder comes from (an embedded model, a GGUF file converted once, the 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
-import json
 import logging
 import pickle
-from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -25,37 +22,14 @@ from transformers.utils import logging as transformers_logging
 from drafters.attention import grouped
 from specchat.decode.runtime import quantized, woq_kernel
 from specchat.decode.runtime.forward import unsupported_reason
-from specchat.decode.runtime.machine import cache_dir, cpu_has_bf16
-from specchat.decode.options import AUTO, BITSANDBYTES, KERNEL_BITS, QUANTIZE
-from specchat.decode.runtime.target import ModelSpec, Target, compiles, describe_runtime, dtype_name, fixed_steps
+from specchat.decode.options import BITSANDBYTES, KERNEL_BITS
+from specchat.decode.runtime.quantized import quantized_cache
+from specchat.decode.runtime.target import ModelSpec, Target, compiles, describe_runtime, fixed_steps, note_forced_isa
 from specchat.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ATTENTION = "specchat_sdpa"  # transformers' SDPA, but grouped matrix products on a CPU (drafters.attention)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == AUTO:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as error:
-        raise ModelLoadError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from error
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"--device {name} was asked for but this torch build sees no CUDA device")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == AUTO:
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
-    if name not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
-    return DTYPES[name]
 
 
 def quiet_transformers() -> None:
@@ -63,12 +37,9 @@ def quiet_transformers() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Target:
-    """The model in the Hugging Face folder `source` and its tokenizer, on `device` in `dtype`,
-    quantized as `spec` says."""
-    if spec.quantize not in QUANTIZE:
-        raise ModelLoadError(f"unknown --quantize {spec.quantize!r} (use {', '.join(QUANTIZE)})")
-    quantize = resolve_quantize(spec, device, dtype)
+def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype, quantize: str) -> Target:
+    """The model in the Hugging Face folder `source` and its tokenizer, on `device` in `dtype`, its
+    weights as `quantize` (`spec.quantize` resolved: `target.resolve_quantize`) says."""
     compiles(spec.compile, device, fixed_steps(spec.cuda_graphs, device))  # a bad choice is said before the model loads
     quiet_transformers()
     kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
@@ -96,9 +67,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
         except (woq_kernel.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
     target = Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
-    if quantize in KERNEL_BITS and woq_kernel.forced_isa() not in (None, woq_kernel.runnable_isas()[0]):
-        log.warning(f"{target.runtime}: {woq_kernel.ISA_VARIABLE} forces the path (this CPU's best: "
-                    f"{woq_kernel.runnable_isas()[0]})")
+    note_forced_isa(target)
     if spec.compile == "on" and not target.compiled:
         log.warning(f"--compile on, but {unsupported_reason(model)}: transformers' forward runs uncompiled")
     if fixed_steps(spec.cuda_graphs, device) and target.envelope is None:  # said, not silent: eager steps are slow
@@ -115,55 +84,6 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
     elif target.compiled:  # the envelope's steps: each shape (a bucket) compiles in its first, uncaptured run
         log.info("compiling the fixed-shape steps' forward as each step first runs (cached afterwards)")
     return target
-
-
-KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the activations specchat's kernel takes
-
-
-def kernel_candidate(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `spec` asks for specchat's kernel here, before knowing whether it compiles: named
-    (int5/int4), or `auto` on a CPU with kernel activations, unless float32 was asked for (an
-    explicit `--dtype float32` keeps its float32 weights: that is how exactness is checked)."""
-    if spec.quantize in KERNEL_BITS:
-        return True
-    return spec.quantize == AUTO and device.type == "cpu" and dtype in KERNEL_DTYPES and spec.dtype != "float32"
-
-
-def resolve_quantize(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`: specchat's 5-bit kernel where `kernel_candidate` and the kernel runs, else the dtype's
-    own weights; any choice that is not the fastest here is said in one line.
-
-    Measured on 2 cores of an AMD EPYC (Zen 4; docs/cpu-runtime.md): on the AVX-512 path the 0.5B
-    decodes in ~16 ms per token against ~51 in bf16, and verifying 8 tokens costs ~1.4x one; on
-    the AVX2 path (float32 activations) plain decoding matches llama.cpp built for AVX2, where
-    torch's own float32 layers cost 135 ms per token, but 8 rows of the kernel cost 3.2x one.
-    """
-    choice = spec.quantize
-    if choice != AUTO:
-        if choice in KERNEL_BITS and (device.type != "cpu" or dtype not in KERNEL_DTYPES):
-            raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 or float32 (got "
-                                 f"{device.type}, {dtype_name(dtype)})")
-        if device.type == "cpu" and choice not in KERNEL_BITS and not woq_kernel.missing_cpu_features():
-            log.warning(f"--quantize {choice} as asked; --quantize auto (int5, specchat's kernel) decodes "
-                        f"faster on this CPU")
-        return choice
-    if not kernel_candidate(spec, device, dtype):
-        return "none"
-    reason = woq_kernel.unavailable_reason()
-    if reason is not None:  # said, not silent: plain weights decode several times slower
-        log.warning(f"{dtype_name(dtype)} weights, not the 5-bit kernel ({reason}): decoding is several times "
-                    f"slower")
-        return "none"
-    return "int5"
-
-
-def quantized_cache(source: str | Path, quantize: str, loaded_on: Target | None = None) -> Path:
-    """Where the packed layers of a model or draft-head folder are kept, keyed by its weight files;
-    a draft head's also by the target it was loaded on (its LM-head rows may be the target's)."""
-    files = sorted(Path(source).glob("*.safetensors")) + sorted(Path(source).glob("*.bin"))
-    key = json.dumps([str(source)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-                     + ([quantized_cache(loaded_on.model.name_or_path, quantize).name] if loaded_on else []))
-    return cache_dir() / "quantized" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}-{quantize}.safetensors"
 
 
 def _bitsandbytes_config(quantize: str, dtype: torch.dtype):

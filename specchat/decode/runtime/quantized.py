@@ -16,6 +16,8 @@ model itself (how far from bf16: README, docs/cpu-runtime.md).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -25,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from specchat.decode.runtime.machine import cache_dir
 from specchat.decode.runtime.woq_kernel import kernel_isa, traced_isa
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,18 @@ class QuantizedLinear(nn.Module):
             self.register_buffer(name, tensor)
         # float32: the kernel adds it before rounding (as a bf16 nn.Linear's GEMM does)
         self.register_buffer("bias_term", None if bias is None else bias.detach().float().contiguous())
+
+    @classmethod
+    def from_packed(cls, packed: dict[str, torch.Tensor], bias: torch.Tensor | None,
+                    weight_dtype: torch.dtype) -> QuantizedLinear:
+        """A layer from its `pack`ed buffers, its sizes and bits read off their shapes: `low` is
+        [N / BLOCK, K / 8, 4 * BLOCK], `high` empty for 4 bits."""
+        blocks, columns, _ = packed["low"].shape
+        return cls(columns * 8, blocks * BLOCK, 5 if packed["high"].numel() else 4, packed, bias, weight_dtype)
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        """Its buffers in the kernel's layout (`pack`), as `from_packed` takes them."""
+        return {part: getattr(self, part) for part in PACKED_PARTS}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int) -> QuantizedLinear:
@@ -197,17 +212,22 @@ class SharedProjection(nn.Module):
         return columns
 
 
+def shared_projections(stacked: QuantizedLinear, sizes: list[int]) -> list[SharedProjection]:
+    """The parts of `stacked`, side by side `sizes` columns wide, as layers that share its calls."""
+    shared, starts = {}, [sum(sizes[:index]) for index in range(len(sizes))]
+    return [SharedProjection(stacked, slice(start, start + size), shared, len(sizes))
+            for start, size in zip(starts, sizes)]
+
+
 def share_projections(model: nn.Module, names=("q_proj", "k_proj", "v_proj")) -> None:
     """Give each module's quantized q, k and v projections one kernel call per input."""
     for module in list(model.modules()):
         parts = [getattr(module, name, None) for name in names]
         if not all(isinstance(part, QuantizedLinear) for part in parts):
             continue
-        stacked, shared, start = QuantizedLinear.stacked(parts), {}, 0
-        for name, part in zip(names, parts):
-            columns = slice(start, start + part.out_features)
-            setattr(module, name, SharedProjection(stacked, columns, shared, len(parts)))
-            start += part.out_features
+        shared = shared_projections(QuantizedLinear.stacked(parts), [part.out_features for part in parts])
+        for name, projection in zip(names, shared):
+            setattr(module, name, projection)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
@@ -254,6 +274,31 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, wha
     share_projections(model)
 
 
+def weights_key(source: str | Path, *more: str) -> str:
+    """A short key for a model or draft-head folder's weights, with `more`: their files by name, size
+    and modification time, so that changed weights are packed again."""
+    files = sorted(Path(source).glob("*.safetensors")) + sorted(Path(source).glob("*.bin"))
+    key = json.dumps([str(source)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files] + list(more))
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def quantized_cache(source: str | Path, quantize: str, loaded_on=None) -> Path:
+    """Where the packed layers of a model or draft-head folder are kept, keyed by its weight files;
+    a draft head's also by the target it was loaded on (its LM-head rows may be the target's;
+    `loaded_on`, a `Target`)."""
+    more = [quantized_cache(loaded_on.model.name_or_path, quantize).name] if loaded_on else []
+    return cache_dir() / "quantized" / f"{weights_key(source, *more)}-{quantize}.safetensors"
+
+
+def save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written beside `path` and then put in its place: a reader sees the old file
+    or the whole new one, never a part (a process killed meanwhile leaves a `.partial` behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + f".{os.getpid()}.partial")
+    save_file({key: value.contiguous() for key, value in tensors.items()}, partial, metadata=metadata)
+    os.replace(partial, path)
+
+
 def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None:
     if cache is None or not cache.is_file():
         return None
@@ -267,7 +312,4 @@ def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None
 
 
 def _write_cache(cache: Path, tensors: dict[str, torch.Tensor], bits: int) -> None:
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_name(cache.name + f".{os.getpid()}.partial")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, partial, metadata={"layout": f"{LAYOUT}-{bits}"})
-    os.replace(partial, cache)
+    save_atomically(cache, tensors, {"layout": f"{LAYOUT}-{bits}"})

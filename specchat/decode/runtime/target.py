@@ -1,8 +1,10 @@
 """The target model at run time: the one forward pass the engine asks of it, on the runtime its
 loading chose (specchat's own forward, compiled or not, or on the fixed envelope; transformers'
-forward otherwise), and how that choice is made and described.
+forward otherwise), and how that choice is made and described: device, dtype, weights, compiled
+or not, decided before anything loads.
 
-Loading it from a folder (device, dtype, quantization, attention) is `specchat.decode.runtime.loading`'s.
+Loading it is `specchat.decode.runtime.loading`'s (a Hugging Face folder, through transformers) or
+`specchat.decode.runtime.packed`'s (specchat's packed file, without transformers).
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from dataclasses import dataclass
 import torch
 
 from specchat.decode.runtime import woq_kernel
-from specchat.decode.runtime.cache import KVCache, causal_mask
+from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.runtime.envelope import Envelope
 from specchat.decode.runtime.forward import DecoderForward, LayerKV, unsupported_reason
 from specchat.decode.runtime.graphs import capture_failure
-from specchat.decode.runtime.machine import synchronize
-from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, KERNEL_BITS
+from specchat.decode.runtime.machine import cpu_has_bf16, synchronize
+from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, KERNEL_BITS, QUANTIZE
 from specchat.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the activations specchat's kernel takes
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,67 @@ def compiles(choice: str, device: torch.device, fixed: bool = False) -> bool:
     return choice == "on" or (choice == AUTO and device.type == "cuda" and not fixed)
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == AUTO:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ModelLoadError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {name} was asked for but this torch build sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == AUTO:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def kernel_candidate(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `spec` asks for specchat's kernel here, before knowing whether it compiles: named
+    (int5/int4), or `auto` on a CPU with kernel activations, unless float32 was asked for (an
+    explicit `--dtype float32` keeps its float32 weights: that is how exactness is checked)."""
+    if spec.quantize in KERNEL_BITS:
+        return True
+    return spec.quantize == AUTO and device.type == "cpu" and dtype in KERNEL_DTYPES and spec.dtype != "float32"
+
+
+def resolve_quantize(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto`: specchat's 5-bit kernel where `kernel_candidate` and the kernel runs, else the dtype's
+    own weights; any choice that is not the fastest here is said in one line.
+
+    Measured on 2 cores of an AMD EPYC (Zen 4; docs/cpu-runtime.md): on the AVX-512 path the 0.5B
+    decodes in ~16 ms per token against ~51 in bf16, and verifying 8 tokens costs ~1.4x one; on
+    the AVX2 path (float32 activations) plain decoding matches llama.cpp built for AVX2, where
+    torch's own float32 layers cost 135 ms per token, but 8 rows of the kernel cost 3.2x one.
+    """
+    choice = spec.quantize
+    if choice not in QUANTIZE:
+        raise ModelLoadError(f"unknown --quantize {choice!r} (use {', '.join(QUANTIZE)})")
+    if choice != AUTO:
+        if choice in KERNEL_BITS and (device.type != "cpu" or dtype not in KERNEL_DTYPES):
+            raise ModelLoadError(f"--quantize {choice} runs on a CPU with --dtype bfloat16 or float32 (got "
+                                 f"{device.type}, {dtype_name(dtype)})")
+        if device.type == "cpu" and choice not in KERNEL_BITS and not woq_kernel.missing_cpu_features():
+            log.warning(f"--quantize {choice} as asked; --quantize auto (int5, specchat's kernel) decodes "
+                        f"faster on this CPU")
+        return choice
+    if not kernel_candidate(spec, device, dtype):
+        return "none"
+    reason = woq_kernel.unavailable_reason()
+    if reason is not None:  # said, not silent: plain weights decode several times slower
+        log.warning(f"{dtype_name(dtype)} weights, not the 5-bit kernel ({reason}): decoding is several times "
+                    f"slower")
+        return "none"
+    return "int5"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -76,6 +142,13 @@ def describe_runtime(quantize: str, device: torch.device, dtype: torch.dtype) ->
     if quantize in BITSANDBYTES:
         return f"bitsandbytes {quantize} weights, {dtype_name(dtype)} compute, {device.type}"
     return f"{dtype_name(dtype)} weights, {device.type}"
+
+
+def note_forced_isa(target: Target) -> None:
+    """Say in one line where $SPECCHAT_CPU_ISA makes the kernel run a path other than this CPU's best."""
+    if target.spec.quantize in KERNEL_BITS and woq_kernel.forced_isa() not in (None, woq_kernel.runnable_isas()[0]):
+        log.warning(f"{target.runtime}: {woq_kernel.ISA_VARIABLE} forces the path (this CPU's best: "
+                    f"{woq_kernel.runnable_isas()[0]})")
 
 
 @dataclass
@@ -104,8 +177,9 @@ class ForwardTimes:
 class Target:
     """A causal LM that the engine decodes with and verifies drafts against.
 
-    Wraps a transformers `*ForCausalLM`: the decoder stack and the LM head are called
-    separately, so logits are computed only where they are needed. The decoder stack is
+    Wraps a transformers `*ForCausalLM`, or specchat's packed model, which has the parts specchat's
+    forward calls under the same names (`specchat.decode.runtime.packed`): the decoder stack and
+    the LM head are called separately, so logits are computed only where they are needed. The decoder stack is
     specchat's own forward (`specchat.decode.runtime.forward`, compiled or not, with its `LayerKV` cache)
     for the families it computes, transformers' otherwise (with `KVCache`); `new_cache` gives
     the cache that goes with it.
@@ -162,12 +236,18 @@ class Target:
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         return capture_failure(lambda: self.forward_at(at[None], cache, positions=at[None], mask=mask, slots=at, span=1))
 
-    def new_cache(self, capacity: int | None = None) -> LayerKV | KVCache:
-        """An empty KV cache for `forward`; with `capacity`, allocated at that size once (`forward_at`)."""
+    def new_cache(self, capacity: int | None = None) -> LayerKV:
+        """An empty KV cache for `forward` (a `transformers_cache.KVCache` for transformers' forward); with
+        `capacity`, allocated at that size once (`forward_at`)."""
         if capacity is not None:
             assert self.own_forward is not None, "a fixed-capacity cache needs specchat's own forward"
             return self.own_forward.new_cache(capacity)
-        return self.own_forward.new_cache() if self.own_forward is not None else KVCache()
+        if self.own_forward is not None:
+            return self.own_forward.new_cache()
+        # transformers' cache class, imported where transformers' forward runs: a target on specchat's
+        # forward (a start from the packed model among them) imports no transformers
+        from specchat.decode.runtime.transformers_cache import KVCache
+        return KVCache()
 
     @torch.inference_mode()
     def warm_up(self, tokens: int = 4) -> None:
@@ -252,7 +332,7 @@ class Target:
             logits = self.lm_head(final[logits_for : logits_for + 1])
         return TargetOutput(logits=logits, features=features)
 
-    def _transformers_forward(self, input_ids, cache: KVCache, positions, mask, feature_layers):
+    def _transformers_forward(self, input_ids, cache, positions, mask, feature_layers):
         select = [i for i in (feature_layers or ()) if i != self.num_layers]
         out = self.decoder(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
