@@ -12,6 +12,9 @@ import signal
 import pytest
 import torch
 
+from specchat.decode.drafting.tree import DraftTree
+from specchat.decode.engine.growing import verify_inputs
+
 # Tests must never wait on the network or write into the user's real cache and config.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -442,3 +445,17 @@ def exact_two_token_distribution(target, prompt, top_k, temperature=1.0):
             for x2 in p2.nonzero().flatten().tolist():
                 joint[(x1, x2)] = float(p1[x1] * p2[x2])
     return joint
+
+
+FEATURE_LAYERS = (0, 1, 6)  # the embeddings, the first layer's output, the final normed state
+
+
+def prefill_decode_and_tree(target, cache) -> list:
+    """A prefill, one decoded token and a verified tree through `target`, each with its logits and the
+    FEATURE_LAYERS' features: what two forwards of one model must agree on."""
+    outputs = [target.forward(torch.tensor([[5, 9, 3, 17, 2, 11, 8, 100, 33]]), cache, feature_layers=FEATURE_LAYERS)]
+    outputs.append(target.forward(torch.tensor([[12]]), cache, logits_for="last", feature_layers=FEATURE_LAYERS))
+    tree = DraftTree(tokens=[40, 41, 90], parents=[-1, -1, 1], depths=[1, 1, 2], probs=[1.0] * 3)
+    ids, positions, mask = verify_inputs(tree, 7, cache.length, "cpu")
+    outputs.append(target.forward(ids, cache, positions=positions, mask=mask, feature_layers=FEATURE_LAYERS))
+    return outputs

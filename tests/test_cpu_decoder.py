@@ -5,7 +5,7 @@ token gets the very bits plain decoding gives it."""
 import pytest
 import torch
 
-from conftest import load_tiny_target, save_model_folder
+from conftest import load_tiny_target, prefill_decode_and_tree, save_model_folder
 from specchat.decode.runtime import cpu_decoder, woq_kernel
 from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.engine.growing import verify_inputs
@@ -13,7 +13,6 @@ from specchat.decode.drafting.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
                                 reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
-FEATURES = (0, 1, 6)  # the embeddings, the first layer's output, the final normed state
 
 
 # (12 query heads over one KV head: attention's eight-heads-a-vector blocks, a whole one and a part)
@@ -40,22 +39,13 @@ def run(target, fused: bool, steps):
         forward.fused = kept
 
 
-def prefill_decode_and_tree(cache, target):
-    outputs = [target.forward(torch.tensor([[5, 9, 3, 17, 2, 11, 8, 100, 33]]), cache, feature_layers=FEATURES)]
-    outputs.append(target.forward(torch.tensor([[12]]), cache, logits_for="last", feature_layers=FEATURES))
-    tree = DraftTree(tokens=[40, 41, 90], parents=[-1, -1, 1], depths=[1, 1, 2], probs=[1.0] * 3)
-    ids, positions, mask = verify_inputs(tree, 7, cache.length, "cpu")
-    outputs.append(target.forward(ids, cache, positions=positions, mask=mask, feature_layers=FEATURES))
-    return outputs
-
-
 def test_the_fused_forward_computes_what_the_python_forward_computes(target):
     """Layer by layer the same arithmetic, a few sums in another order. The kernel quantizes each
     layer's input to int8, where a difference in the last bit may move a value one step, so
     differences grow with depth: the first layer's output (from identical inputs) is compared
     closely, the final state and the logits within a few percent of their scale."""
-    fused = run(target, True, lambda cache: prefill_decode_and_tree(cache, target))
-    python = run(target, False, lambda cache: prefill_decode_and_tree(cache, target))
+    fused = run(target, True, lambda cache: prefill_decode_and_tree(target, cache))
+    python = run(target, False, lambda cache: prefill_decode_and_tree(target, cache))
     hidden = target.hidden_size
     close = dict(rtol=0.02, atol=0.02) if target.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
     for mine, reference in zip(fused, python):

@@ -13,9 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import CHATML_TEMPLATE, build_tokenizer, save_model_folder
-from specchat.decode.drafting.tree import DraftTree
-from specchat.decode.engine.growing import verify_inputs
+from conftest import CHATML_TEMPLATE, build_tokenizer, prefill_decode_and_tree, save_model_folder
 from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.runtime.packed import PackedModel
 from specchat.decode.runtime.quantized import save_atomically
@@ -25,7 +23,6 @@ from specchat.sources import load_target
 
 needs_kernel = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
                                   reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
-FEATURES = (0, 1, 6)  # the embeddings, the first layer's output, the final normed state
 
 # Qwen2.5's chat template (the embedded model's): a default system prompt, tools, tool calls
 QWEN25_TEMPLATE = (
@@ -88,17 +85,6 @@ def load(folder, dtype: str, packed_model: bool):
     return load_target(ModelSpec(model=str(folder), dtype=dtype, device="cpu", quantize="int5"), packed_model)
 
 
-def steps(target):
-    """A prefill, one decoded token and a verified tree, with logits and features."""
-    cache = target.new_cache()
-    outputs = [target.forward(torch.tensor([[5, 9, 3, 17, 2, 11, 8, 100, 33]]), cache, feature_layers=FEATURES)]
-    outputs.append(target.forward(torch.tensor([[12]]), cache, logits_for="last", feature_layers=FEATURES))
-    tree = DraftTree(tokens=[40, 41, 90], parents=[-1, -1, 1], depths=[1, 1, 2], probs=[1.0] * 3)
-    ids, positions, mask = verify_inputs(tree, 7, cache.length, "cpu")
-    outputs.append(target.forward(ids, cache, positions=positions, mask=mask, feature_layers=FEATURES))
-    return outputs
-
-
 @needs_kernel
 @pytest.mark.parametrize("arch,dtype,overrides", [("qwen2", "float32", {}), ("qwen2", "bfloat16", {}),
                                                   ("qwen3", "float32", {"head_dim": 32}),
@@ -113,12 +99,12 @@ def test_a_packed_model_computes_what_the_model_it_was_packed_from_computes(tmp_
     assert (from_file.runtime, from_file.dtype, from_file.vocab_size, from_file.max_context, from_file.num_layers) == \
         (through_transformers.runtime, through_transformers.dtype, through_transformers.vocab_size,
          through_transformers.max_context, through_transformers.num_layers)
-    for ours, theirs in zip(steps(from_file), steps(through_transformers)):
+    for ours, theirs in zip(prefill_decode_and_tree(from_file, from_file.new_cache()), prefill_decode_and_tree(through_transformers, through_transformers.new_cache())):
         assert torch.equal(ours.logits, theirs.logits)
         assert torch.equal(ours.features, theirs.features)
     # specchat's Python forward (what runs where the fused one does not take a mask) over the packed modules
     from_file.own_forward.fused = through_transformers.own_forward.fused = None
-    for ours, theirs in zip(steps(from_file), steps(through_transformers)):
+    for ours, theirs in zip(prefill_decode_and_tree(from_file, from_file.new_cache()), prefill_decode_and_tree(through_transformers, through_transformers.new_cache())):
         assert torch.equal(ours.logits, theirs.logits)
 
 
