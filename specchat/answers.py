@@ -42,6 +42,7 @@ class AnswerStore:
     def __init__(self, folder: Path):
         self.folder = folder
         self.tokens_path, self.records_path = folder / "tokens.bin", folder / "answers.jsonl"
+        self.indexes: dict[int, EarlierAnswers] = {}  # by n-gram length, read once (`index`)
 
     @classmethod
     def for_tokenizer(cls, tokenizer) -> AnswerStore:
@@ -51,8 +52,8 @@ class AnswerStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         return FileLock(self.folder / "store.lock")
 
-    def _read(self) -> list[tuple[str, list[int]]]:
-        """(prompt key, token ids) per answer, oldest first; records past the tokens written are dropped
+    def _read(self) -> list[tuple[dict, list[int]]]:
+        """(record, token ids) per answer, oldest first; records past the tokens written are dropped
         (a write cut short)."""
         if not self.records_path.exists():
             return []
@@ -64,16 +65,21 @@ class AnswerStore:
             record = json.loads(line)
             start, length = record["start"], record["length"]
             if start + length <= len(ids):
-                answers.append((record["prompt"], ids[start : start + length].tolist()))
+                answers.append((record, ids[start : start + length].tolist()))
         return answers
 
     def load(self) -> list[tuple[str, list[int]]]:
+        """(prompt key, token ids) per answer, oldest first."""
         with self._lock():
-            return self._read()
+            return [(record["prompt"], tokens) for record, tokens in self._read()]
 
     def index(self, ngram: int) -> EarlierAnswers:
-        """The answers as lookup reads them."""
-        return EarlierAnswers(self.load(), ngram)
+        """The answers as lookup reads them, read and indexed at the first call (~0.2 s for a full
+        store: only where a method looks them up), the same snapshot after it (the replies of this
+        chat are in its own history)."""
+        if ngram not in self.indexes:
+            self.indexes[ngram] = EarlierAnswers(self.load(), ngram)
+        return self.indexes[ngram]
 
     def add(self, prompt: list[int], answer: list[int]) -> None:
         """Keep `answer`, the reply to `prompt` (token ids); past ANSWER_TOKENS the oldest answers go."""
@@ -93,22 +99,16 @@ class AnswerStore:
         """Keep the newest answers that fit in half of ANSWER_TOKENS (so that pruning is rare), rewritten
         whole and swapped in (the lock held)."""
         kept, total = [], 0
-        for prompt, tokens in reversed(self._read()):
+        for record, tokens in reversed(self._read()):
             if total + len(tokens) > ANSWER_TOKENS // 2:
                 break
-            kept.append((prompt, tokens))
+            kept.append((record, tokens))
             total += len(tokens)
-        ids, lines, start = array("I"), [], 0
-        for prompt, tokens in reversed(kept):
+        ids, lines = array("I"), []
+        for record, tokens in reversed(kept):
+            lines.append(json.dumps(record | {"start": len(ids)}))
             ids.extend(tokens)
-            lines.append(json.dumps({"prompt": prompt, "start": start, "length": len(tokens), "time": round(time.time())}))
-            start += len(tokens)
         for path, data in ((self.tokens_path, ids.tobytes()), (self.records_path, "".join(f"{line}\n" for line in lines).encode())):
             temporary = path.with_suffix(".tmp")
             temporary.write_bytes(data)
             os.replace(temporary, path)
-
-    def clear(self) -> None:
-        with self._lock():
-            for path in (self.tokens_path, self.records_path):
-                path.unlink(missing_ok=True)

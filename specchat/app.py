@@ -77,10 +77,9 @@ def open_session(settings: Settings, target: Target, chat_format: ChatFormat, ge
                  load_model: LoadModel, answers: AnswerStore | None = None, keep_answers: bool = False) -> ChatSession:
     """A chat session on a loaded target, decoding with the settings' method (its draft loads here);
     lookup drafts from the `answers` too, and the session adds its own to them where `keep_answers`."""
-    earlier = answers.index(settings.pld_max_ngram) if answers is not None else None
-    engine = Engine(target, build_proposer(settings, target, load_model, earlier))
+    engine = Engine(target, build_proposer(settings, target, load_model, answers))
     return ChatSession(engine, chat_format, generation, make_generator(settings.seed, target.device),
-                       system=settings.system, earlier=earlier, answers=answers if keep_answers else None)
+                       system=settings.system, answers=answers, keep_answers=keep_answers)
 
 
 def open_chat(settings: Settings, profile: str | None, target_loaded: Callable[[], None] | None = None,

@@ -16,7 +16,6 @@ import torch
 
 from specchat.answers import AnswerStore
 from specchat.decode.engine.engine import Engine, GenerationSettings, StepResult
-from specchat.decode.drafting.lookup import EarlierAnswers
 from specchat.decode.drafting.tree import Cycle
 from specchat.errors import ContextLengthError, SpecchatError, UsageError
 from specchat.stats import Stats
@@ -224,12 +223,12 @@ class ChatSession:
     """A conversation with the target: keeps the messages, streams replies, counts."""
 
     def __init__(self, engine: Engine, chat_format: ChatFormat, settings: GenerationSettings,
-                 rng: torch.Generator | None = None, system: str | None = None, earlier: EarlierAnswers | None = None,
-                 answers: AnswerStore | None = None):
-        """`earlier`: this user's earlier answers as lookup reads them (for the drafters built later,
-        `LiveChat`); `answers`: the store each finished reply is added to."""
+                 rng: torch.Generator | None = None, system: str | None = None, answers: AnswerStore | None = None,
+                 keep_answers: bool = False):
+        """`answers`: this user's earlier answers (lookup drafts from them: the drafters `LiveChat` builds
+        later too), each finished reply added to them where `keep_answers`."""
         self.engine = engine
-        self.earlier, self.answers = earlier, answers
+        self.answers, self.keep_answers = answers, keep_answers
         self.chat_format = chat_format
         self.settings = settings
         self.rng = rng
@@ -271,7 +270,7 @@ class ChatSession:
                     text += decoder.flush()
                 yield TurnEvent(text=text, step=step, turn=turn)
             turn.finished = True
-            if self.answers is not None:
+            if self.keep_answers and self.answers is not None:
                 self.answers.add(prompt, turn.tokens)
         finally:
             if turn.stats.new_tokens == 0:

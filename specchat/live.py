@@ -222,7 +222,7 @@ class LiveChat:
     def _build_proposer(self, candidate: Settings):
         try:
             checked_draft(candidate)
-            return build_proposer(candidate, self.engine.target, self.load_model, self.session.earlier)
+            return build_proposer(candidate, self.engine.target, self.load_model, self.session.answers)
         except MissingDraft as missing:
             raise LiveChatError(f"{missing.method} needs {missing.draft}: /method {missing.method} DRAFT") from missing
         except SpecchatError as error:  # a method that cannot run, a head or model that cannot load

@@ -30,6 +30,7 @@ from specchat.decode.engine.engine import Proposer
 from specchat.decode.runtime.quantized import quantized_cache
 from specchat.decode.options import KERNEL_BITS
 from specchat.decode.runtime.target import Target
+from specchat.answers import AnswerStore
 from specchat.methods import MethodError, effective_draft, method
 from specchat.settings import Settings
 from specchat.sources import load_head
@@ -56,11 +57,15 @@ class DraftInputs:
     """What a builder may draw on besides the settings and the target."""
 
     load_model: LoadModel | None = None  # `load_model(name)` loads a draft model (sps) the way the target was loaded
-    earlier: EarlierAnswers | None = None  # this user's earlier answers, for lookup (`specchat.answers`)
+    answers: AnswerStore | None = None  # this user's earlier answers, for lookup to draft from
+
+    def earlier(self, settings: Settings) -> EarlierAnswers | None:
+        """The earlier answers as lookup reads them (indexed at the first method that looks them up)."""
+        return self.answers.index(settings.pld_max_ngram) if self.answers is not None else None
 
 
 def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None,
-                   earlier: EarlierAnswers | None = None) -> Proposer | None:
+                   answers: AnswerStore | None = None) -> Proposer | None:
     """The proposer for `settings.method` (None for plain decoding), on `target`'s layout (`DraftInputs`)."""
     entry = method(settings.method)
     if entry.peer:
@@ -69,7 +74,7 @@ def build_proposer(settings: Settings, target: Target, load_model: LoadModel | N
         takes = ", ".join(name for name, other in methods.METHODS.items() if other.static_tree)
         raise MethodError(f"--static-tree applies to {takes}, not {entry.name}")
     return BUILDERS[entry](dataclasses.replace(settings, draft=effective_draft(settings)), target,
-                           DraftInputs(load_model, earlier))
+                           DraftInputs(load_model, answers))
 
 
 def plain(settings: Settings, target: Target, inputs: DraftInputs) -> None:
@@ -85,7 +90,8 @@ def verify_cost_curve(target: Target) -> Curve | None:
 def lookup(settings: Settings, target: Target, inputs: DraftInputs) -> LookupProposer:
     try:
         return LookupProposer(target, settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
-                              settings.pld_min_ngram, curve=verify_cost_curve(target), earlier=inputs.earlier)
+                              settings.pld_min_ngram, curve=verify_cost_curve(target),
+                              earlier=inputs.earlier(settings))
     except ValueError as error:
         raise MethodError(str(error)) from error
 
@@ -142,7 +148,7 @@ def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make
             head.set_draft_logits_layer(quantized.QuantizedLinear.from_linear(rows, KERNEL_BITS[target.spec.quantize]))
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
-        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, inputs.earlier)
+        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, inputs.earlier(settings))
     if settings.lookup or settings.plain_when_faster:  # both weigh what a verified token costs here
         curve = verify_cost_curve(target)
     try:

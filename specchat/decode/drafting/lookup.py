@@ -194,20 +194,18 @@ class LookupSource:
         found = [(evidence, -rank, end, index) for rank, index in enumerate(indexes)
                  for evidence, end in index.occurrences(tail)]
         found.sort(key=lambda occurrence: occurrence[:3], reverse=True)  # evidence, the nearer text, latest
-        follows = [index.follow(end, limit) for _, _, end, index in found]
         if not tree:
             matches: list[Match] = []
-            for (evidence, *_), follow in zip(found, follows):
+            for evidence, _, end, index in found:
+                follow = index.follow(end, limit)
                 if all(match.tokens[0] != follow[0] for match in matches):
                     matches.append(Match(follow, evidence))
                     if len(matches) == count:
                         break
             return matches
-        if not found:
-            return []
         # The tree is weighed over the occurrences of comparable strength: half the best match's or more.
-        evidences = [evidence for evidence, *_ in found if 2 * evidence >= found[0][0]]
-        return paths(follows[: len(evidences)], evidences, count)
+        weighed = [occurrence for occurrence in found if 2 * occurrence[0] >= found[0][0]]
+        return paths([index.follow(end, limit) for _, _, end, index in weighed], [evidence for evidence, *_ in weighed], count)
 
 
 def paths(follows: list[list[int]], evidences: list[int], count: int) -> list[Match]:
