@@ -10,6 +10,14 @@ def test_stop_ids_come_from_the_vocabulary(tokenizer):
     vocab = tokenizer.get_vocab()
     assert fmt.stop_ids == {vocab["<|im_end|>"], vocab["<|endoftext|>"]}
 
+    class Slow:  # transformers' slow tokenizers have no tokenizers backend: their vocabulary is read whole
+        chat_template, eos_token_id = tokenizer.chat_template, None
+
+        def get_vocab(self):
+            return vocab
+
+    assert ChatFormat(Slow()).stop_ids == fmt.stop_ids
+
 
 def test_prompt_ids_follow_the_template(tokenizer):
     conversation = Conversation(system="Be brief.")

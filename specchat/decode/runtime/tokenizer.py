@@ -54,28 +54,28 @@ class SnapshotTokenizer:
     `specchat.ui`, the drafters' vocabulary checks), over a `snapshot`."""
 
     def __init__(self, saved: dict):
-        self.backend = Tokenizer.from_str(saved["backend"])
+        self.backend_tokenizer = Tokenizer.from_str(saved["backend"])
         # transformers encodes without truncation or padding and splits special tokens only if asked
-        self.backend.no_truncation()
-        self.backend.no_padding()
-        self.backend.encode_special_tokens = saved["split_special_tokens"]
+        self.backend_tokenizer.no_truncation()
+        self.backend_tokenizer.no_padding()
+        self.backend_tokenizer.encode_special_tokens = saved["split_special_tokens"]
         self.special_tokens_map = saved["special_tokens"]
         self.eos_token_id = saved["eos_token_id"]
         self.chat_template = saved["chat_template"]
 
     def __len__(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def get_vocab(self) -> dict[str, int]:
-        return self.backend.get_vocab(with_added_tokens=True)
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s ids, with the special tokens the tokenizer adds around a whole input (a BOS) unless
         asked not to, as transformers' `encode` does."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = False, tokenize: bool = True,
