@@ -15,7 +15,7 @@ function) is another than a stray match, and the lookup arm exists only where th
 plain step costs the same in each (its cost is the machine's), so the plain arm has one record.
 The next cycle takes the arm with the best rate among those it can take, and each other arm is
 tried again after EXPLORE steps, twice as many after each try that finds it still slower (up to
-LONGEST_WAIT), at once after a try whose cycle beat the best; every arm is tried afresh at the
+LONGEST_WAIT), after EXPLORE again when the try's own cycle beat the best; every arm is tried afresh at the
 start of each reply (its text may draft otherwise), and a likely continuation is never passed over
 for a plain step. The text changing kind (prose turning into code that quotes the prompt) shows as
 the split and in the decayed records. The records describe this machine, model and head, not the
@@ -126,8 +126,8 @@ class Pace:
         record.since = 0
         if rival is None or record.rate >= rival:
             record.wait = self.EXPLORE
-        elif tokens / milliseconds >= rival:  # this step beat the best: try again at once
-            record.wait = 0
+        elif tokens / milliseconds >= rival:  # this step beat the best: try again soon (not at once: one
+            record.wait = self.EXPLORE  # cycle's rate is a lucky acceptance as often as a change of text)
         else:
             record.wait = min(2 * max(record.wait, self.EXPLORE // 2), self.LONGEST_WAIT)
 
