@@ -138,6 +138,7 @@ def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make
     """The head's proposer; the tree's shape is made once the head has loaded (a head that cannot
     load fails before this machine's verify cost is measured for the shape's size)."""
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
+    fused = None
     if target.spec.quantize in KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
         quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize],
                                    quantized_cache(folder, target.spec.quantize, loaded_on=target),
@@ -146,6 +147,8 @@ def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make
         rows = head.draft_logits_layer()  # the target LM head's rows of a draft vocabulary (EAGLE, Jakiro)
         if rows is not None and quantized.packable(rows):  # as float32 rows torch took ~10 ms a step on a Zen 3; packed <1
             head.set_draft_logits_layer(quantized.QuantizedLinear.from_linear(rows, KERNEL_BITS[target.spec.quantize]))
+        if target.envelope is None and cpu_decoder.FusedEagle3Step.fits(head):  # and an EAGLE-3 head's whole step
+            fused = cpu_decoder.FusedEagle3Step(head)  # and its top-k (the growing layout's drafting)
     lookup = curve = None
     if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
         lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, inputs.earlier(settings))
@@ -153,7 +156,8 @@ def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make
         curve = verify_cost_curve(target)
     try:
         return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve,
-                                       pace=settings.plain_when_faster, lookup_paths=settings.lookup_paths)
+                                       pace=settings.plain_when_faster, lookup_paths=settings.lookup_paths,
+                                       fused=fused)
     except ValueError as error:
         raise MethodError(str(error)) from error
 

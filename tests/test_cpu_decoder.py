@@ -115,3 +115,45 @@ def test_a_quantized_head_s_layer_runs_in_one_call_and_computes_what_its_torch_c
 
     tolerance = dict(rtol=0.02, atol=0.02) if target.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(steps(True), steps(False), **tolerance)
+
+
+def test_an_eagle3_head_s_step_and_top_k_run_in_one_call_each_and_compute_what_its_torch_code_does(target):
+    """`FusedEagle3Step` against the head's torch code (forward, log_probs, topk), on the head's
+    growing cache: a context pass over target features, then tree nodes that see the context and
+    some of the nodes before them; the top-k's tokens are the same, their log-probabilities close."""
+    from conftest import random_head
+    from drafters.cache import HeadCache
+    from specchat.decode.runtime.quantized import quantize_linears
+
+    if target.embed_tokens.weight.shape[1] != 64:
+        pytest.skip("the tiny heads are made for the tiny models' hidden size, 64")
+    head = random_head("eagle3", target, draft_vocab_size=96).to(target.dtype)  # (whole blocks of 16: packable)
+    quantize_linears(head, 5)
+    assert cpu_decoder.FusedEagle3Step.fits(head) and not cpu_decoder.FusedEagle3Step.fits(random_head("eagle", target))
+    fused = cpu_decoder.FusedEagle3Step(head)
+    features = torch.randn(6, 3 * 64, dtype=target.dtype)
+    tokens, tree_tokens, tree_positions = torch.arange(6) + 30, torch.tensor([50, 51, 52]), torch.tensor([6, 6, 7])
+    tree_block = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)  # the third a child of the first
+
+    def torch_steps():
+        cache = HeadCache()
+        context = head(features, tokens, torch.arange(6), causal_mask(0, 6, "cpu"), cache)
+        mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), tree_block], dim=1)[None, None]
+        tree = head(context[[-1, -1, 0]], tree_tokens, tree_positions, mask, cache)
+        return torch.cat([context, tree]), cache.length
+
+    def fused_steps():
+        cache = HeadCache()
+        context = fused.step(features, tokens, torch.arange(6), cache, 0, None)
+        tree = fused.step(context[[-1, -1, 0]], tree_tokens, tree_positions, cache, 6, tree_block)
+        return torch.cat([context, tree]), cache.length
+
+    (ours, our_length), (theirs, their_length) = fused_steps(), torch_steps()
+    tolerance = dict(rtol=0.03, atol=0.03) if target.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours, theirs, **tolerance)
+    assert our_length == their_length == 9
+    logps, ids = fused.top(theirs, 4)
+    expected = head.log_probs(theirs).topk(4, dim=-1)
+    torch.testing.assert_close(logps, expected.values.float(), **tolerance)
+    if target.dtype == torch.float32:  # (bf16 logits tie often)
+        assert torch.equal(ids, expected.indices)

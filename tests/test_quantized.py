@@ -326,3 +326,28 @@ def test_a_draft_vocabularys_rows_of_the_target_lm_head_are_packed_too(qwen_dir,
     steps = list(Engine(target, proposer).generate(prompt, greedy))
     assert sum(s.draft_tokens for s in steps) > 0
     assert [t for s in steps for t in s.tokens] == plain
+
+
+@needs_kernel
+def test_an_eagle3_head_on_a_quantized_target_drafts_in_fused_steps_and_stays_lossless(qwen_dir, tmp_path):
+    """On a quantized target an EAGLE-3 head's steps and top-k run as one kernel call each
+    (`cpu_decoder.FusedEagle3Step`), on both of its paths: trees grown level by level and the
+    default profile's rate-sized trees with lookup (`--lookup`); greedy output stays plain decoding's."""
+    from drafters import save_head
+    from specchat.decode.runtime.cpu_decoder import FusedEagle3Step
+    from specchat.proposers import build_proposer
+    from specchat.settings import Settings
+
+    target = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cpu", quantize="int5"))
+    save_head(random_head("eagle3", load_tiny_target(qwen_dir), draft_vocab_size=96), tmp_path / "head")
+    greedy = GenerationSettings(max_new_tokens=24)
+    prompt = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]
+    plain = [t for s in Engine(target).generate(prompt, greedy) for t in s.tokens]
+    for lookup in (False, True):
+        settings = Settings(model=str(qwen_dir), method="deagle", draft=str(tmp_path / "head"), total_tokens=8,
+                            lookup=lookup, plain_when_faster=False)
+        proposer = build_proposer(settings, target, None)
+        assert isinstance(proposer.fused, FusedEagle3Step)
+        steps = list(Engine(target, proposer).generate(prompt, greedy))
+        assert sum(s.draft_tokens for s in steps) > 0
+        assert [t for s in steps for t in s.tokens] == plain

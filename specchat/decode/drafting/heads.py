@@ -26,6 +26,7 @@ selection runs, is its subclass's, `GrowingHead` or `FixedHead` (`HeadProposer.f
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth,
 from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
 from specchat.decode.runtime.target import Target
+
+if TYPE_CHECKING:  # only for annotations: the fused step is the runtime's, built where the head is loaded
+    from specchat.decode.runtime.cpu_decoder import FusedEagle3Step
 
 PROMPT_CHUNK = 512  # prompt rows the fixed layout feeds the head at once (eagerly, padded to a bucket)
 # A draft level's cost before one is measured (the bundled head's on two Zen 3 cores: its layer and
@@ -59,7 +63,8 @@ class HeadProposer(HeadSteps):
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree,
                  lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS,
-                 pace: bool = False, lookup_paths: int = DEFAULT_LOOKUP_PATHS):
+                 pace: bool = False, lookup_paths: int = DEFAULT_LOOKUP_PATHS,
+                 fused: FusedEagle3Step | None = None):
         """
         Args:
             lookup: also draft from text already seen (hybrid trees).
@@ -72,6 +77,8 @@ class HeadProposer(HeadSteps):
             pace: each cycle takes plain steps, lookup continuations alone or the head's tree, whichever
                 has been measured fastest in this chat (`Pace`; the growing layout, given a curve: the
                 fixed one verifies a whole bucket every step).
+            fused: the head's steps and top-k in one call each (the growing layout's, on a CPU:
+                `cpu_decoder.FusedEagle3Step`), else its torch code.
         """
         shape.check(head)
         super().__init__(head)
@@ -83,13 +90,16 @@ class HeadProposer(HeadSteps):
         self.pace = Pace(curve.cost(1), arms) if pace and curve is not None and target.envelope is None else None
         self.feature_layers = head.feature_layers(target.num_layers)
         self.matches: list[Match] = []
+        self.along: list[tuple[list[float], list[int], list[float]]] = []  # per match, `LookupRates.along` (read once)
         self.arm, self.found = Arm.HEAD, Found.NOTHING  # this cycle's (`Pace`)
         self.lookup_tree: DraftTree | None = None  # the LOOKUP arm's tree, chosen in `prepare`
         self.started = self.lookup_seconds = 0.0
+        self.fused = fused
 
     @staticmethod
     def for_target(head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options) -> HeadProposer:
-        """The head's proposer on `target`'s layout (`options`: lookup, curve, lookup_tokens, pace, lookup_paths)."""
+        """The head's proposer on `target`'s layout (`options`: lookup, curve, lookup_tokens, pace, lookup_paths,
+        fused)."""
         return (GrowingHead if target.envelope is None else FixedHead)(head, target, shape, **options)
 
     def describe(self) -> str:
@@ -116,14 +126,15 @@ class HeadProposer(HeadSteps):
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         self.started = time.perf_counter()
         nodes = self.budget(max_depth, max_nodes)
-        self.matches = []
+        self.matches, self.along = [], []
         if nodes and self.lookup is not None:
             count = self.lookup_paths if self.lookup_tree else LOOKUP_BRANCHES
             self.matches = self.lookup.matches(root, min(self.lookup_tokens, max_depth), count, self.lookup_tree)
-            self.chains(self.matches)
+            self.along = [self.rates.along(match) for match in self.matches]
+            self.chains()
         self.arm = Arm.HEAD
         if nodes and self.pace is not None:
-            likeliest = max((self.rates.along(match)[0][0] for match in self.matches), default=0.0)
+            likeliest = max((accepts[0] for accepts, _, _ in self.along), default=0.0)
             self.found = Found.of(bool(self.matches), likeliest)
             self.arm = self.pace.choose(self.found)
             if self.arm is Arm.PLAIN:
@@ -146,8 +157,8 @@ class HeadProposer(HeadSteps):
     def candidates(self, table: CandidateTable | None = None, trace=None) -> Candidates:
         """The table (none: no head nodes) read once, joined by this cycle's lookup chains (host lists)."""
         candidates = Candidates([], [], [], [], []) if table is None else Candidates.from_table(table, trace)
-        for match in self.matches:
-            candidates.add_chain(match.tokens, *self.rates.along(match))
+        for match, along in zip(self.matches, self.along):
+            candidates.add_chain(match.tokens, *along)
         return candidates
 
     def lookup_only(self, max_nodes: int) -> DraftTree:
@@ -232,7 +243,7 @@ class GrowingHead(HeadProposer):
             self.keep, self.depth = tree_budget(self.shape, max_depth, max_nodes)
         return self.keep
 
-    def chains(self, matches: list[Match]) -> None:
+    def chains(self) -> None:
         pass  # read where the candidates are selected (`select`)
 
     def context_pass(self, root: int, span: None) -> torch.Tensor:
@@ -241,8 +252,11 @@ class GrowingHead(HeadProposer):
         count = len(self.pending_tokens)
         next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
         positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
-        mask = causal_mask(self.consumed, count, features.device)
-        out = self.head(features, next_tokens, positions, mask, self.cache)
+        if self.fused is not None:  # the new rows see each other causally
+            out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None)
+        else:
+            out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device),
+                            self.cache)
         self.consumed += count
         self.pending_features, self.pending_tokens = [], []
         return out[-1]
@@ -298,12 +312,18 @@ class GrowingHead(HeadProposer):
     def feed(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, both: bool = False):
         m = len(tokens)
         assert self.cache.length == self.consumed + first_entry, "tree entries are appended in feeding order"
+        positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
+        if self.fused is not None and not both:
+            return self.fused.step(hidden, tokens, positions, self.cache, self.consumed,
+                                   entries[:, : first_entry + m].contiguous()), None
         context = torch.ones(m, self.consumed, dtype=torch.bool, device=tokens.device)
         mask = torch.cat([context, entries[:, : first_entry + m]], dim=1)[None, None]
-        positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
         if both:
             return self.head.forward_both(hidden, tokens, positions, mask, self.cache)
         return self.head(hidden, tokens, positions, mask, self.cache), None
+
+    def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().top(outputs, k) if self.fused is None else self.fused.top(outputs, k)
 
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         return bool(fired)
@@ -380,12 +400,12 @@ class FixedHead(HeadProposer):
         self.pending_features[0], self.pending_tokens[0] = features[-1], tokens[-1]
         self.pending, self.waiting = 1, []
 
-    def chains(self, matches: list[Match]) -> None:
-        """The lookup chains, for the draft step to merge (a missing token's rate 1: its log is 0, never NaN)."""
-        along = [self.rates.along(match) for match in matches]
+    def chains(self) -> None:
+        """The cycle's lookup chains, for the draft step to merge (a missing token's rate 1: its log is 0, never NaN)."""
+        matches = self.matches
         self.lookups.write(tokens=[match.tokens for match in matches], lengths=[len(match.tokens) for match in matches],
-                           evidence=[evidences for _, evidences, _ in along])
-        rates = [accepts + [1.0] * (self.lookup_tokens - len(accepts)) for accepts, _, _ in along]
+                           evidence=[evidences for _, evidences, _ in self.along])
+        rates = [accepts + [1.0] * (self.lookup_tokens - len(accepts)) for accepts, _, _ in self.along]
         self.accept.write(rates=rates + [[1.0] * self.lookup_tokens] * (LOOKUP_BRANCHES - len(matches)))
 
     def context_pass(self, root: torch.Tensor, span: int) -> torch.Tensor:

@@ -60,9 +60,10 @@ class HeadSteps(ABC):
         expanding; all of them by default (a fixed shape expands its whole beam), none: drafting stops."""
         return beam
 
-    def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
-        """Draft log-probabilities [m, draft vocab] of the token after each output."""
-        return self.head.log_probs(outputs)
+    def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest tokens after each output [m, H]: their draft log-probabilities and draft ids
+        [m, k], best first."""
+        return self.head.log_probs(outputs).topk(k, dim=-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids as target ids."""
@@ -214,7 +215,7 @@ class StaticTree:
                 entries = out_entries[fed_rows] | torch.nn.functional.one_hot(own, entries_total).bool()
                 outputs, _ = steps.feed(outputs[fed_rows], table.tokens[fed], depth - 1, level.first_entry, entries)
                 out_entries = entries
-            top_logp, top_ids = steps.log_probs(outputs).topk(max(level.ranks) + 1, dim=-1)
+            top_logp, top_ids = steps.top(outputs, max(level.ranks) + 1)
             rows, ranks = _on(device, level.rows), _on(device, level.ranks)
             parents = _on(device, level.parents)
             logps = top_logp[rows, ranks]
@@ -270,7 +271,7 @@ class DynamicTree:
         """The EAGLE-2 loop; `stop(level, growth, keep)` votes before each level's forward (DEAGLE)."""
         k, depth = self.params.top_k, self.depth_for(max_depth)
         keep, device = self.verified(max_nodes), root_hidden.device
-        top_logp, top_ids = steps.log_probs(root_hidden[None])[0].topk(k)
+        top_logp, top_ids = (best[0] for best in steps.top(root_hidden[None], k))
         table = CandidateTable.allocate(k + (depth - 1) * k * k, device)
         table.write(0, steps.to_target(top_ids), -1, 1, top_logp, top_logp)
         growth = Growth(table, beam=torch.arange(k, device=device), beam_hidden=root_hidden.expand(k, -1),
@@ -306,7 +307,7 @@ class DynamicTree:
     def children(self, steps: HeadSteps, growth: Growth, level: int, depth: int):
         """The top-k children of each beam node: (log-probabilities, draft ids, the beam's head outputs)."""
         out, _ = self.feed_beam(steps, growth, level)
-        child_logp, child_ids = steps.log_probs(out).topk(self.params.top_k, dim=-1)
+        child_logp, child_ids = steps.top(out, self.params.top_k)
         return child_logp, child_ids, out
 
     def feed_beam(self, steps: HeadSteps, growth: Growth, level: int, both: bool = False):
@@ -368,8 +369,8 @@ class JakiroTree(DynamicTree):
             return super().children(steps, growth, level, depth)
         if level == depth - 2:  # the last forward: also predict the level after next
             out, right = self.feed_beam(steps, growth, level, both=True)
-            growth.two_ahead = steps.log_probs(right).topk(self.params.top_k, dim=-1)
-            child_logp, child_ids = steps.log_probs(out).topk(self.params.top_k, dim=-1)
+            growth.two_ahead = steps.top(right, self.params.top_k)
+            child_logp, child_ids = steps.top(out, self.params.top_k)
             return child_logp, child_ids, out
         return (*self._attach_two_ahead(growth), None)
 

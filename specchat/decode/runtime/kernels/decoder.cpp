@@ -465,6 +465,116 @@ struct Block : torch::CustomClassHolder {
   }
 };
 
+// An EAGLE-3 head's draft step in one call, and its best next tokens in another
+// (specchat/decode/runtime/cpu_decoder.py's FusedEagle3Step). In torch calls a step was ~25 of them
+// around the layer (fc, the two norms and their concatenation, the rotary angles; the final norm,
+// the draft LM head, the log-softmax, the top-k): ~0.5 ms of a 1.4 ms step on 2 Zen 3 cores, where
+// the weights are ~10 MB. What it computes only drafts (every draft is verified), so it follows the
+// torch code's arithmetic without its every rounding: the angles' cosines and the log-softmax's sum
+// may differ from torch's in the last bits.
+struct Eagle3Step : torch::CustomClassHolder {
+  Shape shape;
+  c10::intrusive_ptr<Linear> fc;  // [3 H_target] target features -> [H]
+  c10::intrusive_ptr<Layer> layer;
+  at::Tensor input_norm, hidden_norm;  // the embedding's and the hidden state's
+  bool norm_before_residual;  // the residual is the normed hidden state (else the hidden state)
+  at::Tensor final_norm;
+  c10::intrusive_ptr<Linear> lm_head;  // [H] -> draft vocabulary
+  at::Tensor inv_freq;  // [d / 2] float32: the rotary frequencies (with the head's scaling)
+
+  Eagle3Step(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
+             c10::intrusive_ptr<Linear> fc, c10::intrusive_ptr<Layer> layer, at::Tensor input_norm,
+             at::Tensor hidden_norm, bool norm_before_residual, at::Tensor final_norm,
+             c10::intrusive_ptr<Linear> lm_head, at::Tensor inv_freq)
+      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, fc(std::move(fc)), layer(std::move(layer)),
+        input_norm(std::move(input_norm)), hidden_norm(std::move(hidden_norm)),
+        norm_before_residual(norm_before_residual), final_norm(std::move(final_norm)), lm_head(std::move(lm_head)),
+        inv_freq(std::move(inv_freq)) {}
+
+  // hidden [m, 3 H_target] (target features: fc first) or [m, H] (the head's outputs of the step
+  // before), embedded [m, H] (the next tokens' embeddings), at positions [m]; keys and values as
+  // `Block::forward` takes them. Returns the head's outputs [m, H].
+  at::Tensor step(const at::Tensor& hidden, const at::Tensor& embedded, const at::Tensor& positions,
+                  const at::Tensor& keys, const at::Tensor& values, int64_t prefix, int64_t width,
+                  const c10::optional<at::Tensor>& block) {
+    const int64_t m = hidden.size(0), H = input_norm.size(0), D = shape.head_dim;
+    TORCH_CHECK(embedded.dim() == 2 && embedded.size(0) == m && embedded.size(1) == H &&
+                embedded.scalar_type() == hidden.scalar_type(), "embedded: [m, H] in hidden's dtype");
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == m && positions.scalar_type() == at::kLong,
+                "positions: [m] int64");
+    TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() &&
+                keys.scalar_type() == hidden.scalar_type(), "keys, values: [kv_heads, capacity, d]");
+    const at::Tensor h = hidden.size(1) == H ? hidden.contiguous() : (*fc)(hidden.contiguous(), shape.isa);
+    const Span span = span_of(prefix, width, block, m);
+    return dispatch(h, D, [&](auto zero, auto dim) {
+      using T = decltype(zero);
+      const at::Tensor tokens = embedded.contiguous();
+      at::Tensor x = at::empty({m, 2 * H}, h.options()), normed = at::empty_like(h);
+      rms_norm(h.data_ptr<T>(), hidden_norm.data_ptr<T>(), normed.data_ptr<T>(), m, H, shape.eps);
+      for (int64_t r = 0; r < m; ++r) {  // x = cat(input_norm(embedded), hidden_norm(hidden))
+        rms_norm(tokens.data_ptr<T>() + r * H, input_norm.data_ptr<T>(), x.data_ptr<T>() + r * 2 * H, 1, H, shape.eps);
+        std::copy_n(normed.data_ptr<T>() + r * H, H, x.data_ptr<T>() + r * 2 * H + H);
+      }
+      at::Tensor cos = at::empty({m, D}, h.options()), sin = at::empty({m, D}, h.options());
+      const float* frequency = inv_freq.data_ptr<float>();
+      const int64_t* position = positions.data_ptr<int64_t>();
+      for (int64_t r = 0; r < m; ++r) {  // Llama's layout: each half of the head holds the same angles
+        for (int64_t j = 0; j < D / 2; ++j) {
+          const float angle = static_cast<float>(position[r]) * frequency[j];
+          cos.data_ptr<T>()[r * D + j] = cos.data_ptr<T>()[r * D + j + D / 2] = narrow<T>(std::cos(angle));
+          sin.data_ptr<T>()[r * D + j] = sin.data_ptr<T>()[r * D + j + D / 2] = narrow<T>(std::sin(angle));
+        }
+      }
+      return layer->step<T, decltype(dim)::value>(shape, x, norm_before_residual ? normed : h, cos, sin, keys,
+                                                   values, span, nullptr);
+    });
+  }
+
+  // The k likeliest next tokens after each output [r, H], best first (ties: the lower id first), as
+  // draft-vocabulary ids [r, k] with their log-probabilities [r, k] (float32).
+  std::tuple<at::Tensor, at::Tensor> top(const at::Tensor& outputs, int64_t k) {
+    TORCH_CHECK(outputs.dim() == 2 && outputs.size(1) == final_norm.size(0), "outputs: [r, H]");
+    const int64_t r = outputs.size(0), H = outputs.size(1);
+    const at::Tensor x = outputs.contiguous();
+    at::Tensor normed = at::empty_like(x);
+    at::Tensor logits = dispatch(x, shape.head_dim, [&](auto zero, auto) {
+      using T = decltype(zero);
+      rms_norm(x.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), r, H, shape.eps);
+      return (*lm_head)(normed, shape.isa).to(at::kFloat).contiguous();
+    });
+    const int64_t V = logits.size(1);
+    TORCH_CHECK(k >= 1 && k <= V, "k: 1 to the draft vocabulary's size");
+    at::Tensor logps = at::empty({r, k}, x.options().dtype(at::kFloat));
+    at::Tensor ids = at::empty({r, k}, x.options().dtype(at::kLong));
+    for (int64_t i = 0; i < r; ++i) {
+      const float* row = logits.data_ptr<float>() + i * V;
+      float* best = logps.data_ptr<float>() + i * k;
+      int64_t* best_id = ids.data_ptr<int64_t>() + i * k;
+      for (int64_t j = 0; j < k; ++j) best[j] = -INFINITY, best_id[j] = j;
+      float largest = -INFINITY;
+      for (int64_t t = 0; t < V; ++t) {
+        const float v = row[t];
+        largest = std::fmax(largest, v);
+        if (!(v > best[k - 1])) continue;  // (NaN too)
+        int64_t j = k - 1;
+        for (; j > 0 && best[j - 1] < v; --j) best[j] = best[j - 1], best_id[j] = best_id[j - 1];
+        best[j] = v, best_id[j] = t;
+      }
+      __m256 sums = _mm256_setzero_ps();
+      const __m256 top8 = _mm256_set1_ps(largest);
+      int64_t t = 0;
+      for (; t + 8 <= V; t += 8) sums = _mm256_add_ps(sums, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), top8)));
+      float lanes[8], total = 0.0f;
+      _mm256_storeu_ps(lanes, sums);
+      for (const float lane : lanes) total += lane;
+      for (; t < V; ++t) total += exp1(row[t] - largest);
+      const float normalizer = largest + std::log(total);
+      for (int64_t j = 0; j < k; ++j) best[j] -= normalizer;
+    }
+    return {logps, ids};
+  }
+};
+
 // The greedy choice after each row of logits [n, V] (bf16 or float32) and how near a tie it was:
 // the first index of the row's maximum, as torch's argmax gives it (a NaN counts as the maximum),
 // and the maximum less the largest value elsewhere in the row, in float32 (0 at a tie, NaN where
@@ -552,6 +662,12 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
   m.class_<Block>("Block")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, c10::intrusive_ptr<Layer>>())
       .def("forward", &Block::forward);
+  m.class_<Eagle3Step>("Eagle3Step")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, c10::intrusive_ptr<Linear>,
+                       c10::intrusive_ptr<Layer>, at::Tensor, at::Tensor, bool, at::Tensor, c10::intrusive_ptr<Linear>,
+                       at::Tensor>())
+      .def("step", &Eagle3Step::step)
+      .def("top", &Eagle3Step::top);
 }
 
 }  // namespace specchat
