@@ -204,6 +204,7 @@ class GrowingHead(HeadProposer):
         self.head_trust = 1.0
         self.level_ms = LEVEL_MS  # a draft level's cost, as measured (`narrow`)
         self.level_started: float | None = None
+        self.last_read: tuple[CandidateTable, int, Candidates] | None = None  # (`read`)
 
     def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
@@ -281,7 +282,7 @@ class GrowingHead(HeadProposer):
         self.level_started = now
         if self.curve is None:
             return beam
-        candidates = self.candidates(growth.table)
+        candidates = self.read(growth.table)
         drafting_ms = 1000 * (now - self.started)
         choice = candidates.rate_choice(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
                                         head_trust=self.head_trust)
@@ -294,12 +295,20 @@ class GrowingHead(HeadProposer):
                 if node in chosen and choice.values[node] * probs[node] > worth]
         return beam[keep]
 
+    def read(self, table: CandidateTable) -> Candidates:
+        """The table's candidates with the cycle's lookup chains, read once while the table stays as it
+        is: the rule after the last level drafted (`narrow`) and the selection see the same table."""
+        if self.last_read is None or self.last_read[0] is not table or self.last_read[1] != table.filled:
+            self.last_read = (table, table.filled, self.candidates(table))
+        return self.last_read[2]
+
     def select(self, table: CandidateTable) -> DraftTree:
         """The table read once; with a verify-cost curve the head's best node and as many more (the
         head's and lookup chains') as pay at this machine's cost (`Candidates.select_for_rate`), else
         the best `keep` nodes."""
         self.level_started = None
-        candidates = self.candidates(table, self.shape.trace(table))
+        candidates, self.last_read = self.read(table), None
+        candidates.trace = self.shape.trace(table)
         if self.curve is None:
             tree = candidates.select(self.keep)
         else:
