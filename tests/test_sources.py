@@ -18,6 +18,7 @@ import torch
 
 from conftest import load_tiny_target
 from specchat import sources
+from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.errors import ModelLoadError
 
 
@@ -72,11 +73,20 @@ def test_every_file_of_a_converted_model_damaged_is_made_again(gguf, capfd):
         assert len(err.strip().splitlines()) == 2, err  # the damage line, then the conversion's own line
 
 
+def greedy_answer(target) -> list[int]:
+    prompt = target.tokenizer("hi")["input_ids"]
+    return [token for step in Engine(target).generate(prompt, GenerationSettings(max_new_tokens=6))
+            for token in step.tokens]
+
+
 def test_a_repaired_model_answers(gguf, capfd):
+    """A converted folder that lost a file is converted again, and its model answers as before."""
     folder = converted(gguf)
+    before = greedy_answer(load_tiny_target(folder))
     (folder / "tokenizer.json").unlink()  # once: a stamp trusted, nothing printed, exit 0
     target = load_tiny_target(converted(gguf))
-    assert target.tokenizer("hi")["input_ids"]
+    assert (folder / "tokenizer.json").is_file() and len(before) == 6
+    assert greedy_answer(target) == before
 
 
 def test_what_a_killed_conversion_left_is_removed(gguf, tmp_path):
