@@ -152,6 +152,11 @@ def test_an_eagle3_head_s_step_and_top_k_run_in_one_call_each_and_compute_what_i
     tolerance = dict(rtol=0.03, atol=0.03) if target.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours, theirs, **tolerance)
     assert our_length == their_length == 9
+    # A context pass that reads only its last row's output: the same row, and the same entries for what follows.
+    cache = HeadCache()
+    last = fused.step(features, tokens, torch.arange(6), cache, 0, None, outputs=1)
+    tree = fused.step(ours[[5, 5, 0]], tree_tokens, tree_positions, cache, 6, tree_block)
+    assert last.shape == (1, 64) and torch.equal(last[0], ours[5]) and torch.equal(tree, ours[6:])
     logps, ids = fused.top(theirs, 4)
     expected = head.log_probs(theirs).topk(4, dim=-1)
     torch.testing.assert_close(logps, expected.values.float(), **tolerance)

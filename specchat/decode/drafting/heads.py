@@ -253,8 +253,8 @@ class GrowingHead(HeadProposer):
         count = len(self.pending_tokens)
         next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
         positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
-        if self.fused is not None:  # the new rows see each other causally
-            out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None)
+        if self.fused is not None:  # the new rows see each other causally; only the last one's output is read
+            out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None, outputs=1)
         else:
             out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device),
                             self.cache)

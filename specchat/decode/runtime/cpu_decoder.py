@@ -138,18 +138,20 @@ class FusedEagle3Step:
                 and isinstance(head.lm_head, QuantizedLinear) and _fusable(head.midlayer))
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
-             prefix: int, block: torch.Tensor | None) -> torch.Tensor:
-        """The head's outputs [m, H] for m rows (their features or the head's outputs [m, F], the next
+             prefix: int, block: torch.Tensor | None, outputs: int | None = None) -> torch.Tensor:
+        """The head's outputs for m rows (their features or the head's outputs [m, F], the next
         tokens and positions [m]); each row sees the cache's first `prefix` entries and those of the
         entries after them that `block` [m, entries] marks (None: causally, the rows being the last
-        entries). The rows' entries are appended to the cache."""
+        entries). The rows' entries are appended to the cache; the outputs are the last `outputs`
+        rows' [outputs, H] (None: all): a one-layer head's earlier rows are needed only as entries, and
+        stop at their keys and values (a context pass after a run of lookup steps feeds tens of rows)."""
         if not cache.layers:  # a head's one layer attends as layer 0
             cache.layers.append(GrowingKV())
         store, m = cache.layers[0], len(tokens)
         store.reserve(self.entries, self.entries, store.length + m)
         keys, values = store.buffers
         out = self.kernel_step.step(hidden, self.embed_tokens(tokens), positions, keys[0], values[0], prefix,
-                                    store.length + m - prefix, block)
+                                    store.length + m - prefix, block, -1 if outputs is None else outputs)
         store.extend(m)
         return out
 

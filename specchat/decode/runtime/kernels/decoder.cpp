@@ -263,12 +263,16 @@ struct Layer : torch::CustomClassHolder {
 
   // residual + o(attention(qkv(attention_input))), then + down(act(gate) * up) of its norm: [n, H].
   // New keys and values go to positions prefix + width - n .. prefix + width of keys/values [kv_heads, capacity, d].
+  // With `outputs` < n, only the last `outputs` rows go on past their keys and values (a one-layer
+  // draft head's context pass: the rows before its last are needed only as cache entries): [outputs, H].
   template <typename T, int D>
   at::Tensor step(const Shape& shape, const at::Tensor& attention_input, const at::Tensor& residual,
                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                     const at::Tensor& values, const Span& span, Timings* timings) const {
+                     const at::Tensor& values, const Span& span, Timings* timings, int64_t outputs = -1) const {
     double* products = timings ? &timings->products : nullptr;
     const int64_t n = attention_input.size(0), heads = shape.heads, kv_heads = shape.kv_heads, G = heads / kv_heads;
+    const int64_t skipped = outputs < 0 ? 0 : n - outputs;  // rows that stop at their keys and values
+    TORCH_CHECK(skipped >= 0 && skipped < n, "outputs: 1 to the rows given");
     const int64_t width = (heads + 2 * kv_heads) * D, capacity = keys.size(1), first = span.prefix + span.width - n;
     TORCH_CHECK(first >= 0 && span.prefix + span.width <= capacity, "new entries beyond the cache's room");
     TORCH_CHECK(G <= 16 && heads % kv_heads == 0, "at most 16 query heads per KV head");
@@ -290,33 +294,34 @@ struct Layer : torch::CustomClassHolder {
         std::copy_n(row + (heads + kv_heads + g) * D, D, value_ptr + (g * capacity + first + i) * D);
       }
     }
-    at::Tensor attended = at::empty({n, heads * D}, attention_input.options());
+    const int64_t kept = n - skipped;  // the rows that go on: skipped .. n
+    at::Tensor attended = at::empty({kept, heads * D}, attention_input.options());
     T* attended_ptr = attended.data_ptr<T>();
     const auto attend_all = [&] {
-      at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, kept * kv_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<int64_t> marked;
         std::vector<float> scores;
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t i = task / kv_heads, g = task % kv_heads;
+          const int64_t r = task / kv_heads, i = skipped + r, g = task % kv_heads;
           attend_group<T, D>(rows + i * width + g * G * D, G, key_ptr + g * capacity * D,
                              value_ptr + g * capacity * D, span, i, n, shape.scaling,
-                             attended_ptr + (i * heads + g * G) * D, marked, scores);
+                             attended_ptr + (r * heads + g * G) * D, marked, scores);
         }
       });
       return 0;
     };
     timed(timings ? &timings->attention : nullptr, attend_all);
     at::Tensor h = timed(products, [&] { return (*o)(attended, shape.isa); });
-    add_into<T>(h, residual);
+    add_into<T>(h, skipped ? residual.narrow(0, skipped, kept).contiguous() : residual);
     const int64_t hidden = h.size(1);
     at::Tensor normed = at::empty_like(h);
-    rms_norm(h.data_ptr<T>(), post_norm.data_ptr<T>(), normed.data_ptr<T>(), n, hidden, shape.eps);
-    at::Tensor gated = timed(products, [&] { return (*gate_up)(normed, shape.isa); });  // [n, 2I]: gate, then up
+    rms_norm(h.data_ptr<T>(), post_norm.data_ptr<T>(), normed.data_ptr<T>(), kept, hidden, shape.eps);
+    at::Tensor gated = timed(products, [&] { return (*gate_up)(normed, shape.isa); });  // [kept, 2I]: gate, then up
     const int64_t inner = gated.size(1) / 2;
-    at::Tensor act = at::empty({n, inner}, h.options());
+    at::Tensor act = at::empty({kept, inner}, h.options());
     const T* gate_ptr = gated.data_ptr<T>();
     T* act_ptr = act.data_ptr<T>();
-    for_rows(n, inner, [&](int64_t begin, int64_t end) {
+    for_rows(kept, inner, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) silu_times(gate_ptr + i * 2 * inner, act_ptr + i * inner, inner);
     });
     at::Tensor out = timed(products, [&] { return (*down)(act, shape.isa); });
@@ -493,10 +498,11 @@ struct Eagle3Step : torch::CustomClassHolder {
 
   // hidden [m, 3 H_target] (target features: fc first) or [m, H] (the head's outputs of the step
   // before), embedded [m, H] (the next tokens' embeddings), at positions [m]; keys and values as
-  // `Block::forward` takes them. Returns the head's outputs [m, H].
+  // `Block::forward` takes them. Every row's entries go to the cache; returns the head's outputs of
+  // the last `outputs` rows [outputs, H] (a context pass needs only its last row's).
   at::Tensor step(const at::Tensor& hidden, const at::Tensor& embedded, const at::Tensor& positions,
                   const at::Tensor& keys, const at::Tensor& values, int64_t prefix, int64_t width,
-                  const c10::optional<at::Tensor>& block) {
+                  const c10::optional<at::Tensor>& block, int64_t outputs) {
     const int64_t m = hidden.size(0), H = input_norm.size(0), D = shape.head_dim;
     TORCH_CHECK(embedded.dim() == 2 && embedded.size(0) == m && embedded.size(1) == H &&
                 embedded.scalar_type() == hidden.scalar_type(), "embedded: [m, H] in hidden's dtype");
@@ -526,7 +532,7 @@ struct Eagle3Step : torch::CustomClassHolder {
         }
       }
       return layer->step<T, decltype(dim)::value>(shape, x, norm_before_residual ? normed : h, cos, sin, keys,
-                                                   values, span, nullptr);
+                                                   values, span, nullptr, outputs);
     });
   }
 
