@@ -129,17 +129,21 @@ def test_an_eagle3_head_s_step_and_top_k_run_in_one_call_each_and_compute_what_i
         pytest.skip("the tiny heads are made for the tiny models' hidden size, 64")
     head = random_head("eagle3", target, draft_vocab_size=96).to(target.dtype)  # (whole blocks of 16: packable)
     quantize_linears(head, 5)
+    cpu_decoder.fuse_head(head)
     assert cpu_decoder.FusedEagle3Step.fits(head) and not cpu_decoder.FusedEagle3Step.fits(random_head("eagle", target))
     fused = cpu_decoder.FusedEagle3Step(head)
     features = torch.randn(6, 3 * 64, dtype=target.dtype)
     tokens, tree_tokens, tree_positions = torch.arange(6) + 30, torch.tensor([50, 51, 52]), torch.tensor([6, 6, 7])
     tree_block = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)  # the third a child of the first
 
-    def torch_steps():
-        cache = HeadCache()
-        context = head(features, tokens, torch.arange(6), causal_mask(0, 6, "cpu"), cache)
-        mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), tree_block], dim=1)[None, None]
-        tree = head(context[[-1, -1, 0]], tree_tokens, tree_positions, mask, cache)
+    def torch_steps():  # (the layer's torch code, not its FusedBlock)
+        cache, fast_block, head.midlayer.fast_block = HeadCache(), head.midlayer.fast_block, None
+        try:
+            context = head(features, tokens, torch.arange(6), causal_mask(0, 6, "cpu"), cache)
+            mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), tree_block], dim=1)[None, None]
+            tree = head(context[[-1, -1, 0]], tree_tokens, tree_positions, mask, cache)
+        finally:
+            head.midlayer.fast_block = fast_block
         return torch.cat([context, tree]), cache.length
 
     def fused_steps():

@@ -82,26 +82,32 @@ class FusedBlock:
 
     def __init__(self, layer: DecoderLayer):
         kernel, attention, mlp = woq_kernel.kernel(), layer.self_attn, layer.mlp
-        gate_up = QuantizedLinear.stacked([mlp.gate_proj, mlp.up_proj])
-        self.block = kernel.Block(attention.heads, attention.kv_heads, attention.head_dim,
-                                  epsilon(layer.post_attention_layernorm), attention.head_dim ** -0.5,
-                                  woq_kernel.kernel_isa(),
-                                  kernel.Layer(packed(attention.q_proj.stacked), packed(attention.o_proj),
-                                               packed(gate_up), packed(mlp.down_proj),
-                                               _weight(layer.post_attention_layernorm), None, None))
+        # the attention's shape and the layer's products as the kernel holds them (`FusedEagle3Step` shares them)
+        self.shape = (attention.heads, attention.kv_heads, attention.head_dim, epsilon(layer.post_attention_layernorm),
+                      attention.head_dim ** -0.5, woq_kernel.kernel_isa())
+        self.layer = kernel.Layer(packed(attention.q_proj.stacked), packed(attention.o_proj),
+                                  packed(QuantizedLinear.stacked([mlp.gate_proj, mlp.up_proj])),
+                                  packed(mlp.down_proj), _weight(layer.post_attention_layernorm), None, None)
+        self.block = kernel.Block(*self.shape, self.layer)
         # the shape of the layer's cache entries (GrowingKV.reserve takes it from a tensor)
         self.entries = torch.empty((1, attention.kv_heads, 0, attention.head_dim),
                                    dtype=layer.post_attention_layernorm.weight.dtype)
+
+    def room(self, keys: HeadCache, rows: int) -> GrowingKV:
+        """The head's one layer's entries (it attends as layer 0, `drafters.layers.Attention`), with
+        room for `rows` more written in place (`GrowingKV.buffers`, then `extend`)."""
+        if not keys.layers:
+            keys.layers.append(GrowingKV())
+        store = keys.layers[0]
+        store.reserve(self.entries, self.entries, store.length + rows)
+        return store
 
     def __call__(self, layer: DecoderLayer, attention_input, residual, cos, sin, mask, keys) -> torch.Tensor:
         if not isinstance(keys, HeadCache) or mask is None or mask.dtype != torch.bool:
             return layer.torch_block(attention_input, residual, cos, sin, mask, keys)
         m = attention_input.shape[1]
-        if not keys.layers:  # a head's one layer attends as layer 0 (`drafters.layers.Attention`)
-            keys.layers.append(GrowingKV())
-        store = keys.layers[0]
+        store = self.room(keys, m)
         width = store.length + m  # the mask's columns: every position held, then the new ones
-        store.reserve(self.entries, self.entries, width)
         key_buffer, value_buffer = store.buffers
         out = self.block.forward(attention_input[0], residual[0], cos, sin, key_buffer[0], value_buffer[0], 0, width,
                                  mask[0, 0].contiguous())
@@ -115,27 +121,24 @@ class FusedEagle3Step:
     draft LM head, log-softmax, top-k): `GrowingHead`'s context pass, tree levels and top-k. In torch
     calls the step and its top-k took ~25 small calls around the products, ~0.5 ms of a 1.4 ms step
     on 2 Zen 3 cores. Its numbers only draft, and every draft is verified: they follow the torch
-    code's arithmetic, not its every rounding (`kernels/decoder.cpp`'s Eagle3Step)."""
+    code's arithmetic, not its every rounding (`kernels/decoder.cpp`'s Eagle3Step). Built on the
+    layer's `FusedBlock` (`fuse_head` first), whose products and cache room it shares."""
 
     def __init__(self, head: Eagle3Head):
-        kernel, layer = woq_kernel.kernel(), head.midlayer
-        attention, mlp = layer.self_attn, layer.mlp
+        layer = head.midlayer
+        self.block: FusedBlock = layer.fast_block
         self.embed_tokens = head.embed_tokens
-        self.kernel_step = kernel.Eagle3Step(
-            attention.heads, attention.kv_heads, attention.head_dim, epsilon(layer.post_attention_layernorm),
-            attention.head_dim ** -0.5, woq_kernel.kernel_isa(), packed(head.fc),
-            kernel.Layer(packed(attention.q_proj.stacked), packed(attention.o_proj),
-                         packed(QuantizedLinear.stacked([mlp.gate_proj, mlp.up_proj])), packed(mlp.down_proj),
-                         _weight(layer.post_attention_layernorm), None, None),
-            _weight(layer.input_layernorm), _weight(layer.hidden_norm), bool(layer.norm_before_residual),
-            _weight(head.norm), packed(head.lm_head), head.rope.inv_freq("cpu").contiguous())
-        self.entries = torch.empty((1, attention.kv_heads, 0, attention.head_dim), dtype=layer.hidden_norm.weight.dtype)
+        self.kernel_step = woq_kernel.kernel().Eagle3Step(
+            *self.block.shape, packed(head.fc), self.block.layer, _weight(layer.input_layernorm),
+            _weight(layer.hidden_norm), bool(layer.norm_before_residual), _weight(head.norm), packed(head.lm_head),
+            head.rope.inv_freq("cpu").contiguous())
 
     @staticmethod
     def fits(head: nn.Module) -> bool:
-        """Whether `head` is an EAGLE-3 head whose products are all specchat's quantized ones, on a CPU."""
-        return (isinstance(head, Eagle3Head) and isinstance(head.fc, QuantizedLinear)
-                and isinstance(head.lm_head, QuantizedLinear) and _fusable(head.midlayer))
+        """Whether `head` is an EAGLE-3 head whose products are all specchat's quantized ones, its layer
+        fused (`fuse_head`), on a CPU."""
+        return (isinstance(head, Eagle3Head) and isinstance(head.midlayer.fast_block, FusedBlock)
+                and isinstance(head.fc, QuantizedLinear) and isinstance(head.lm_head, QuantizedLinear))
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
              prefix: int, block: torch.Tensor | None, outputs: int | None = None) -> torch.Tensor:
@@ -145,10 +148,8 @@ class FusedEagle3Step:
         entries). The rows' entries are appended to the cache; the outputs are the last `outputs`
         rows' [outputs, H] (None: all): a one-layer head's earlier rows are needed only as entries, and
         stop at their keys and values (a context pass after a run of lookup steps feeds tens of rows)."""
-        if not cache.layers:  # a head's one layer attends as layer 0
-            cache.layers.append(GrowingKV())
-        store, m = cache.layers[0], len(tokens)
-        store.reserve(self.entries, self.entries, store.length + m)
+        m = len(tokens)
+        store = self.block.room(cache, m)
         keys, values = store.buffers
         out = self.kernel_step.step(hidden, self.embed_tokens(tokens), positions, keys[0], values[0], prefix,
                                     store.length + m - prefix, block, -1 if outputs is None else outputs)
