@@ -517,18 +517,21 @@ struct Eagle3Step : torch::CustomClassHolder {
       const at::Tensor tokens = embedded.contiguous();
       at::Tensor x = at::empty({m, 2 * H}, h.options()), normed = at::empty_like(h);
       rms_norm(h.data_ptr<T>(), hidden_norm.data_ptr<T>(), normed.data_ptr<T>(), m, H, shape.eps);
+      T* rows = x.data_ptr<T>();
       for (int64_t r = 0; r < m; ++r) {  // x = cat(input_norm(embedded), hidden_norm(hidden))
-        rms_norm(tokens.data_ptr<T>() + r * H, input_norm.data_ptr<T>(), x.data_ptr<T>() + r * 2 * H, 1, H, shape.eps);
-        std::copy_n(normed.data_ptr<T>() + r * H, H, x.data_ptr<T>() + r * 2 * H + H);
+        rms_norm(tokens.data_ptr<T>() + r * H, input_norm.data_ptr<T>(), rows + r * 2 * H, 1, H, shape.eps);
+        std::copy_n(normed.data_ptr<T>() + r * H, H, rows + r * 2 * H + H);
       }
       at::Tensor cos = at::empty({m, D}, h.options()), sin = at::empty({m, D}, h.options());
       const float* frequency = inv_freq.data_ptr<float>();
       const int64_t* position = positions.data_ptr<int64_t>();
+      T* cosines = cos.data_ptr<T>();
+      T* sines = sin.data_ptr<T>();
       for (int64_t r = 0; r < m; ++r) {  // Llama's layout: each half of the head holds the same angles
         for (int64_t j = 0; j < D / 2; ++j) {
           const float angle = static_cast<float>(position[r]) * frequency[j];
-          cos.data_ptr<T>()[r * D + j] = cos.data_ptr<T>()[r * D + j + D / 2] = narrow<T>(std::cos(angle));
-          sin.data_ptr<T>()[r * D + j] = sin.data_ptr<T>()[r * D + j + D / 2] = narrow<T>(std::sin(angle));
+          cosines[r * D + j] = cosines[r * D + j + D / 2] = narrow<T>(std::cos(angle));
+          sines[r * D + j] = sines[r * D + j + D / 2] = narrow<T>(std::sin(angle));
         }
       }
       return layer->step<T, decltype(dim)::value>(shape, x, norm_before_residual ? normed : h, cos, sin, keys,
