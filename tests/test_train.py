@@ -355,8 +355,14 @@ def test_training_keeps_every_tensor_on_the_targets_device(kind, target, varied)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "jakiro"])
-def test_training_on_cuda(kind, target, store, tmp_path):
-    """The real thing: the target on the GPU, the store on the CPU; train, evaluate, checkpoint, resume."""
+def test_training_on_cuda(kind, target, store, tmp_path, monkeypatch):
+    """The real thing: the target on the GPU, the store on the CPU; train, evaluate, checkpoint, resume;
+    every attention with cuDNN's SDPA off (`losses.TRAINING_SDPA`)."""
+    cudnn_on = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: cudnn_on.append(torch.backends.cuda.cudnn_sdp_enabled())
+                        or sdpa(*args, **kwargs))
     gpu = on_device(target, "cuda")
     vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
     config = TrainConfig(kind=kind, learning_rate=3e-3, warmup_steps=2, max_steps=6, batch_tokens=300,
@@ -369,6 +375,7 @@ def test_training_on_cuda(kind, target, store, tmp_path):
     again = train(resumed, gpu, store, list(range(10)), [10, 11], TrainConfig(**{**config.__dict__, "max_steps": 8}),
                   tmp_path / "run", resume=True)
     assert again.step == 8
+    assert cudnn_on and not any(cudnn_on)
 
 
 def weights(head):

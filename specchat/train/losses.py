@@ -25,11 +25,13 @@ run in bfloat16 under `autocast` (CPU and CUDA); the weights stay float32.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specchat.train.batches import Batch, Selection, host_batch, micro_batches, to_device
 from specchat.train.unrolled import UnrolledKeys
@@ -45,6 +47,18 @@ def autocast(device: torch.device):
                                        and torch.cuda.is_bf16_supported())
     return torch.autocast(device.type if device.type in ("cpu", "cuda") else "cpu", dtype=torch.bfloat16,
                           enabled=enabled)
+
+
+# SDPA backends while training on CUDA (the target's live features, the head's forward and backward,
+# the held-out evaluation): not cuDNN's, whose masked attention failed mid-run on an H100 (torch 2.11,
+# "mha_graph.execute(...).is_good()" after 600 good steps: docs/bench-gpu/h100-block3/); the
+# memory-efficient kernel takes the same boolean masks, with a backward.
+TRAINING_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def training_attention(device: torch.device):
+    """The SDPA backends training uses on `device` (on a CPU, torch's choice)."""
+    return sdpa_kernel(TRAINING_SDPA) if device.type == "cuda" else nullcontext()
 
 
 def unrolled_outputs(head, batch: Batch, steps: int, noise: float = 0.0, right: bool = False):

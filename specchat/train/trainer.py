@@ -28,7 +28,7 @@ import torch
 from drafters import FORMATS, DraftHead
 from specchat.train import checkpoint as ckpt
 from specchat.train.batches import epoch_plan, host_batch, to_device
-from specchat.train.losses import autocast, batch_loss, evaluate
+from specchat.train.losses import autocast, batch_loss, evaluate, training_attention
 from specchat.train.options import TrainOptions
 
 # EAGLE-3 uses a 32k draft vocabulary for Llama-3's 128k.
@@ -241,8 +241,9 @@ class Trainer:
         self.started, self.base_seconds = time.perf_counter(), self.state.seconds
         source = self.passes()
         try:
-            while self.state.step < self.total_steps and not self.state.stopped:
-                self.step(*next(source))
+            with training_attention(self.device):
+                while self.state.step < self.total_steps and not self.state.stopped:
+                    self.step(*next(source))
         finally:
             source.close()
         self.head.eval()
