@@ -77,9 +77,9 @@ def test_sampling_follows_the_target_distribution(method, bigram, target):
 # --- DEAGLE's vote on hand-made confidence sequences ------------------------------------------------
 
 
-def run_vote(beam_probs_per_depth, verified=15, params=DeagleParams()):
+def run_vote(beam_probs_per_depth, verified=15, params=DeagleParams(), on_host=False):
     """Feed per-depth beam survival probabilities; return the depth and votes at which it stops."""
-    vote = DepthVote(params)
+    vote = DepthVote(params, on_host=on_host)
     history = []
     for depth, probs in enumerate(beam_probs_per_depth, start=1):
         scores = torch.tensor(probs).log()
@@ -90,37 +90,61 @@ def run_vote(beam_probs_per_depth, verified=15, params=DeagleParams()):
     return None, vote.history()
 
 
-def test_a_dying_tree_stops_early():
+# Both readings of the rules: on 0-d tensors (the fixed layout: no host read) and on numbers (the
+# growing layout reads each vote).
+on_host = pytest.mark.parametrize("on_host", [False, True], ids=["tensors", "numbers"])
+
+
+@on_host
+def test_a_dying_tree_stops_early(on_host):
     # S_1 = 0.5 (rho 0.5: first decay), S_2 = 0.2 (rho 0.4: second decay -> momentum);
     # E_2 = 0.3 + 0.2 + 0.1 + 0.1 = 0.7, so depth 2 >= ceil(0.7) -> saturation. Two votes at depth 2.
-    depth, votes = run_vote([[0.3, 0.2], [0.1, 0.1], [0.03, 0.02], [0.01, 0.001]])
+    depth, votes = run_vote([[0.3, 0.2], [0.1, 0.1], [0.03, 0.02], [0.01, 0.001]], on_host=on_host)
     assert depth == 2 and set(votes) == {"momentum", "saturation"}
 
 
-def test_a_confident_tree_runs_to_the_maximum_depth():
-    depth, history = run_vote([[0.99], [0.98], [0.97], [0.96], [0.95], [0.94]])
+@on_host
+def test_a_confident_tree_runs_to_the_maximum_depth(on_host):
+    depth, history = run_vote([[0.99], [0.98], [0.97], [0.96], [0.95], [0.94]], on_host=on_host)
     assert depth is None and len(history) == 6
     # E_d grows along with d here, so saturation may vote, but alone it never stops the tree.
     assert all("mass" not in h.votes and "momentum" not in h.votes for h in history)
 
 
-def test_saturation_and_mass_can_stop_a_tree_without_momentum():
+@on_host
+def test_saturation_and_mass_can_stop_a_tree_without_momentum(on_host):
     # S = 0.3, 0.18, 0.11: one decay (depth 1), then rho = 0.6 and 0.61 (no second one); S_3 < 0.15
     # is the mass vote, and E_3 (best 4 nodes: 0.2 + 0.12 + 0.1 + 0.08 = 0.5) is saturated.
-    depth, votes = run_vote([[0.2, 0.1], [0.12, 0.06], [0.08, 0.03]], verified=4)
+    depth, votes = run_vote([[0.2, 0.1], [0.12, 0.06], [0.08, 0.03]], verified=4, on_host=on_host)
     assert depth == 3 and set(votes) == {"mass", "saturation"}
 
 
-def test_momentum_readings_differ_as_documented():
+@on_host
+def test_momentum_readings_differ_as_documented(on_host):
     # rho = 0.9, 0.56, 0.9, 0.44, 0.9: decays (rho < 0.6) at depths 2 and 4, not consecutive.
     sequence = [[0.9], [0.5], [0.45], [0.2], [0.18]]
-    lenient = DepthVote(DeagleParams())
-    strict = DepthVote(DeagleParams(consecutive=True))
+    lenient = DepthVote(DeagleParams(), on_host=on_host)
+    strict = DepthVote(DeagleParams(consecutive=True), on_host=on_host)
     for depth, probs in enumerate(sequence, start=1):
         scores = torch.tensor(probs).log()
         lenient.decide(depth, scores, scores, scores, scores, 100)
         strict.decide(depth, scores, scores, scores, scores, 100)
     assert "momentum" in lenient.history()[3].votes and "momentum" not in strict.history()[3].votes
+
+
+def test_the_two_readings_vote_alike_on_random_trees():
+    """The rules on numbers and on tensors: the same stop depth and votes at every depth."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        depths = int(torch.randint(2, 7, (), generator=generator))
+        width = int(torch.randint(1, 5, (), generator=generator))
+        survival = torch.rand(depths, width, generator=generator).cumprod(0) * 0.9 + 1e-6
+        params = DeagleParams(consecutive=bool(torch.rand((), generator=generator) < 0.5))
+        verified = int(torch.randint(1, 20, (), generator=generator))
+        readings = [run_vote(survival.tolist(), verified=verified, params=params, on_host=host) for host in (False, True)]
+        tensors, numbers = [(depth, [h.record() for h in history] if depth is None else history)
+                            for depth, history in readings]
+        assert tensors == numbers
 
 
 def test_deagle_trace_records_the_stop_depth_and_votes(bigram_dir):

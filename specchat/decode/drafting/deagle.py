@@ -62,15 +62,19 @@ class DeagleParams:
 class DepthVote:
     """The stopping decision for one draft cycle (create one per cycle).
 
-    Tensors in, a 0-d boolean tensor out, and no host read: the growing layout's drafter reads the
-    vote and stops (`bool(fired)`), the fixed layout's keeps drafting to its full depth and drops
-    the levels after the vote (the same tree, at a fixed shape). Tensor methods only, so this
-    module still loads without torch."""
+    Scores in, the vote out. Without `on_host`, a 0-d boolean tensor and no host read: the fixed
+    layout's drafter keeps drafting to its full depth and drops the levels after the vote (the same
+    tree, at a fixed shape). With `on_host` (the growing layout's drafter, which reads the vote and
+    stops at once), S_d and E_d are read as numbers and the rules run on them: on 0-d tensors they
+    are some twenty operations, ~0.2 ms a level on a CPU. The rules are written in operators that
+    numbers and tensors share, so they are stated once; tensor methods only, so this module still
+    loads without torch."""
 
-    def __init__(self, params: DeagleParams):
-        self.params = params
-        self.previous_mass = None  # S_0 = 1: the root survives for sure (made on the scores' device)
-        self.strikes = self.last_strike_depth = self.momentum = None  # once the decay has happened twice, momentum stays on
+    def __init__(self, params: DeagleParams, on_host: bool = False):
+        self.params, self.on_host = params, on_host
+        self.previous_mass = 1.0  # S_0 = 1: the root survives for sure
+        self.strikes, self.last_strike_depth = 0, -2
+        self.momentum = False  # once the decay has happened twice, momentum stays on
         self._history: list[tuple] = []  # per depth: the depth, S_d, rho_d, E_d and the three votes
 
     def decide(self, depth: int, beam_scores: torch.Tensor, level_scores: torch.Tensor, all_scores: torch.Tensor,
@@ -85,43 +89,44 @@ class DepthVote:
             verified: how many nodes would be verified (total_tokens - 1).
         """
         p = self.params
-        if self.previous_mass is None:
-            self.previous_mass = beam_scores.new_ones(())
-            self.strikes = beam_scores.new_zeros(()).long()
-            self.last_strike_depth = self.strikes - 2
-            self.momentum = self.strikes > 0
         mass = _finite((beam_scores if p.mass_nodes == "beam" else level_scores).exp().sum())
-        ratio = (mass / self.previous_mass).where(self.previous_mass > 0, 0.0)
-        self.previous_mass = mass
-        strike = ratio < p.tau_rho
-        if p.consecutive:  # a strike after a depth without one starts the count again
-            self.strikes = self.strikes.where(~(strike & (self.last_strike_depth != depth - 1)), 0)
-        self.strikes = self.strikes + strike
-        self.last_strike_depth = self.last_strike_depth.where(~strike, depth)
-        self.momentum = self.momentum | (self.strikes >= 2)
         if p.expected_over == "verified":
             expected = all_scores.topk(min(verified, all_scores.numel())).values.exp().sum()
         else:
             expected = beam_history_scores.exp().sum()
         expected = _finite(expected) + (1.0 if p.expected_plus_bonus else 0.0)
-        low_mass, saturated = mass < p.tau_s, depth >= expected.ceil()
+        if self.on_host:
+            mass, expected = mass.item(), expected.item()
+        # rho_d; 0 where S_{d-1} = 0 (a beam's children hold at most its mass, so S_d = 0 there too)
+        ratio = mass / (self.previous_mass + (self.previous_mass <= 0))
+        self.previous_mass = mass
+        strike = ratio < p.tau_rho
+        if p.consecutive:  # a strike after a depth without one starts the count again
+            self.strikes = self.strikes - self.strikes * (strike & (self.last_strike_depth != depth - 1))
+        self.strikes = self.strikes + strike
+        self.last_strike_depth = self.last_strike_depth + (depth - self.last_strike_depth) * strike
+        self.momentum = self.momentum | (self.strikes >= 2)
+        low_mass, saturated = mass < p.tau_s, depth >= expected  # d >= ceil(E_d) as d is whole
         self._history.append((depth, mass, ratio, expected, low_mass, saturated, self.momentum))
-        votes = low_mass.long() + self.momentum.long() + saturated.long()
-        return (votes >= 2) & (depth >= p.min_depth)
+        two_votes = (low_mass & self.momentum) | (low_mass & saturated) | (self.momentum & saturated)
+        return two_votes & (depth >= p.min_depth)
 
     def history(self) -> list[DepthVotes]:
-        """Each depth's numbers and votes, for the trace (reads the tensors: the growing layout's drafter only)."""
+        """Each depth's numbers and votes, for the trace (the growing layout's drafter only)."""
         if not self._history:
             return []
-        # One read of every depth's numbers (a read per value costs a device sync each on a GPU), gathered
-        # by tensor methods: this module imports no torch (the settings read its defaults before it loads).
-        first = self._history[0][1]
-        table = first.new_zeros((len(self._history), 6), dtype=first.double().dtype)
-        for row, (_, *values) in enumerate(self._history):
-            for column, value in enumerate(values):
-                table[row, column] = value
+        # Tensors: one read of every depth's numbers (a read per value costs a device sync each on a GPU),
+        # gathered by tensor methods: this module imports no torch (the settings read its defaults first).
+        rows = [values for _, *values in self._history]
+        if not self.on_host:
+            first = self._history[0][1]
+            table = first.new_zeros((len(rows), 6), dtype=first.double().dtype)
+            for row, values in enumerate(rows):
+                for column, value in enumerate(values):
+                    table[row, column] = value
+            rows = table.tolist()
         depths = []
-        for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history, table.tolist()):
+        for (depth, *_), (mass, ratio, expected, low_mass, saturated, momentum) in zip(self._history, rows):
             votes = [name for name, on in (("mass", low_mass), ("momentum", momentum), ("saturation", saturated)) if on]
             depths.append(DepthVotes(depth, mass, ratio, expected, votes))
         return depths

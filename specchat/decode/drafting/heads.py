@@ -193,6 +193,7 @@ class GrowingHead(HeadProposer):
     """The head on the growing layout (see the module docstring)."""
 
     lookup_tree = True  # the host selection merges the paths
+    reads_votes = True  # it stops drafting as soon as DEAGLE votes
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
         super().__init__(head, target, shape, **options)

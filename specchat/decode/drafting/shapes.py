@@ -40,6 +40,8 @@ class HeadSteps(ABC):
     """The draft head as a shape runs it (see the module docstring). The layouts differ in where a
     node's cache entry goes and in how a vote stops drafting."""
 
+    reads_votes = False  # whether `stops` reads each DEAGLE vote at once (then `DepthVote(on_host=True)`)
+
     def __init__(self, head: DraftHead):
         self.head = head
 
@@ -52,8 +54,8 @@ class HeadSteps(ABC):
 
     @abstractmethod
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
-        """DEAGLE voted (`fired`, a 0-d tensor): whether to stop drafting now (the host reads it);
-        else the levels after it are dropped (`growth.alive`)."""
+        """DEAGLE voted (`fired`: a 0-d tensor, a bool where `reads_votes`): whether to stop drafting
+        now (the host reads it); else the levels after it are dropped (`growth.alive`)."""
 
     def narrow(self, growth: Growth, beam: torch.Tensor, depth: int) -> torch.Tensor:
         """Of the next `beam` (table indices of the best nodes at `depth`, best first), those worth
@@ -327,7 +329,7 @@ class DeagleTree(DynamicTree):
     deagle: DeagleParams = DeagleParams()
 
     def grow(self, steps: HeadSteps, root_hidden: torch.Tensor, max_depth: int, max_nodes: int) -> CandidateTable:
-        vote = DepthVote(self.deagle)  # one per cycle
+        vote = DepthVote(self.deagle, on_host=steps.reads_votes)  # one per cycle
         k = self.params.top_k
 
         def stop(level: int, growth: Growth, keep: int) -> torch.Tensor:
