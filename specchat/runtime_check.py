@@ -14,6 +14,7 @@ depth 6, top-10), to time the drafting the oracle leaves out.
 
     specchat runtime-check --shape qwen2.5-0.5b --device cuda           # on a GPU
     specchat runtime-check --shape qwen2.5-0.5b --layers 2 --tokens 32   # on a CPU, small
+    specchat runtime-check --shape llama-3.1-8b --runtime fixed --depths 1 2 3 4 --head   # the seeds' scale
 
 `--runtime` picks the engine's layout: `fixed` (CUDA graphs on CUDA, the same steps eagerly on a
 CPU), `growing` (the growing cache, eager; `host` is its former name), `both` each in turn.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from drafters.eagle3 import Eagle3Config, Eagle3Head
 from specchat.decode.drafting.heads import HeadProposer
@@ -49,18 +50,36 @@ from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import UsageError
 from specchat.train.batched import SlotDecoder, SlotTimes
 
-# The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct; the
-# embedded GGUF files carry the same): the shapes the embedded models decode at.
+# The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct, whose
+# embedded GGUF files carry the same, and of meta-llama/Llama-3.1-8B-Instruct: the seeds' scale,
+# where a verify step reads 16 GB of bfloat16 weights), as (family, fields).
+QWEN = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+            hidden_act="silu", use_sliding_window=False)
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=True, vocab_size=512),  # for the test suite
+    "qwen2.5-0.5b": ("qwen2", dict(QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2.5-1.5b": ("qwen2", dict(QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-3.1-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                   rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                                 "rope_theta": 500000.0})),
+    "tiny": ("qwen2", dict(QWEN, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=True, vocab_size=512)),  # for the test suite
+    "tiny-llama": ("llama", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
+                                 rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                               "rope_theta": 500000.0})),  # for the test suite
 }
-COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-              hidden_act="silu", use_sliding_window=False)
+FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+# --head drafts with a random head of the bundled head's layout at the target's width and heads; at
+# the 8B scale, of the published EAGLE-3 head's (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: the target's
+# MLP width, a 32k draft vocabulary), whose drafting costs what a real one's does.
+HEAD_FIELDS = {"llama-3.1-8b": dict(intermediate_size=14336, draft_vocab_size=32000)}
 HEAD_CONFIG = "qwen2.5-coder-0.5b-eagle3/config.json"  # in `specchat.heads`: the bundled head whose layout --head takes
 LAYOUTS = {"fixed": "on", "growing": "off", "host": "off"}  # --runtime: the --cuda-graphs that gives each layout
 SLOT_STEPS = 8  # timed regeneration steps per --repeats (after three: warm-up and capture)
@@ -146,12 +165,12 @@ class ScriptedTree:
 def build_target(shape: str, layers: int | None, device: str, dtype: torch.dtype, runtime: str,
                  compile: bool = False) -> Target:
     """A target of `shape` with random weights, on the layout `runtime` names, its forward compiled or not."""
-    fields = {**COMMON, **SHAPES[shape]}
-    if layers:
-        fields["num_hidden_layers"] = layers
+    family, fields = SHAPES[shape]
+    config_class, model_class = FAMILIES[family]
+    fields = {**fields, "num_hidden_layers": layers or fields["num_hidden_layers"]}
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**fields)).to(dtype)
+        model = model_class(config_class(**fields)).to(dtype)
     spec = ModelSpec(model=f"{shape} (random weights)", dtype=str(dtype).removeprefix("torch."), device=device,
                      quantize="none", compile="on" if compile else "off", cuda_graphs=LAYOUTS[runtime])
     return Target(model, None, spec.model, spec=spec)
@@ -234,13 +253,15 @@ def slot_steps(args) -> list[dict]:
 
 def head_cycle(args, target: Target, prompt: list[int]) -> dict:
     """A random EAGLE-3 head drafting EAGLE-2 trees (60 / 6 / 10): the bundled 0.5B head's layout
-    (its MLP width and draft vocabulary), at the target's width and heads."""
+    (its MLP width and draft vocabulary; at the 8B scale the published head's, `HEAD_FIELDS`), at
+    the target's width and heads."""
     bundled = json.loads(resources.files("specchat.heads").joinpath(HEAD_CONFIG).read_text())
     text = target.config.get_text_config()
-    config = Eagle3Config.from_dict({**bundled, "hidden_size": text.hidden_size, "vocab_size": target.vocab_size,
+    fields = {**bundled, **HEAD_FIELDS.get(args.shape, {})}
+    config = Eagle3Config.from_dict({**fields, "hidden_size": text.hidden_size, "vocab_size": target.vocab_size,
                                      "num_attention_heads": text.num_attention_heads,
                                      "num_key_value_heads": text.num_key_value_heads,
-                                     "draft_vocab_size": min(bundled["draft_vocab_size"], target.vocab_size)})
+                                     "draft_vocab_size": min(fields["draft_vocab_size"], target.vocab_size)})
     torch.manual_seed(0)
     with torch.device(target.device):
         head = Eagle3Head(config, target.embed_tokens).to(target.dtype).eval()

@@ -129,7 +129,7 @@ def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     commands = [c[2:] if c[0] == "timeout" else c for c in commands]  # a stage that may not overrun its minutes
     specchat_commands = [c[3:] for c in commands if c[1:3] == ("-m", "specchat")]
-    assert [c[0] for c in specchat_commands] == ["runtime-check"] * 3 + ["bench", "data", "data", "train"]
+    assert [c[0] for c in specchat_commands] == ["runtime-check"] * 4 + ["bench", "data", "data", "train"]
     for args in specchat_commands:
         if args[0] == "runtime-check":  # it parses its own options
             runtime_check.parser().parse_args(list(args[1:]))  # exits on an option it does not take

@@ -27,6 +27,22 @@ def test_the_runtime_check_runs_and_reports_efficiency(tmp_path, capsys):
     assert (tmp_path / "trace" / "fixed-summary.txt").is_file()
 
 
+def test_the_seeds_scale_is_llama_3_1_8b_as_published():
+    """The 8B shape's config builds Llama 3.1 8B (8,030,261,248 parameters, Llama 3's rotary scaling;
+    on the meta device: no memory), and the Llama path runs end to end at a tiny size."""
+    family, fields = runtime_check.SHAPES["llama-3.1-8b"]
+    config_class, model_class = runtime_check.FAMILIES[family]
+    with torch.device("meta"):
+        model = model_class(config_class(**fields))
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.rope_parameters["rope_theta"] == 500000.0
+    results = runtime_check.main(["--shape", "tiny-llama", "--device", "cpu", "--nodes", "7", "--depths", "1", "4",
+                                  "--tokens", "16", "--prompt", "8", "--repeats", "1", "--head"])
+    for run in results["runs"].values():
+        assert {row["tau"] for row in run["oracle"]} == {2, 5} and all(row["exact"] for row in run["oracle"])
+        assert run["head"]["draft_ms"] > 0
+
+
 def test_a_wrong_option_is_one_line_and_every_option_is_in_the_manual(capsys):
     code, _, err = invoke(["runtime-check", "--shape", "nonesuch"], capsys)
     assert code == 2 and err.count("\n") == 1 and "runtime-check: argument --shape" in err

@@ -332,11 +332,17 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
         # slot check says where); then the envelope with the compiled forward (the whole forward's
         # first step shapes were still compiling after 150 s there; it now compiles one layer).
         # None may take the block.
-        envelope = ("--runtime", "fixed", "--tokens", "128", "--head", "--nodes", "7", "63", "--repeats", "2")
+        # Last, the seeds' scale (issue 49): Llama 3.1 8B's shape, random weights, τ 2-5 and a random
+        # head of the published EAGLE-3 head's layout.
+        envelope = ("--shape", "qwen2.5-0.5b", "--runtime", "fixed", "--tokens", "128", "--head", "--nodes", "7", "63",
+                    "--repeats", "2")
         for stage, options in (("runtime-0.5b", envelope),
-                               ("runtime-slots", ("--runtime", "none", "--slots", *SLOT_COUNTS, "--spans", "256", "1024")),
-                               ("runtime-0.5b-compiled", (*envelope, "--compile"))):
-            stages.run(stage, "timeout", "150", sys.executable, *RUNTIME_CHECK, "--shape", "qwen2.5-0.5b", *options,
+                               ("runtime-slots", ("--shape", "qwen2.5-0.5b", "--runtime", "none", "--slots", *SLOT_COUNTS,
+                                                  "--spans", "256", "1024")),
+                               ("runtime-0.5b-compiled", (*envelope, "--compile")),
+                               ("runtime-8b", ("--shape", "llama-3.1-8b", "--runtime", "fixed", "--tokens", "64", "--head",
+                                               "--nodes", "7", "63", "--depths", "1", "2", "3", "4", "--repeats", "1"))):
+            stages.run(stage, "timeout", "150", sys.executable, *RUNTIME_CHECK, *options,
                        "--trace", str(THERE / "trace" / stage), "-o", str(out / f"{stage}.json"))
         _tar_within(THERE / "trace", out / "trace.tgz")
         if chain and train_minutes:  # beside training: they check correctness, not speed
