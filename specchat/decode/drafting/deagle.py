@@ -78,8 +78,9 @@ class DepthVote:
         self._history: list[tuple] = []  # per depth: the depth, S_d, rho_d, E_d and the three votes
 
     def decide(self, depth: int, beam_scores: torch.Tensor, level_scores: torch.Tensor, all_scores: torch.Tensor,
-               beam_history_scores: torch.Tensor, verified: int) -> torch.Tensor:
-        """Votes after depth `depth` has been scored: whether drafting should stop (a 0-d bool tensor).
+               beam_history_scores: torch.Tensor, verified: int) -> torch.Tensor | bool:
+        """Votes after depth `depth` has been scored: whether drafting should stop (a 0-d bool
+        tensor; a bool `on_host`).
 
         Args:
             beam_scores: log survival of the beam nodes at this depth.
