@@ -287,6 +287,20 @@ def test_with_a_continuation_found_the_pace_weighs_lookup_alone_apart_from_the_h
     assert Found.of(True, 0.5) is Found.CONTINUATION and Found.of(False, 0.9) is Found.NOTHING
 
 
+def test_a_slower_arm_waits_its_own_contexts_steps():
+    """A context that comes back now and then (one cycle in eleven finds nothing to look up) retries
+    its slower arm after its own waits, not whenever the other contexts' steps have run past them."""
+    pace = Pace(plain_ms=10.0)
+    rates = {Arm.PLAIN: 1, Arm.HEAD: 0.5}  # without a continuation plain steps are faster
+    head_tries = 0
+    for _ in range(60):
+        run_pace(pace, Found.LIKELY, {Arm.LOOKUP: 3, Arm.HEAD: 2}, 10)
+        arm = pace.choose(Found.NOTHING)
+        head_tries += arm is Arm.HEAD
+        pace.learn(arm, Found.NOTHING, tokens=rates[arm], milliseconds=10.0)
+    assert 3 <= head_tries <= 6  # the first try, then after 4, 8, 16 and 32 of its context's steps (21 when every step counted)
+
+
 @pytest.mark.parametrize("kind", ["right", "wrong"])
 def test_every_arm_the_pace_takes_leaves_greedy_output_plain(bigram, kind):
     """Whichever arm the pace takes (here head, plain, lookup alone in turn, by script), output stays

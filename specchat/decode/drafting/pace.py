@@ -14,8 +14,9 @@ a head cycle with a chain to merge is another bet than one without, a copy under
 function) is another than a stray match, and the lookup arm exists only where there is a chain; a
 plain step costs the same in each (its cost is the machine's), so the plain arm has one record.
 The next cycle takes the arm with the best rate among those it can take, and each other arm is
-tried again after EXPLORE steps, twice as many after each try that finds it still slower (up to
-LONGEST_WAIT), after EXPLORE again when the try's own cycle beat the best; every arm is tried afresh at the
+tried again after EXPLORE steps of its context (a context that comes back now and then would
+otherwise retry a slower arm nearly every time), twice as many after each try that finds it still
+slower (up to LONGEST_WAIT), after EXPLORE again when the try's own cycle beat the best; every arm is tried afresh at the
 start of each reply (its text may draft otherwise), and a likely continuation is never passed over
 for a plain step. The text changing kind (prose turning into code that quotes the prompt) shows as
 the split and in the decayed records. The records describe this machine, model and head, not the
@@ -121,8 +122,9 @@ class Pace:
         rival = self.best_rate(found, besides=arm)
         record.tokens = record.tokens * self.DECAY + tokens
         record.milliseconds = record.milliseconds * self.DECAY + milliseconds
-        for other in self.records.values():
-            other.since += 1
+        for (other_arm, context), other in self.records.items():  # a wait counts the steps of its own context
+            if other_arm is Arm.PLAIN or context is Found(found):  # (plain steps' record is every context's)
+                other.since += 1
         record.since = 0
         if rival is None or record.rate >= rival:
             record.wait = self.EXPLORE
