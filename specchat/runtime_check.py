@@ -55,25 +55,20 @@ from specchat.train.batched import SlotDecoder, SlotTimes
 # where a verify step reads 16 GB of bfloat16 weights), as (family, fields).
 QWEN = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
             hidden_act="silu", use_sliding_window=False)
+LLAMA_3_1 = dict(max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_theta": 500000.0})
 SHAPES = {
     "qwen2.5-0.5b": ("qwen2", dict(QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2.5-1.5b": ("qwen2", dict(QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                    num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)),
-    "llama-3.1-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                                   rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
-                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                                                 "rope_theta": 500000.0})),
+    "llama-3.1-8b": ("llama", dict(LLAMA_3_1, vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)),
     "tiny": ("qwen2", dict(QWEN, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, tie_word_embeddings=True, vocab_size=512)),  # for the test suite
-    "tiny-llama": ("llama", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
-                                 rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                                               "rope_theta": 500000.0})),  # for the test suite
+    "tiny-llama": ("llama", dict(LLAMA_3_1, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)),  # for the test suite
 }
 FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 # --head drafts with a random head of the bundled head's layout at the target's width and heads; at

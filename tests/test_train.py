@@ -358,11 +358,13 @@ def test_training_keeps_every_tensor_on_the_targets_device(kind, target, varied)
 def test_training_on_cuda(kind, target, store, tmp_path, monkeypatch):
     """The real thing: the target on the GPU, the store on the CPU; train, evaluate, checkpoint, resume;
     every attention with cuDNN's SDPA off (`losses.TRAINING_SDPA`)."""
-    cudnn_on = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *args, **kwargs: cudnn_on.append(torch.backends.cuda.cudnn_sdp_enabled())
-                        or sdpa(*args, **kwargs))
+    cudnn_on, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def noting_the_backend(*args, **kwargs):
+        cudnn_on.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", noting_the_backend)
     gpu = on_device(target, "cuda")
     vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
     config = TrainConfig(kind=kind, learning_rate=3e-3, warmup_steps=2, max_steps=6, batch_tokens=300,

@@ -122,8 +122,9 @@ class Pace:
         rival = self.best_rate(found, besides=arm)
         record.tokens = record.tokens * self.DECAY + tokens
         record.milliseconds = record.milliseconds * self.DECAY + milliseconds
-        for (other_arm, context), other in self.records.items():  # a wait counts the steps of its own context
-            if other_arm is Arm.PLAIN or context is Found(found):  # (plain steps' record is every context's)
+        context = Found(found)
+        for (other_arm, other_context), other in self.records.items():  # a wait counts its own context's steps
+            if other_arm is Arm.PLAIN or other_context is context:  # (plain steps' record is every context's)
                 other.since += 1
         record.since = 0
         if rival is None or record.rate >= rival:
