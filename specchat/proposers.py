@@ -28,7 +28,7 @@ from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOT
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 from specchat.decode.engine.engine import Proposer
 from specchat.decode.runtime.quantized import quantized_cache
-from specchat.decode.options import KERNEL_BITS
+from specchat.decode.options import HEAD_QUANTIZE, KERNEL_BITS
 from specchat.decode.runtime.target import Target
 from specchat.answers import AnswerStore
 from specchat.methods import MethodError, effective_draft, method
@@ -139,14 +139,13 @@ def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make
     load fails before this machine's verify cost is measured for the shape's size)."""
     head, folder = load_head(settings.draft, target, kind=method(settings.method).head_kind or settings.draft_kind)
     fused = None
-    if target.spec.quantize in KERNEL_BITS:  # the head runs every cycle: on the target's kernel it costs a third
-        quantized.quantize_linears(head, KERNEL_BITS[target.spec.quantize],
-                                   quantized_cache(folder, target.spec.quantize, loaded_on=target),
+    if target.spec.quantize in KERNEL_BITS:  # the head runs every cycle: on the target's kernel, in HEAD_QUANTIZE's bits
+        quantized.quantize_linears(head, KERNEL_BITS[HEAD_QUANTIZE], quantized_cache(folder, HEAD_QUANTIZE, loaded_on=target),
                                    what="the draft head's linear layers")
         cpu_decoder.fuse_head(head)  # each draft step's layer in one call
         rows = head.draft_logits_layer()  # the target LM head's rows of a draft vocabulary (EAGLE, Jakiro)
         if rows is not None and quantized.packable(rows):  # as float32 rows torch took ~10 ms a step on a Zen 3; packed <1
-            head.set_draft_logits_layer(quantized.QuantizedLinear.from_linear(rows, KERNEL_BITS[target.spec.quantize]))
+            head.set_draft_logits_layer(quantized.QuantizedLinear.from_linear(rows, KERNEL_BITS[HEAD_QUANTIZE]))
         if target.envelope is None and cpu_decoder.FusedEagle3Step.fits(head):  # and an EAGLE-3 head's whole step
             fused = cpu_decoder.FusedEagle3Step(head)  # and its top-k (the growing layout's drafting)
     lookup = curve = None

@@ -331,9 +331,11 @@ def test_a_draft_vocabularys_rows_of_the_target_lm_head_are_packed_too(qwen_dir,
 @needs_kernel
 def test_an_eagle3_head_on_a_quantized_target_drafts_in_fused_steps_and_stays_lossless(qwen_dir, tmp_path):
     """On a quantized target an EAGLE-3 head's steps and top-k run as one kernel call each
-    (`cpu_decoder.FusedEagle3Step`), on both of its paths: trees grown level by level and the
-    default profile's rate-sized trees with lookup (`--lookup`); greedy output stays plain decoding's."""
+    (`cpu_decoder.FusedEagle3Step`), its layers in HEAD_QUANTIZE's bits whatever the target's, on
+    both of its paths: trees grown level by level and the default profile's rate-sized trees with
+    lookup (`--lookup`); greedy output stays plain decoding's."""
     from drafters import save_head
+    from specchat.decode.options import HEAD_QUANTIZE, KERNEL_BITS
     from specchat.decode.runtime.cpu_decoder import FusedEagle3Step
     from specchat.proposers import build_proposer
     from specchat.settings import Settings
@@ -348,6 +350,8 @@ def test_an_eagle3_head_on_a_quantized_target_drafts_in_fused_steps_and_stays_lo
                             lookup=lookup, plain_when_faster=False)
         proposer = build_proposer(settings, target, None)
         assert isinstance(proposer.fused, FusedEagle3Step)
+        head_bits = {layer.bits for layer in proposer.head.modules() if isinstance(layer, quantized.QuantizedLinear)}
+        assert head_bits == {KERNEL_BITS[HEAD_QUANTIZE]} != {target.lm_head.bits}
         steps = list(Engine(target, proposer).generate(prompt, greedy))
         assert sum(s.draft_tokens for s in steps) > 0
         assert [t for s in steps for t in s.tokens] == plain
