@@ -166,3 +166,12 @@ def test_an_eagle3_head_s_step_and_top_k_run_in_one_call_each_and_compute_what_i
     torch.testing.assert_close(logps, expected.values.float(), **tolerance)
     if target.dtype == torch.float32:  # (bf16 logits tie often)
         assert torch.equal(ids, expected.indices)
+    # A draft level in one call (the embedding, the step, its top-k): what the three calls give.
+    cache = HeadCache()
+    last, last_logps, last_ids = fused.draft(features, tokens, torch.arange(6), cache, 0, None, outputs=1, k=4)
+    tree, tree_logps, tree_ids = fused.draft(ours[[5, 5, 0]], tree_tokens, tree_positions, cache, 6, tree_block,
+                                             outputs=None, k=4)
+    assert torch.equal(last[0], ours[5]) and torch.equal(tree, ours[6:]) and cache.length == 9
+    for outputs, (logps, ids) in ((last, (last_logps, last_ids)), (tree, (tree_logps, tree_ids))):
+        separate_logps, separate_ids = fused.top(outputs, 4)
+        assert torch.equal(logps, separate_logps) and torch.equal(ids, separate_ids)

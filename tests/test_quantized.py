@@ -304,6 +304,7 @@ def test_a_draft_vocabularys_rows_of_the_target_lm_head_are_packed_too(qwen_dir,
     rows of the target's LM head; as float32 rows torch's CPU product cost ~10 ms a step on a Zen 3,
     so on a quantized target they are packed as its other layers are, and stay lossless."""
     from drafters import save_head
+    from specchat.decode.options import HEAD_QUANTIZE, KERNEL_BITS
     from specchat.proposers import build_proposer
     from specchat.settings import Settings
 
@@ -316,8 +317,11 @@ def test_a_draft_vocabularys_rows_of_the_target_lm_head_are_packed_too(qwen_dir,
     proposer = build_proposer(settings, target, None)
     layer = proposer.head.draft_logits_layer()
     assert isinstance(layer, quantized.QuantizedLinear) and layer.out_features == TINY_VOCAB // 2
+    assert layer.bits == KERNEL_BITS[HEAD_QUANTIZE]
+    rows = target.lm_head.weight[::2]  # the target's (dequantized) rows, packed again in the head's bits:
+    assert torch.allclose(layer.weight, rows, atol=float(rows.max() - rows.min()) / 30)  # within half a step
     out = torch.randn(3, target.hidden_size)
-    exact = out @ target.lm_head.weight[::2].T  # the target's (dequantized) rows, multiplied exactly
+    exact = out @ layer.weight.T  # the packed rows multiplied exactly
     # (the kernel rounds activations to int8 per 32 values: close, not equal)
     assert torch.allclose(proposer.head.log_probs(out), torch.log_softmax(exact, -1), rtol=0.02, atol=0.2)
     greedy = GenerationSettings(max_new_tokens=24)
@@ -352,6 +356,16 @@ def test_an_eagle3_head_on_a_quantized_target_drafts_in_fused_steps_and_stays_lo
         assert isinstance(proposer.fused, FusedEagle3Step)
         head_bits = {layer.bits for layer in proposer.head.modules() if isinstance(layer, quantized.QuantizedLinear)}
         assert head_bits == {KERNEL_BITS[HEAD_QUANTIZE]} != {target.lm_head.bits}
+        tops, step_top = [], proposer.top  # the top-k its draft steps computed: what a call of its own gives
+
+        def top(outputs, k):
+            logps, ids = step_top(outputs, k)
+            own_logps, own_ids = proposer.fused.top(outputs, k)
+            tops.append(torch.equal(ids, own_ids) and torch.equal(logps, own_logps))
+            return logps, ids
+
+        proposer.top = top
         steps = list(Engine(target, proposer).generate(prompt, greedy))
+        assert tops and all(tops)
         assert sum(s.draft_tokens for s in steps) > 0
         assert [t for s in steps for t in s.tokens] == plain

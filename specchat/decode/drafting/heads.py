@@ -206,6 +206,9 @@ class GrowingHead(HeadProposer):
         self.level_ms = LEVEL_MS  # a draft level's cost, as measured (`narrow`)
         self.level_started: float | None = None
         self.last_read: tuple[CandidateTable, int, Candidates] | None = None  # (`read`)
+        # The fused step's last outputs with their top-k, which it computes in the same call (`top`)
+        self.last_step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.top_k = shape.most_children()
 
     def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
@@ -255,7 +258,9 @@ class GrowingHead(HeadProposer):
         next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
         positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
         if self.fused is not None:  # the new rows see each other causally; only the last one's output is read
-            out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None, outputs=1)
+            self.last_step = self.fused.draft(features, next_tokens, positions, self.cache, self.consumed, None,
+                                              outputs=1, k=self.top_k)
+            out = self.last_step[0]
         else:
             out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device),
                             self.cache)
@@ -324,8 +329,9 @@ class GrowingHead(HeadProposer):
         assert self.cache.length == self.consumed + first_entry, "tree entries are appended in feeding order"
         positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
         if self.fused is not None and not both:
-            return self.fused.step(hidden, tokens, positions, self.cache, self.consumed,
-                                   entries[:, : first_entry + m].contiguous()), None
+            self.last_step = self.fused.draft(hidden, tokens, positions, self.cache, self.consumed,
+                                              entries[:, : first_entry + m].contiguous(), outputs=None, k=self.top_k)
+            return self.last_step[0], None
         context = torch.ones(m, self.consumed, dtype=torch.bool, device=tokens.device)
         mask = torch.cat([context, entries[:, : first_entry + m]], dim=1)[None, None]
         if both:
@@ -333,7 +339,15 @@ class GrowingHead(HeadProposer):
         return self.head(hidden, tokens, positions, mask, self.cache), None
 
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().top(outputs, k) if self.fused is None else self.fused.top(outputs, k)
+        """The fused step's top-k where `outputs` are (a view of) its last outputs: a prefix of its
+        top-k is the top-k of a smaller k (best first, ties to the lower id)."""
+        if self.fused is None:
+            return super().top(outputs, k)
+        if self.last_step is not None:
+            out, logps, ids = self.last_step
+            if outputs.data_ptr() == out.data_ptr() and outputs.shape == out.shape and k <= logps.shape[1]:
+                return logps[:, :k], ids[:, :k]
+        return self.fused.top(outputs, k)
 
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         return bool(fired)

@@ -176,6 +176,10 @@ class StaticTree:
     def verified(self, max_nodes: int) -> int:
         return min(len(self.paths), max_nodes)
 
+    def most_children(self) -> int:
+        """The most children a node gets: the largest k the shape asks of `HeadSteps.top`."""
+        return max((path[-1] for path in self.paths), default=0) + 1
+
     def depth_for(self, max_depth: int) -> int:
         return min(max((len(p) for p in self.paths), default=0), max_depth)
 
@@ -258,6 +262,9 @@ class DynamicTree:
 
     def verified(self, max_nodes: int) -> int:
         return min(self.params.total_tokens - 1, max_nodes)
+
+    def most_children(self) -> int:
+        return self.params.top_k
 
     def depth_for(self, max_depth: int) -> int:
         return min(self.params.depth, max_depth)

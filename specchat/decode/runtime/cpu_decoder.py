@@ -131,7 +131,7 @@ class FusedEagle3Step:
         self.kernel_step = woq_kernel.kernel().Eagle3Step(
             *self.block.shape, packed(head.fc), self.block.layer, _weight(layer.input_layernorm),
             _weight(layer.hidden_norm), bool(layer.norm_before_residual), _weight(head.norm), packed(head.lm_head),
-            head.rope.inv_freq("cpu").contiguous())
+            head.rope.inv_freq("cpu").contiguous(), head.embed_tokens.weight.detach())
 
     @staticmethod
     def fits(head: nn.Module) -> bool:
@@ -159,6 +159,18 @@ class FusedEagle3Step:
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest draft-vocabulary ids after each output [r, H] and their log-probabilities, best first."""
         return self.kernel_step.top(outputs, k)
+
+    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
+              prefix: int, block: torch.Tensor | None, outputs: int | None, k: int):
+        """A draft level in one call: `step` (the tokens embedded in the kernel) and `top` of its
+        outputs; returns the outputs [outputs, H], their k best log-probabilities and draft ids."""
+        m = len(tokens)
+        store = self.block.room(cache, m)
+        keys, values = store.buffers
+        result = self.kernel_step.draft(hidden, tokens, positions, keys[0], values[0], prefix, store.length + m - prefix,
+                                        block, -1 if outputs is None else outputs, k)
+        store.extend(m)
+        return result
 
 
 def fuse_head(head: nn.Module) -> None:

@@ -486,15 +486,31 @@ struct Eagle3Step : torch::CustomClassHolder {
   at::Tensor final_norm;
   c10::intrusive_ptr<Linear> lm_head;  // [H] -> draft vocabulary
   at::Tensor inv_freq;  // [d / 2] float32: the rotary frequencies (with the head's scaling)
+  at::Tensor embedding;  // [target vocabulary, H]: the head's token embeddings (the target's, shared)
 
   Eagle3Step(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
              c10::intrusive_ptr<Linear> fc, c10::intrusive_ptr<Layer> layer, at::Tensor input_norm,
              at::Tensor hidden_norm, bool norm_before_residual, at::Tensor final_norm,
-             c10::intrusive_ptr<Linear> lm_head, at::Tensor inv_freq)
+             c10::intrusive_ptr<Linear> lm_head, at::Tensor inv_freq, at::Tensor embedding)
       : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, fc(std::move(fc)), layer(std::move(layer)),
         input_norm(std::move(input_norm)), hidden_norm(std::move(hidden_norm)),
         norm_before_residual(norm_before_residual), final_norm(std::move(final_norm)), lm_head(std::move(lm_head)),
-        inv_freq(std::move(inv_freq)) {}
+        inv_freq(std::move(inv_freq)), embedding(std::move(embedding)) {}
+
+  // A draft level in one call: the next tokens' embeddings [m] -> [m, H], `step` and `top` (each a
+  // call from Python cost a dispatch and, right after the target's forward, a cold start of the
+  // thread pool). Returns the outputs [outputs, H] and their k best draft ids and log-probabilities.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> draft(const at::Tensor& hidden, const at::Tensor& tokens,
+                                                       const at::Tensor& positions, const at::Tensor& keys,
+                                                       const at::Tensor& values, int64_t prefix, int64_t width,
+                                                       const c10::optional<at::Tensor>& block, int64_t outputs,
+                                                       int64_t k) {
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "tokens: [m] int64");
+    const at::Tensor embedded = embedding.index_select(0, tokens).to(hidden.scalar_type());
+    const at::Tensor out = step(hidden, embedded, positions, keys, values, prefix, width, block, outputs);
+    auto [logps, ids] = top(out, k);
+    return {out, logps, ids};
+  }
 
   // hidden [m, 3 H_target] (target features: fc first) or [m, H] (the head's outputs of the step
   // before), embedded [m, H] (the next tokens' embeddings), at positions [m]; keys and values as
@@ -674,9 +690,10 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
   m.class_<Eagle3Step>("Eagle3Step")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, c10::intrusive_ptr<Linear>,
                        c10::intrusive_ptr<Layer>, at::Tensor, at::Tensor, bool, at::Tensor, c10::intrusive_ptr<Linear>,
-                       at::Tensor>())
+                       at::Tensor, at::Tensor>())
       .def("step", &Eagle3Step::step)
-      .def("top", &Eagle3Step::top);
+      .def("top", &Eagle3Step::top)
+      .def("draft", &Eagle3Step::draft);
 }
 
 }  // namespace specchat
