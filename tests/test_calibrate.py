@@ -70,8 +70,6 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
     is what the cache keeps."""
     import json
 
-    import torch
-
     from conftest import random_head
     from specchat.decode.engine.engine import Engine, GenerationSettings
     from specchat.decode.drafting.heads import HeadProposer
@@ -122,6 +120,30 @@ def test_live_forwards_rescale_a_curve_they_contradict_and_only_a_too_dear_one_i
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 6.0)
     assert curve.milliseconds == {1: 3.0, 4: 6.0} and kept == [curve]
+
+
+def test_a_curve_wrong_in_its_shape_is_healed_size_by_size_and_the_sizes_above_with_it():
+    """A curve stored on a Zen 3 (40.6 ms for one token, 52.5 for four) where live forwards took
+    ~0.55-0.7 of it: the overall median stayed within TOO_CHEAP, so the whole-curve rule never
+    corrected it. Each size its live forwards contradict takes their median; sizes no live forward
+    reached (here 6 and 8) move with the largest healed size below them; the healed curve is kept."""
+    kept = []
+    stored = {1: 40.56, 2: 47.75, 3: 44.95, 4: 52.48, 6: 74.89, 8: 108.73}
+    curve = Curve(dict(stored), on_rescaled=kept.append)
+    live = {3: 30.0, 4: 36.0, 1: 22.0}  # ratios 0.67, 0.69, 0.54: their median never below TOO_CHEAP
+    for _ in range(calibrate.LIVE_EVIDENCE + 1):
+        for n, ms in live.items():
+            curve.observe(n, ms)
+    assert {n: curve.milliseconds[n] for n in live} == live
+    assert curve.milliseconds[2] == round(stored[2] * live[1] / stored[1], 2)  # moved with 1, the healed size below it
+    factor = live[4] / stored[4]  # 6 and 8: moved with 4, the largest healed size below them
+    assert curve.milliseconds[6] == round(stored[6] * factor, 2) and curve.milliseconds[8] == round(stored[8] * factor, 2)
+    assert list(curve.milliseconds.values()) == sorted(curve.milliseconds.values())
+    assert kept and kept[-1] is curve
+    before = dict(curve.milliseconds)
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(4, 40.0)  # within SIZE_AGREES of the healed size: nothing changes
+    assert curve.milliseconds == before
 
 
 def test_another_process_s_work_is_seen_as_the_machine_being_busy():
