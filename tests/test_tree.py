@@ -78,3 +78,75 @@ def test_selection_keeps_a_connected_tree_of_the_best_paths():
     assert tree.tokens == [10, 11, 20, 22]
     assert tree.parents == [-1, -1, 0, 1] and tree.depths == [1, 1, 2, 2]
     assert all(p < i for i, p in enumerate(tree.parents))
+
+
+class _SeededSteps:
+    """A head as the shapes run it (`HeadSteps`), on random weights: each output depends on its input
+    hidden state, its token, its depth and every cache entry it attends to, so a wrong mask, parent
+    or beam gives another tree. Its narrowing keeps the beam nodes above a score, in both forms."""
+
+    reads_votes = True
+
+    def __init__(self, seed: int, vocab: int = 40, hidden: int = 8, entries: int = 64):
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = torch.randn(vocab, hidden, generator=generator)
+        self.lm_head = torch.randn(hidden, vocab, generator=generator) * 2
+        self.entry_vectors = torch.randn(entries, hidden, generator=generator) * 0.5
+        self.floor = -1.5 - 2 * float(torch.rand((), generator=generator))
+
+    def feed(self, hidden, tokens, level, first_entry, entries, both=False):
+        seen = entries.float() @ self.entry_vectors[: entries.shape[1]]
+        return torch.tanh(hidden + self.embed[tokens] + 0.1 * level + seen), None
+
+    def top(self, outputs, k):
+        return torch.log_softmax(outputs @ self.lm_head, -1).topk(k, dim=-1)
+
+    def to_target(self, draft_ids):
+        return draft_ids
+
+    def stops(self, fired, growth):
+        return bool(fired)
+
+    def narrow(self, growth, beam, depth):
+        return beam[growth.table.scores[beam] > self.floor]
+
+    def narrow_on_host(self, table, beam, depth):
+        return [node for node in beam if table.scores[node] > self.floor]
+
+
+def _paths(table) -> dict[tuple[int, ...], float]:
+    """Each drafted node's path of tokens from the root, with its score."""
+    candidates = Candidates.from_table(table, None)
+    paths = []
+    for node, parent in enumerate(candidates.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (candidates.tokens[node],))
+    return {path: score for path, score in zip(paths, candidates.scores) if score > float("-inf")}
+
+
+@pytest.mark.parametrize("deagle", [False, True], ids=["eagle2", "deagle"])
+def test_a_tree_grown_on_host_lists_is_the_tree_grown_on_tensors(deagle):
+    """The growing layout grows EAGLE-2 and DEAGLE trees on host lists (`DynamicTree.grow_on_host`);
+    on random heads, beams narrowed by score and DEAGLE's votes, it gives `_grow`'s tree on tensors:
+    the same nodes (paths of tokens) with the same scores, and the same levels drafted."""
+    from specchat.decode.drafting.deagle import DeagleParams
+    from specchat.decode.drafting.shapes import DeagleTree, DynamicTree, DynamicTreeParams
+
+    for seed in range(40):
+        generator = torch.Generator().manual_seed(1000 + seed)
+        top_k, depth = int(torch.randint(1, 5, (), generator=generator)), int(torch.randint(1, 7, (), generator=generator))
+        params = DynamicTreeParams(total_tokens=int(torch.randint(2, 20, (), generator=generator)), depth=depth, top_k=top_k)
+        shape = DeagleTree(params, DeagleParams()) if deagle else DynamicTree(params)
+        steps = _SeededSteps(seed)
+        root = torch.randn(8, generator=generator)
+        on_tensors = shape.grow(steps, root, depth, 30)
+        on_host = shape.grow_on_host(steps, root, depth, 30)
+        tensor_paths, host_paths = _paths(on_tensors), _paths(on_host)
+        assert tensor_paths.keys() == host_paths.keys()
+        assert all(abs(tensor_paths[path] - host_paths[path]) < 1e-5 for path in tensor_paths)
+        if deagle:  # (S_d, rho_d and E_d summed in float32 on tensors, in float64 on the host)
+            tensor_trace, host_trace = shape.trace(on_tensors), shape.trace(on_host)
+            assert (tensor_trace.stop_depth, tensor_trace.votes) == (host_trace.stop_depth, host_trace.votes)
+            for ours, theirs in zip(tensor_trace.depths, host_trace.depths, strict=True):
+                assert ours.votes == theirs.votes
+                assert ours.mass == pytest.approx(theirs.mass, abs=1e-5) and ours.rho == pytest.approx(theirs.rho, abs=1e-4)
+                assert ours.expected == pytest.approx(theirs.expected, abs=1e-5)

@@ -28,6 +28,8 @@ defaults are the readings we judge most faithful:
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,6 +100,22 @@ class DepthVote:
         expected = _finite(expected) + (1.0 if p.expected_plus_bonus else 0.0)
         if self.on_host:
             mass, expected = mass.item(), expected.item()
+        return self._vote(depth, mass, expected)
+
+    def decide_on_host(self, depth: int, beam_scores: list[float], level_scores: list[float],
+                       all_scores: list[float], beam_history_scores: list[float], verified: int) -> bool:
+        """`decide` on host lists of the nodes' log survivals (`on_host`; the growing layout's host
+        growth: `shapes.DynamicTree.grow_on_host`): S_d and E_d summed in Python, the same rules."""
+        assert self.on_host, "host lists give numbers: a vote made for tensors reads none"
+        p = self.params
+        mass = _finite_number(sum(math.exp(s) for s in (beam_scores if p.mass_nodes == "beam" else level_scores)))
+        survivals = heapq.nlargest(verified, all_scores) if p.expected_over == "verified" else beam_history_scores
+        expected = _finite_number(sum(math.exp(s) for s in survivals)) + (1.0 if p.expected_plus_bonus else 0.0)
+        return self._vote(depth, mass, expected)
+
+    def _vote(self, depth: int, mass, expected):
+        """The rules, given S_d and E_d (0-d tensors, or numbers `on_host`)."""
+        p = self.params
         # rho_d; 0 where S_{d-1} = 0 (a beam's children hold at most its mass, so S_d = 0 there too)
         ratio = mass / (self.previous_mass + (self.previous_mass <= 0))
         self.previous_mass = mass
@@ -166,3 +184,8 @@ def _finite(value: torch.Tensor) -> torch.Tensor:
     """A head that outputs NaN (a broken or mismatched checkpoint) predicts nothing: its mass counts as 0,
     so the votes stop drafting early instead of failing; verification keeps the output exact regardless."""
     return value.nan_to_num(0.0, 0.0, 0.0)
+
+
+def _finite_number(value: float) -> float:
+    """`_finite` on a number."""
+    return value if math.isfinite(value) else 0.0

@@ -38,7 +38,8 @@ from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, 
 from specchat.decode.drafting.pace import Arm, Found, Pace
 from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust,
                                                 LookupRates, merge_lookup, select_fixed)
-from specchat.decode.drafting.shapes import CandidateTable, DynamicTree, Growth, HeadSteps, StaticTree, tree_budget
+from specchat.decode.drafting.shapes import (CandidateTable, DynamicTree, Growth, HeadSteps, HostTable, StaticTree,
+                                             tree_budget)
 from specchat.decode.drafting.tree import Cycle, DraftTree
 from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
 from specchat.decode.runtime.target import Target
@@ -268,13 +269,22 @@ class GrowingHead(HeadProposer):
         self.pending_features, self.pending_tokens = [], []
         return out[-1]
 
-    def grow(self, root_hidden: torch.Tensor) -> CandidateTable:
+    def grow(self, root_hidden: torch.Tensor) -> CandidateTable | HostTable:
+        """The shape's table, grown on host lists where the shape has that form (each level is read anyway)."""
         try:
+            if self.shape.grows_on_host:
+                return self.shape.grow_on_host(self, root_hidden, self.depth, self.max_nodes)
             return self.shape.grow(self, root_hidden, self.depth, self.max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
 
     def narrow(self, growth: Growth, beam: torch.Tensor, depth: int) -> torch.Tensor:
+        """`narrow_on_host` of a growth on tensors."""
+        nodes = beam.tolist()
+        kept = set(self.narrow_on_host(growth.table, nodes, depth))
+        return beam[[row for row, node in enumerate(nodes) if node in kept]]
+
+    def narrow_on_host(self, table: CandidateTable | HostTable, beam: list[int], depth: int) -> list[int]:
         """With a verify-cost curve, the beam nodes whose expansion is expected to pay: each one the
         cycle would verify now (`Candidates.rate_choice`) whose best child, expected to be accepted as
         often as the node was given its parent, adds more tokens than its share of the cycle's time:
@@ -288,27 +298,24 @@ class GrowingHead(HeadProposer):
         self.level_started = now
         if self.curve is None:
             return beam
-        candidates = self.read(growth.table)
+        candidates = self.read(table)
         drafting_ms = 1000 * (now - self.started)
         choice = candidates.rate_choice(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
                                         head_trust=self.head_trust)
         count = len(choice.nodes)
         marginal = self.level_ms + self.curve.cost(count + 2) - self.curve.cost(count + 1)
         worth = choice.expected * marginal / choice.milliseconds  # the tokens a further level must add
-        chosen = set(choice.nodes)
-        nodes, probs = beam.tolist(), candidates.probs
-        keep = [row for row, node in enumerate(nodes)
-                if node in chosen and choice.values[node] * probs[node] > worth]
-        return beam[keep]
+        chosen, probs = set(choice.nodes), candidates.probs
+        return [node for node in beam if node in chosen and choice.values[node] * probs[node] > worth]
 
-    def read(self, table: CandidateTable) -> Candidates:
+    def read(self, table: CandidateTable | HostTable) -> Candidates:
         """The table's candidates with the cycle's lookup chains, read once while the table stays as it
         is: the rule after the last level drafted (`narrow`) and the selection see the same table."""
         if self.last_read is None or self.last_read[0] is not table or self.last_read[1] != table.filled:
             self.last_read = (table, table.filled, self.candidates(table))
         return self.last_read[2]
 
-    def select(self, table: CandidateTable) -> DraftTree:
+    def select(self, table: CandidateTable | HostTable) -> DraftTree:
         """The table read once; with a verify-cost curve the head's best node and as many more (the
         head's and lookup chains') as pay at this machine's cost (`Candidates.select_for_rate`), else
         the best `keep` nodes."""

@@ -30,7 +30,7 @@ import torch
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.lookup import Match
-from specchat.decode.drafting.shapes import CandidateTable
+from specchat.decode.drafting.shapes import CandidateTable, HostTable
 from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 
 LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle on the fixed layout
@@ -64,8 +64,12 @@ class Candidates:
     shares: list[float] = field(default_factory=list)  # per lookup node, its continuation's share (else 1)
 
     @classmethod
-    def from_table(cls, table: CandidateTable, trace: DepthTrace | None) -> Candidates:
-        """The table's nodes as host lists (one read of each tensor: the growing layout's drafter)."""
+    def from_table(cls, table: CandidateTable | HostTable, trace: DepthTrace | None) -> Candidates:
+        """The table's nodes as host lists (one read of each tensor, or copies of a host table's lists:
+        the growing layout's drafter)."""
+        if isinstance(table, HostTable):
+            return cls(list(table.tokens), list(table.parents), list(table.depths),
+                       [math.exp(logp) for logp in table.logps], list(table.scores), trace=trace)
         n = table.filled
         return cls(table.tokens[:n].tolist(), table.parents[:n].tolist(), table.depths[:n].tolist(),
                    table.logps[:n].exp().tolist(), table.scores[:n].tolist(), trace=trace)

@@ -62,6 +62,10 @@ class HeadSteps(ABC):
         expanding; all of them by default (a fixed shape expands its whole beam), none: drafting stops."""
         return beam
 
+    def narrow_on_host(self, table: HostTable, beam: list[int], depth: int) -> list[int]:
+        """`narrow` for a growth on the host (`DynamicTree.grow_on_host`)."""
+        return beam
+
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest tokens after each output [m, H]: their draft log-probabilities and draft ids
         [m, k], best first."""
@@ -104,6 +108,30 @@ class CandidateTable:
             self.parents[at:end] = parents
         self.depths[at:end].fill_(depth)
         self.filled = max(self.filled, end)
+
+
+@dataclass
+class HostTable:
+    """A `CandidateTable` on the host, as a growth on the host fills it (`DynamicTree.grow_on_host`):
+    the nodes written, level by level, without the -inf padding of levels not drafted."""
+
+    tokens: list[int]  # target ids
+    parents: list[int]
+    depths: list[int]
+    logps: list[float]
+    scores: list[float]
+    vote: DepthVote | None = None
+
+    @property
+    def filled(self) -> int:
+        return len(self.tokens)
+
+    def write(self, tokens: list[int], parents: list[int], depth: int, logps: list[float], scores: list[float]) -> None:
+        self.tokens += tokens
+        self.parents += parents
+        self.depths += [depth] * len(tokens)
+        self.logps += logps
+        self.scores += scores
 
 
 @dataclass
@@ -162,6 +190,7 @@ class StaticTree:
     """EAGLE-1: a fixed tree of child ranks (paths from the root, e.g. `specchat.decode.drafting.tree.MC_SIM_7B_63`)."""
 
     paths: tuple[tuple[int, ...], ...]
+    grows_on_host = False  # (`DynamicTree.grow_on_host`)
 
     def check(self, head: DraftHead) -> None:
         pass
@@ -249,6 +278,7 @@ class DynamicTree:
     """EAGLE-2: expand the top-k nodes by path probability, level by level, then keep the best nodes overall."""
 
     params: DynamicTreeParams = DynamicTreeParams()
+    grows_on_host = True  # `grow_on_host`: the same tree on host lists, for a layout that reads each level
 
     def check(self, head: DraftHead) -> None:
         pass
@@ -313,6 +343,63 @@ class DynamicTree:
             growth.beam_scores.append(child_scores.flatten()[best])
         return table
 
+    def grow_on_host(self, steps: HeadSteps, root_hidden: torch.Tensor, max_depth: int, max_nodes: int,
+                     vote: DepthVote | None = None) -> HostTable:
+        """`_grow` on host lists, for the growing layout, which reads every level anyway (its rate rules
+        and DEAGLE's vote): each level's top-k is read once, and the scores, the beam and each fed
+        node's entries are kept in Python, where on tensors each took a small torch call (~30 a level,
+        ~0.5 ms a cycle on a Zen 3 core). The same tree as `_grow` (a test holds them equal): the
+        table's nodes in the same order, less the padding of levels not drafted."""
+        k, depth = self.params.top_k, self.depth_for(max_depth)
+        keep, device = self.verified(max_nodes), root_hidden.device
+        top_logp, top_ids = (best[0] for best in steps.top(root_hidden[None], k))
+        scores = top_logp.tolist()
+        table = HostTable(steps.to_target(top_ids).tolist(), [-1] * k, [1] * k, list(scores), list(scores), vote)
+        beam, beam_scores = list(range(k)), [scores]
+        if depth > 1:
+            beam = steps.narrow_on_host(table, beam, 1)
+            beam_scores = [[scores[node] for node in beam]]
+        outputs, rows = root_hidden[None], [0] * len(beam)  # the outputs that predicted the beam, by row
+        paths: list[list[int]] = [[] for _ in beam]  # each beam node's ancestors' entries this cycle
+        entries_fed = 0
+        for level in range(1, depth):
+            if not beam:
+                break
+            if vote is not None:
+                level_scores = table.scores[len(table.scores) - (k if level == 1 else len(beam_scores[-2]) * k):]
+                if steps.stops(vote.decide_on_host(level, beam_scores[-1], level_scores, table.scores,
+                                                   [s for depth_scores in beam_scores for s in depth_scores], keep),
+                               None):
+                    break
+            m = len(beam)
+            width = entries_fed + m
+            mask = [[False] * width for _ in beam]
+            for row, path in enumerate(paths):
+                for entry in path:
+                    mask[row][entry] = True
+                mask[row][entries_fed + row] = True
+            hidden = outputs.index_select(0, torch.tensor(rows, device=device))
+            out, _ = steps.feed(hidden, torch.tensor([table.tokens[node] for node in beam], device=device), level,
+                                entries_fed, torch.tensor(mask, device=device))
+            child_logp, child_ids = steps.top(out, k)
+            child_logp, child_ids = child_logp.tolist(), steps.to_target(child_ids).tolist()
+            first_child = table.filled
+            child_scores = [table.scores[node] + logp for node, logps in zip(beam, child_logp) for logp in logps]
+            table.write([token for ids in child_ids for token in ids], [node for node in beam for _ in range(k)],
+                        level + 1, [logp for logps in child_logp for logp in logps], child_scores)
+            best = sorted(range(len(child_scores)), key=lambda i: -child_scores[i])[:k]
+            if level + 1 < depth:
+                best = [node - first_child for node in steps.narrow_on_host(table, [first_child + i for i in best],
+                                                                           level + 1)]
+            if not best:
+                break
+            parent_rows = [i // k for i in best]
+            paths = [paths[row] + [entries_fed + row] for row in parent_rows]
+            entries_fed += m
+            beam, outputs, rows = [first_child + i for i in best], out, parent_rows
+            beam_scores.append([child_scores[i] for i in best])
+        return table
+
     def children(self, steps: HeadSteps, growth: Growth, level: int, depth: int):
         """The top-k children of each beam node: (log-probabilities, draft ids, the beam's head outputs)."""
         out, _ = self.feed_beam(steps, growth, level)
@@ -348,11 +435,18 @@ class DeagleTree(DynamicTree):
         table.vote = vote
         return table
 
+    def grow_on_host(self, steps: HeadSteps, root_hidden: torch.Tensor, max_depth: int, max_nodes: int,
+                     vote: DepthVote | None = None) -> HostTable:
+        return super().grow_on_host(steps, root_hidden, max_depth, max_nodes, DepthVote(self.deagle, on_host=True))
+
     def trace(self, table: CandidateTable) -> DepthTrace:
         """The cycle's depth and votes, for the trace (the growing layout's drafter: reads the votes)."""
         k = self.params.top_k
         history = table.vote.history()
-        drafted = -(-(table.filled - k) // (k * k)) + 1  # levels drafted (a narrowed beam fills a level in part)
+        if isinstance(table, HostTable):  # no padding: its deepest node's depth
+            drafted = max(table.depths)
+        else:
+            drafted = -(-(table.filled - k) // (k * k)) + 1  # levels drafted (a narrowed beam fills a level in part)
         fired = len(history) == drafted  # a vote after the last level drafted: it fired
         return DepthTrace(drafted, history, history[-1].votes if fired else None)
 
@@ -365,6 +459,7 @@ class JakiroTree(DynamicTree):
     """
 
     reference_attach: bool = False  # attach that level by row, as the reference code does
+    grows_on_host = False  # its last level comes from the level before's two-ahead outputs (`_grow`'s)
 
     def check(self, head: DraftHead) -> None:
         if not head.predicts_two_ahead:
