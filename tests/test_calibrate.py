@@ -89,7 +89,7 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
     steps = list(Engine(target, proposer).generate([258, 10, 20, 30, 40], GenerationSettings(max_new_tokens=24)))
     assert sum(step.draft_tokens > 0 for step in steps) >= calibrate.LIVE_EVIDENCE
     kept = {int(n): ms for n, ms in json.loads(path.read_text())[calibrate._key(target)].items()}
-    assert kept == curve.milliseconds and kept[1] < 0.1 * poisoned[1]  # tiny-model forwards take milliseconds
+    assert kept == curve.kept and kept[1] < 0.1 * poisoned[1]  # tiny-model forwards take milliseconds
     assert calibrate.cached_curve(target).milliseconds == kept
 
 
@@ -140,10 +140,18 @@ def test_a_curve_wrong_in_its_shape_is_healed_size_by_size_and_the_sizes_above_w
     assert curve.milliseconds[6] == round(stored[6] * factor, 2) and curve.milliseconds[8] == round(stored[8] * factor, 2)
     assert list(curve.milliseconds.values()) == sorted(curve.milliseconds.values())
     assert kept and kept[-1] is curve
+    assert {n: curve.kept[n] for n in live} == live  # healed cheaper: kept (the moved sizes at their cheapest)
+    assert all(curve.kept[n] <= ms for n, ms in curve.milliseconds.items())
     before = dict(curve.milliseconds)
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 40.0)  # within SIZE_AGREES of the healed size: nothing changes
     assert curve.milliseconds == before
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(1, 29.5)  # a long context: one token dearer, for this session only
+    assert curve.milliseconds[1] == 29.5 and curve.kept[1] == live[1]
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(3, 22.4)  # cheaper again: kept, with size 1 as it was kept
+    assert curve.milliseconds[3] == curve.kept[3] == 22.4 and curve.kept[1] == live[1] and kept[-1] is curve
 
 
 def test_another_process_s_work_is_seen_as_the_machine_being_busy():
