@@ -132,6 +132,41 @@ def test_the_head_is_trusted_as_far_as_its_drafts_are_accepted():
     assert doubtful.factor() < 0.2
 
 
+def test_siblings_count_one_acceptance_at_most_and_a_contradicted_lookup_node_counts_less():
+    """One token follows a node, so its children's acceptances given it sum to at most 1 (each
+    scaled with its subtree); a lookup node the head contradicts counts `lookup_trust` as often."""
+    import math
+
+    # The head: 5 (0.7) under the root, 6 (0.5) under 5; lookup's chain 9, 10 (0.6 each) under the root.
+    found = Candidates(tokens=[5, 6], parents=[-1, 0], depths=[1, 2], probs=[0.7, 0.5],
+                       scores=[math.log(0.7), math.log(0.35)])
+    found.add_chain([9, 10], [0.6, 0.6], [3, 4])
+    assert found.sources == [Source.HEAD, Source.HEAD, Source.LOOKUP, Source.LOOKUP]
+    value = found.values()
+    assert value == pytest.approx([0.7 / 1.3, 0.35 / 1.3, 0.6 / 1.3, 0.36 / 1.3])  # the root's 1.3 scaled to 1
+    value = found.values(lookup_trust=0.5)  # 9 contradicts the head's 5; 10 has no head sibling
+    assert value == pytest.approx([0.7, 0.35, 0.3, 0.18])
+    assert all(value[node] <= value[parent] for node, parent in enumerate(found.parents) if parent >= 0)
+    alone = Candidates(tokens=[5], parents=[-1], depths=[1], probs=[0.4], scores=[math.log(0.4)])
+    alone.add_chain([5, 11], [0.5, 0.6], [3, 4])  # lookup agrees with the head: BOTH, then its own child
+    assert alone.values(lookup_trust=0.1) == pytest.approx([0.5, 0.3])  # nothing contradicted
+
+
+def test_lookup_nodes_the_head_contradicts_are_trusted_as_far_as_they_are_accepted():
+    from specchat.decode.drafting.selection import ContradictedLookups
+
+    tree = DraftTree(tokens=[5, 9, 6], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.6, 0.5],
+                     sources=[Source.HEAD, Source.LOOKUP, Source.LOOKUP])  # 9 contradicts 5; 6 has no head sibling
+    doubted = ContradictedLookups()
+    for _ in range(60):
+        doubted.learn(Cycle(0, tree, [0, 2], 8))  # the head's 5, then lookup's 6: the contradicted 9 not taken
+    assert doubted.factor() < 0.2
+    trusted = ContradictedLookups()
+    for _ in range(60):
+        trusted.learn(Cycle(0, tree, [1], 8))
+    assert trusted.factor() == 1.0
+
+
 @pytest.mark.parametrize("kind", ["right", "wrong"])
 def test_the_engine_tells_the_drafter_what_was_accepted(bigram, kind):
     """The acceptance rate of lookup nodes is learned from the cycles the engine reports (`observe`'s

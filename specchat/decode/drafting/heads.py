@@ -36,8 +36,8 @@ from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
 from specchat.decode.drafting.pace import Arm, Found, Pace
-from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, HeadTrust,
-                                                LookupRates, merge_lookup, select_fixed)
+from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, ContradictedLookups,
+                                                HeadTrust, LookupRates, merge_lookup, select_fixed)
 from specchat.decode.drafting.shapes import (CandidateTable, DynamicTree, Growth, HeadSteps, HostTable, StaticTree,
                                              tree_budget)
 from specchat.decode.drafting.tree import Cycle, DraftTree
@@ -86,7 +86,7 @@ class HeadProposer(HeadSteps):
         self.shape, self.lookup, self.curve = shape, lookup, curve
         self.lookup_tokens = lookup_tokens if lookup is not None else 0
         self.lookup_paths = lookup_paths
-        self.rates, self.trust = LookupRates(), HeadTrust()
+        self.rates, self.trust, self.contradicted = LookupRates(), HeadTrust(), ContradictedLookups()
         arms = (Arm.PLAIN, Arm.LOOKUP, Arm.HEAD) if lookup is not None else (Arm.PLAIN, Arm.HEAD)
         self.pace = Pace(curve.cost(1), arms) if pace and curve is not None and target.envelope is None else None
         self.feature_layers = head.feature_layers(target.num_layers)
@@ -176,6 +176,7 @@ class HeadProposer(HeadSteps):
         if self.lookup is not None:
             self.lookup.observe(tokens)
             self.rates.learn(cycle)
+            self.contradicted.learn(cycle)
             cycle.tree.lookup_seconds = self.lookup_seconds
         # Live verify forwards heal the cost curve; only the growing layout has one (and times its
         # verify forward apart: `Cycle.forward_seconds`), the fixed one verifies its whole bucket.
@@ -203,7 +204,7 @@ class GrowingHead(HeadProposer):
         self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on
         self.pending_tokens: list[int] = []  # the tokens at those positions
         self.keep = self.depth = self.max_nodes = 0  # this cycle's budget
-        self.head_trust = 1.0
+        self.head_trust = self.lookup_trust = 1.0  # this cycle's (`HeadTrust`, `ContradictedLookups`)
         self.level_ms = LEVEL_MS  # a draft level's cost, as measured (`narrow`)
         self.level_started: float | None = None
         self.last_read: tuple[CandidateTable, int, Candidates] | None = None  # (`read`)
@@ -242,10 +243,10 @@ class GrowingHead(HeadProposer):
             return 0
         self.max_nodes = max_nodes
         if self.curve is not None:  # `keep`: the head's best node, verified every head cycle
-            self.head_trust = self.trust.factor()
+            self.head_trust, self.lookup_trust = self.trust.factor(), self.contradicted.factor()
             self.keep, self.depth = 1, self.shape.depth_for(max_depth)
         else:
-            self.head_trust = 1.0
+            self.head_trust = self.lookup_trust = 1.0
             self.keep, self.depth = tree_budget(self.shape, max_depth, max_nodes)
         return self.keep
 
@@ -301,7 +302,7 @@ class GrowingHead(HeadProposer):
         candidates = self.read(table)
         drafting_ms = 1000 * (now - self.started)
         choice = candidates.rate_choice(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
-                                        head_trust=self.head_trust)
+                                        head_trust=self.head_trust, lookup_trust=self.lookup_trust)
         count = len(choice.nodes)
         marginal = self.level_ms + self.curve.cost(count + 2) - self.curve.cost(count + 1)
         worth = choice.expected * marginal / choice.milliseconds  # the tokens a further level must add
@@ -327,7 +328,7 @@ class GrowingHead(HeadProposer):
         else:
             drafting_ms = 1000 * (time.perf_counter() - self.started)
             tree = candidates.select_for_rate(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
-                                              head_trust=self.head_trust)
+                                              head_trust=self.head_trust, lookup_trust=self.lookup_trust)
         tree.head_trust = self.head_trust
         return tree
 
