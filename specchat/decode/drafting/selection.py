@@ -1,5 +1,6 @@
 """Which of a head's candidates a cycle verifies, joined by lookup continuations (hybrid drafting),
-and what the chat has taught about lookup continuations (`LookupRates`) and about the head (`HeadTrust`).
+and what the chat has taught about lookup continuations (`LookupRates`, `ContradictedLookups`) and
+about the head (`HeadTrust`).
 
 The selection is the best nodes by path score, and the merge of a lookup chain into the head's
 nodes is the same rule on both layouts, in two forms: on the host over lists (`Candidates`: the
@@ -17,7 +18,9 @@ verify-cost curve, the head's own tree (what the head alone would verify) plus a
 as maximize expected tokens per second this cycle, so a long confident lookup chain gets verified
 whole and a weak one adds nothing. The head's probabilities count as far as its drafts are
 accepted in the chat (`HeadTrust`): under sampling fewer survive than the head is sure of, and its
-budget and depth shrink with them.
+budget and depth shrink with them. A node's children count one acceptance at most together (one
+token follows it), and a lookup node where the head drafted another child counts as often as such
+nodes are accepted (`ContradictedLookups`; `Candidates.values`).
 """
 
 from __future__ import annotations
