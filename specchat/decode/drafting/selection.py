@@ -321,15 +321,10 @@ class LookupRates:
                     counts[1] = counts[1] * self.DECAY + (tree.shares[c] if tree.shares else 1.0)
 
 
-class HeadTrust:
-    """How far the head's path probabilities hold as acceptance rates in this chat: the head's
-    accepted draft tokens over the summed path probabilities of the head's verified nodes.
-
-    A trained head's confidence tracks its acceptance under greedy decoding (EAGLE-2, arXiv
-    2406.16858, Fig. 6); under sampling fewer of its drafts survive than it is sure of, and every
-    verified token costs the same, so fewer of its nodes pay (`Candidates.rate_choice`).
-    Starts at full trust and forgets slowly; at most 1, so a head node never outranks its parent.
-    """
+class Trust:
+    """Accepted drafts over what their estimates expected, decayed: how far a source's estimates
+    hold as acceptance rates in this chat (`factor`). Starts at full trust and forgets slowly; at
+    most 1, so a trusted node never outranks its parent. Its kinds say what they count (`learn`)."""
 
     PRIOR = (4.0, 4.0)  # accepted, expected
     DECAY = 0.98
@@ -340,6 +335,21 @@ class HeadTrust:
 
     def factor(self) -> float:
         return min(1.0, max(self.FLOOR, self.accepted / self.expected))
+
+    def count(self, accepted: float, expected: float) -> None:
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.expected = self.expected * self.DECAY + expected
+
+
+class HeadTrust(Trust):
+    """How far the head's path probabilities hold as acceptance rates in this chat: the head's
+    accepted draft tokens over the summed path probabilities of the head's verified nodes, once a
+    cycle.
+
+    A trained head's confidence tracks its acceptance under greedy decoding (EAGLE-2, arXiv
+    2406.16858, Fig. 6); under sampling fewer of its drafts survive than it is sure of, and every
+    verified token costs the same, so fewer of its nodes pay (`Candidates.rate_choice`).
+    """
 
     def learn(self, cycle: Cycle) -> None:
         """One cycle: the head-only nodes' path probabilities against how many of them were accepted."""
@@ -349,29 +359,16 @@ class HeadTrust:
         for parent, prob in zip(tree.parents, tree.probs):
             path.append(prob * (path[parent] if parent >= 0 else 1.0))
         expected = sum(p for p, source in zip(path, sources) if source == Source.HEAD)
-        if expected <= 0:
-            return
-        accepted = sum(sources[node] == Source.HEAD for node in cycle.accepted)
-        self.accepted = self.accepted * self.DECAY + accepted
-        self.expected = self.expected * self.DECAY + expected
+        if expected > 0:
+            self.count(sum(sources[node] == Source.HEAD for node in cycle.accepted), expected)
 
 
-class ContradictedLookups:
+class ContradictedLookups(Trust):
     """How far a lookup node's acceptance estimate holds where the head drafted another child of its
-    parent: such nodes' accepted count over their estimates (given their parents), at nodes the
-    cycle reached. `LookupRates` learns from every lookup node; where the head disagrees the
-    continuation is less often the text's (a low-copy10 trace on a Zen 3: 67 of 91.6 expected, where
-    lookup-only trees took 132 of 127.7). Starts at full trust, forgets slowly, at most 1."""
-
-    PRIOR = (4.0, 4.0)  # accepted, expected
-    DECAY = 0.98
-    FLOOR = 0.05
-
-    def __init__(self):
-        self.accepted, self.expected = self.PRIOR
-
-    def factor(self) -> float:
-        return min(1.0, max(self.FLOOR, self.accepted / self.expected))
+    parent: such nodes' acceptance against their estimates (given their parents), node by node, at
+    nodes the cycle reached. `LookupRates` learns from every lookup node; where the head disagrees
+    the continuation is less often the text's (a low-copy10 trace on a Zen 3: 67 of 91.6 expected,
+    where lookup-only trees took 132 of 127.7)."""
 
     def learn(self, cycle: Cycle) -> None:
         tree, path = cycle.tree, cycle.accepted
@@ -384,5 +381,4 @@ class ContradictedLookups:
                 continue
             for c in siblings:
                 if tree.sources[c] == Source.LOOKUP:
-                    self.accepted = self.accepted * self.DECAY + (c == taken)
-                    self.expected = self.expected * self.DECAY + tree.probs[c]
+                    self.count(c == taken, tree.probs[c])
