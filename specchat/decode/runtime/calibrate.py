@@ -95,13 +95,13 @@ class Curve:
             log.debug(f"live verify forwards take {overall:.2f}x the cost curve's: rescaled")
             self.milliseconds = {size: round(ms * overall, 2) for size, ms in self.milliseconds.items()}
             self.measured = {size: ms * overall for size, ms in self.measured.items()}
-            if overall < TOO_CHEAP:
-                self.kept = dict(self.milliseconds)
             self.live.clear()
             for recent in self.live_by_size.values():
                 recent.clear()
-            if overall < TOO_CHEAP and self.on_rescaled is not None:
-                self.on_rescaled(self)
+            if overall < TOO_CHEAP:
+                self.kept = dict(self.milliseconds)
+                if self.on_rescaled is not None:
+                    self.on_rescaled(self)
             return
         if n in self.milliseconds:
             self._heal_size(n, milliseconds)
