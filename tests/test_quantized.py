@@ -356,15 +356,15 @@ def test_an_eagle3_head_on_a_quantized_target_drafts_in_fused_steps_and_stays_lo
         assert isinstance(proposer.fused, FusedEagle3Step)
         head_bits = {layer.bits for layer in proposer.head.modules() if isinstance(layer, quantized.QuantizedLinear)}
         assert head_bits == {KERNEL_BITS[HEAD_QUANTIZE]} != {target.lm_head.bits}
-        tops, step_top = [], proposer.top  # the top-k its draft steps computed: what a call of its own gives
+        tops, draft = [], proposer.fused.draft  # the top-k its draft steps computed: what a call of its own gives
 
-        def top(outputs, k):
-            logps, ids = step_top(outputs, k)
+        def draft_level(*args, k, **kwargs):
+            outputs, logps, ids = draft(*args, k=k, **kwargs)
             own_logps, own_ids = proposer.fused.top(outputs, k)
             tops.append(torch.equal(ids, own_ids) and torch.equal(logps, own_logps))
-            return logps, ids
+            return outputs, logps, ids
 
-        proposer.top = top
+        proposer.fused.draft = draft_level
         steps = list(Engine(target, proposer).generate(prompt, greedy))
         assert tops and all(tops)
         assert sum(s.draft_tokens for s in steps) > 0

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specchat.decode.drafting.selection import Candidates
+from specchat.decode.drafting.shapes import HeadSteps
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
 from specchat.decode.engine.growing import verify_inputs
 
@@ -80,7 +81,7 @@ def test_selection_keeps_a_connected_tree_of_the_best_paths():
     assert all(p < i for i, p in enumerate(tree.parents))
 
 
-class _SeededSteps:
+class _SeededSteps(HeadSteps):
     """A head as the shapes run it (`HeadSteps`), on random weights: each output depends on its input
     hidden state, its token, its depth and every cache entry it attends to, so a wrong mask, parent
     or beam gives another tree. Its narrowing keeps the beam nodes above a score, in both forms."""

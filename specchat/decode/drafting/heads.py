@@ -208,9 +208,7 @@ class GrowingHead(HeadProposer):
         self.level_ms = LEVEL_MS  # a draft level's cost, as measured (`narrow`)
         self.level_started: float | None = None
         self.last_read: tuple[CandidateTable, int, Candidates] | None = None  # (`read`)
-        # The fused step's last outputs with their top-k, which it computes in the same call (`top`)
-        self.last_step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.top_k = shape.most_children()
+        self.top_k = shape.most_children()  # what the fused context pass computes of the root's top-k
 
     def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
@@ -253,28 +251,34 @@ class GrowingHead(HeadProposer):
     def chains(self) -> None:
         pass  # read where the candidates are selected (`select`)
 
-    def context_pass(self, root: int, span: None) -> torch.Tensor:
-        """Feed the pending (feature, next token) pairs; return the output that predicts the root's children."""
+    def context_pass(self, root: int, span: None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Feed the pending (feature, next token) pairs; return the output that predicts the root's
+        children, with its top-k where the fused step computed them in the same call (else None)."""
         features = torch.cat(self.pending_features)
         count = len(self.pending_tokens)
         next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
         positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
-        if self.fused is not None:  # the new rows see each other causally; only the last one's output is read
-            self.last_step = self.fused.draft(features, next_tokens, positions, self.cache, self.consumed, None,
+        root_top = None
+        if self.fused is not None and self.shape.grows_on_host:  # with its top-k, which the host growth reads
+            out, *root_top = self.fused.draft(features, next_tokens, positions, self.cache, self.consumed, None,
                                               outputs=1, k=self.top_k)
-            out = self.last_step[0]
+            root_top = tuple(root_top)
+        elif self.fused is not None:  # the new rows see each other causally; only the last one's output is read
+            out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None, outputs=1)
         else:
             out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device),
                             self.cache)
         self.consumed += count
         self.pending_features, self.pending_tokens = [], []
-        return out[-1]
+        return out[-1], root_top
 
-    def grow(self, root_hidden: torch.Tensor) -> CandidateTable | HostTable:
-        """The shape's table, grown on host lists where the shape has that form (each level is read anyway)."""
+    def grow(self, context: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]) -> CandidateTable | HostTable:
+        """The shape's table from the context pass's output (and top-k), grown on host lists where the
+        shape has that form (each level is read anyway)."""
+        root_hidden, root_top = context
         try:
             if self.shape.grows_on_host:
-                return self.shape.grow_on_host(self, root_hidden, self.depth, self.max_nodes)
+                return self.shape.grow_on_host(self, root_hidden, self.depth, self.max_nodes, root_top)
             return self.shape.grow(self, root_hidden, self.depth, self.max_nodes)
         finally:
             self.cache.trim(self.consumed)  # tree entries were scratch space
@@ -337,9 +341,8 @@ class GrowingHead(HeadProposer):
         assert self.cache.length == self.consumed + first_entry, "tree entries are appended in feeding order"
         positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
         if self.fused is not None and not both:
-            self.last_step = self.fused.draft(hidden, tokens, positions, self.cache, self.consumed,
-                                              entries[:, : first_entry + m].contiguous(), outputs=None, k=self.top_k)
-            return self.last_step[0], None
+            return self.fused.step(hidden, tokens, positions, self.cache, self.consumed,
+                                   entries[:, : first_entry + m].contiguous()), None
         context = torch.ones(m, self.consumed, dtype=torch.bool, device=tokens.device)
         mask = torch.cat([context, entries[:, : first_entry + m]], dim=1)[None, None]
         if both:
@@ -347,15 +350,17 @@ class GrowingHead(HeadProposer):
         return self.head(hidden, tokens, positions, mask, self.cache), None
 
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused step's top-k where `outputs` are (a view of) its last outputs: a prefix of its
-        top-k is the top-k of a smaller k (best first, ties to the lower id)."""
+        return super().top(outputs, k) if self.fused is None else self.fused.top(outputs, k)
+
+    def feed_top(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, k: int):
+        """The fused step and its top-k in one kernel call (`FusedEagle3Step.draft`)."""
         if self.fused is None:
-            return super().top(outputs, k)
-        if self.last_step is not None:
-            out, logps, ids = self.last_step
-            if outputs.data_ptr() == out.data_ptr() and outputs.shape == out.shape and k <= logps.shape[1]:
-                return logps[:, :k], ids[:, :k]
-        return self.fused.top(outputs, k)
+            return super().feed_top(hidden, tokens, level, first_entry, entries, k)
+        m = len(tokens)
+        assert self.cache.length == self.consumed + first_entry, "tree entries are appended in feeding order"
+        positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
+        return self.fused.draft(hidden, tokens, positions, self.cache, self.consumed,
+                                entries[:, : first_entry + m].contiguous(), outputs=None, k=k)
 
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         return bool(fired)

@@ -66,6 +66,13 @@ class HeadSteps(ABC):
         """`narrow` for a growth on the host (`DynamicTree.grow_on_host`)."""
         return beam
 
+    def feed_top(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, first_entry: int,
+                 entries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`feed` and the `top` k after its outputs: (outputs, log-probabilities, draft ids); a layout
+        whose step computes both at once gives them from one call."""
+        out, _ = self.feed(hidden, tokens, level, first_entry, entries)
+        return (out, *self.top(out, k))
+
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest tokens after each output [m, H]: their draft log-probabilities and draft ids
         [m, k], best first."""
@@ -344,15 +351,17 @@ class DynamicTree:
         return table
 
     def grow_on_host(self, steps: HeadSteps, root_hidden: torch.Tensor, max_depth: int, max_nodes: int,
+                     root_top: tuple[torch.Tensor, torch.Tensor] | None = None,
                      vote: DepthVote | None = None) -> HostTable:
         """`_grow` on host lists, for the growing layout, which reads every level anyway (its rate rules
         and DEAGLE's vote): each level's top-k is read once, and the scores, the beam and each fed
         node's entries are kept in Python, where on tensors each took a small torch call (~30 a level,
         ~0.5 ms a cycle on a Zen 3 core). The same tree as `_grow` (a test holds them equal): the
-        table's nodes in the same order, less the padding of levels not drafted."""
+        table's nodes in the same order, less the padding of levels not drafted. `root_top`: the top
+        k (or more) after `root_hidden` where the step that gave it computed them (else `steps.top`)."""
         k, depth = self.params.top_k, self.depth_for(max_depth)
         keep, device = self.verified(max_nodes), root_hidden.device
-        top_logp, top_ids = (best[0] for best in steps.top(root_hidden[None], k))
+        top_logp, top_ids = (best[0, :k] for best in (root_top or steps.top(root_hidden[None], k)))
         scores = top_logp.tolist()
         table = HostTable(steps.to_target(top_ids).tolist(), [-1] * k, [1] * k, list(scores), list(scores), vote)
         beam, beam_scores = list(range(k)), [scores]
@@ -379,9 +388,9 @@ class DynamicTree:
                     mask[row][entry] = True
                 mask[row][entries_fed + row] = True
             hidden = outputs.index_select(0, torch.tensor(rows, device=device))
-            out, _ = steps.feed(hidden, torch.tensor([table.tokens[node] for node in beam], device=device), level,
-                                entries_fed, torch.tensor(mask, device=device))
-            child_logp, child_ids = steps.top(out, k)
+            out, child_logp, child_ids = steps.feed_top(hidden, torch.tensor([table.tokens[node] for node in beam],
+                                                                             device=device),
+                                                        level, entries_fed, torch.tensor(mask, device=device), k)
             child_logp, child_ids = child_logp.tolist(), steps.to_target(child_ids).tolist()
             first_child = table.filled
             child_scores = [table.scores[node] + logp for node, logps in zip(beam, child_logp) for logp in logps]
@@ -436,8 +445,10 @@ class DeagleTree(DynamicTree):
         return table
 
     def grow_on_host(self, steps: HeadSteps, root_hidden: torch.Tensor, max_depth: int, max_nodes: int,
+                     root_top: tuple[torch.Tensor, torch.Tensor] | None = None,
                      vote: DepthVote | None = None) -> HostTable:
-        return super().grow_on_host(steps, root_hidden, max_depth, max_nodes, DepthVote(self.deagle, on_host=True))
+        return super().grow_on_host(steps, root_hidden, max_depth, max_nodes, root_top,
+                                    DepthVote(self.deagle, on_host=True))
 
     def trace(self, table: CandidateTable) -> DepthTrace:
         """The cycle's depth and votes, for the trace (the growing layout's drafter: reads the votes)."""
