@@ -9,8 +9,10 @@ from conftest import assert_samples_follow_the_target, load_tiny_target, random_
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.heads import HeadProposer
 from specchat.decode.drafting.pace import Arm, Found, Pace
-from specchat.decode.drafting.selection import Candidates, HeadTrust, LookupRates
-from specchat.decode.drafting.shapes import CandidateTable, DeagleTree, DynamicTreeParams, Growth
+from specchat.decode.drafting.selection import Candidates
+from specchat.decode.drafting.trust import ContradictedLookups, HeadTrust, LookupRates
+from specchat.decode.drafting.growth import CandidateTable, Growth
+from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.drafting.lookup import LookupSource, Match, paths
@@ -153,7 +155,6 @@ def test_siblings_count_one_acceptance_at_most_and_a_contradicted_lookup_node_co
 
 
 def test_lookup_nodes_the_head_contradicts_are_trusted_as_far_as_they_are_accepted():
-    from specchat.decode.drafting.selection import ContradictedLookups
 
     tree = DraftTree(tokens=[5, 9, 6], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.6, 0.5],
                      sources=[Source.HEAD, Source.LOOKUP, Source.LOOKUP])  # 9 contradicts 5; 6 has no head sibling

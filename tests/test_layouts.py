@@ -124,7 +124,7 @@ def test_lookup_chains_merge_on_the_device_as_on_the_host(seed):
     """`merge_lookup` + `select_fixed` choose what `Candidates.add_chain` + `select` choose, on random
     tables and chains that share prefixes with the head's nodes (and one that does not)."""
     from specchat.decode.drafting.selection import Candidates, merge_lookup, select_fixed
-    from specchat.decode.drafting.shapes import CandidateTable
+    from specchat.decode.drafting.growth import CandidateTable
 
     generator = torch.Generator().manual_seed(seed)
     k, depth = 3, 4

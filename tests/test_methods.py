@@ -186,7 +186,7 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram_dir):
 
 def test_parent_correct_and_reference_attachment():
     """Beam nodes whose parents sit in other rows get their own parent's row only when parent-correct."""
-    from specchat.decode.drafting.shapes import Growth
+    from specchat.decode.drafting.growth import Growth
 
     # The two-ahead predictions were made at the fed beam's rows 0, 1, 2; the last beam's parents
     # sit in rows 2, 0, 1 of it.

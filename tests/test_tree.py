@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from specchat.decode.drafting.selection import Candidates
-from specchat.decode.drafting.shapes import HeadSteps
+from specchat.decode.drafting.growth import HeadSteps
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, DraftTree, parse_static_tree, trim_static_tree
+from specchat.decode.acceptance.verify import ancestor_mask
+from specchat.decode.engine.fixed import verify_rows
 from specchat.decode.engine.growing import verify_inputs
 
 
@@ -27,6 +29,37 @@ def test_verify_inputs_give_tree_attention_and_depth_positions():
     assert tail == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
     assert mask[0, 0, :, :4].all()
     assert tree.children() == [[0, 1], [2], [], []]
+
+
+def random_tree(generator: torch.Generator, nodes: int) -> DraftTree:
+    """A tree of `nodes` nodes, parents before children, each parent drawn among the root and the earlier nodes."""
+    parents = [int(torch.randint(-1, node, (1,), generator=generator)) for node in range(nodes)]
+    depths = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    tokens = torch.randint(0, 50, (nodes,), generator=generator).tolist()
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, probs=[0.5] * nodes)
+
+
+def test_the_fixed_layouts_verify_rows_are_the_growing_layouts_verify_inputs():
+    """One rule, two forms (`growing.verify_inputs` on the host, the reference; `fixed.verify_rows`
+    on the device, in a window of the fixed capacity): on random trees, the same ids, positions and
+    mask over the context and the tree, and nothing seen beyond them."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        nodes, cached = int(torch.randint(1, 12, (1,), generator=generator)), int(torch.randint(0, 9, (1,), generator=generator))
+        tree = random_tree(generator, nodes)
+        ids, positions, mask = verify_inputs(tree, root=3, cached=cached, device="cpu")
+        device_tree = DraftTree(tokens=torch.tensor(tree.tokens), parents=torch.tensor(tree.parents),
+                                depths=torch.tensor(tree.depths), probs=torch.tensor(tree.probs),
+                                valid=torch.ones(nodes, dtype=torch.bool), depth=max(tree.depths))
+        span = cached + nodes + 1 + int(torch.randint(0, 5, (1,), generator=generator))
+        fixed_ids, fixed_positions, fixed_mask, slots = verify_rows(
+            device_tree, torch.tensor([3]), torch.tensor(cached), span, ancestor_mask(device_tree))
+        assert torch.equal(fixed_ids, ids) and torch.equal(fixed_positions, positions), trial
+        assert torch.equal(fixed_mask[..., : cached + nodes + 1], mask), trial
+        assert not fixed_mask[..., cached + nodes + 1:].any(), trial
+        assert slots.tolist() == list(range(cached, cached + nodes + 1))
 
 
 def test_static_tree_parsing():

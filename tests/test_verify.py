@@ -16,7 +16,7 @@ import torch
 from conftest import CHI2_CRITICAL, CHI2_LEVEL, assert_follows, chi_square
 from specchat.decode.acceptance.sampling import SamplingParams, target_probs
 from specchat.decode.drafting.tree import DraftTree
-from specchat.decode.acceptance.verify import accept, accept_fixed
+from specchat.decode.acceptance.verify import accept, accept_fixed, ancestor_mask, follow, follow_fixed
 
 FORMS = ["growing", "fixed"]
 
@@ -44,6 +44,31 @@ def test_greedy_follows_the_argmax_down_the_tree(form):
     logits[0, 5] = 1  # the target wants 5 after the root: second child accepted
     logits[2, 6] = 1  # after node 1 (token 5) it wants 6: the bonus
     assert accepted(form, tree, logits, SamplingParams(), None) == ([1], 6)
+
+
+def test_given_the_same_draws_the_device_form_accepts_what_the_host_form_does():
+    """`follow_fixed` (every row's token at once, in a tree padded to a bucket) against `follow`, the
+    reference, on random trees and random draws from a small vocabulary (so that children match,
+    duplicate siblings included): the same path and bonus, exactly. Both `accept` forms are these
+    walks over the target's tokens (argmaxes, or draws from p)."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        nodes = int(torch.randint(1, 10, (1,), generator=generator))
+        parents = [int(torch.randint(-1, node, (1,), generator=generator)) for node in range(nodes)]
+        depths = []
+        for parent in parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        tokens = torch.randint(0, 3, (nodes,), generator=generator).tolist()
+        tree = DraftTree(tokens=tokens, parents=parents, depths=depths, probs=[0.5] * nodes)
+        padding = int(torch.randint(0, 4, (1,), generator=generator))
+        drawn = torch.randint(0, 3, (nodes + padding + 1,), generator=generator)
+        host = follow(tree, lambda row: int(drawn[row]))
+        on_device = DraftTree(torch.tensor(tokens + [0] * padding), torch.tensor(parents + [-1] * padding),
+                              torch.tensor(depths + [1] * padding), torch.full((nodes + padding,), 0.5),
+                              valid=torch.arange(nodes + padding) < nodes, depth=max(depths), sources=None,
+                              evidence=None)
+        fixed = follow_fixed(on_device, drawn, torch.tensor(nodes), ancestor_mask(on_device))
+        assert (fixed.path[: int(fixed.count)].tolist(), int(fixed.bonus)) == (host.path, host.bonus), trial
 
 
 def first_token_counts(form, tree, logits, sampling, draws, seed=0):

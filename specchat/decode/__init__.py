@@ -3,9 +3,13 @@
 It imports only itself, `drafters` and `specchat.errors`; nothing of the command line, the REPL,
 profiles or settings. Its defaults are declared here (`options`) and the settings layer reads them.
 
-One engine runs every method on one of two cache layouts, each algorithm written once; where the
-layouts need different code it sits in the layout (or, for a drafter, in its layout's subclass or
-branch). Each package imports only those below it (acceptance and drafting share the tree type):
+One engine runs every method on one of two cache layouts; where the layouts need different code it
+sits in the layout (or, for a drafter, in its layout's subclass or branch). Three rules have two
+forms, one on the host over lists (the reference, and the CPU's: no tensor operations per cycle)
+and one on the device (the fixed layout's, which may not read the host): which candidates are
+verified (`drafting.selection`), the verify forward's inputs (`engine.growing.verify_inputs`,
+`engine.fixed.verify_rows`) and sampled acceptance (`acceptance.verify`). Each package imports only
+those below it (acceptance and drafting share the tree type):
 
     engine/            the decoding cycle
       engine.py        Engine: prefill, plain steps, one speculative cycle; the Proposer protocol
@@ -14,8 +18,10 @@ branch). Each package imports only those below it (acceptance and drafting share
     drafting/          what each method drafts
       tree.py          the draft tree (one type for both layouts), a cycle's record, EAGLE-1's static trees
       shapes.py        what a head drafts: EAGLE-1 static, EAGLE-2, DEAGLE, Jakiro; the tree budget
+      growth.py        what a shape grows with: the head's steps (each layout's), the candidate table
       heads.py         drafting those shapes with a draft head (its cache on each layout)
-      selection.py     which candidates are verified, lookup chains merged in; what hybrid drafting learns
+      selection.py     which candidates are verified, lookup chains merged in
+      trust.py         what hybrid drafting learns in a chat: lookup's and the head's acceptance (torch-free)
       pace.py          which draft source each cycle takes (plain, lookup alone, the head), as measured (torch-free)
       lookup.py        n-gram continuations of text already seen (torch-free)
       prompt_lookup.py pld: a lookup chain as the draft

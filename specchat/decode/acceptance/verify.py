@@ -9,24 +9,26 @@ children of the current node in order; accept child x with probability p(x) / su
 rejection set p(x) = 0 and try the next sibling; when every child is rejected, draw the bonus
 token from what is left of p. Every token is then distributed exactly as p, whatever process
 proposed the candidates — so the rule is lossless for any drafter, and when greedy it reduces
-to following the argmax.
+to following the argmax. For point-mass drafts it has an equivalent form, which both layouts
+run: draw the target's own token y ~ p at a row, follow the first child whose token is y, and
+when none is, y is the bonus. With distinct sibling tokens child x is then accepted with
+probability p(x), as with the recursive rule, and a bonus y is a draw from p with the children's
+mass removed, renormalized: the recursive rule's bonus. Every committed token is a draw from p
+given the tokens before it, so the committed tokens are distributed as plain sampling's; greedy,
+y is the argmax.
 
 Sampled chains (a draft model at temperature > 0) use the standard rule instead (Leviathan et
 al. 2023, Algorithm 1; Chen et al. 2023): accept x with probability min(1, p(x) / q(x)), and on
 rejection draw from norm(max(0, p - q)).
 
-The rules run in two forms, one per layout. The growing layout's (`accept`) walks the tree on the
-host, reading each row it visits (greedy: every row's choice in one read), which costs a CPU
-cycle no tensor operation beyond them. The fixed layout's (`accept_fixed`) runs on the device
-without a host read, at a fixed shape: padding nodes (`DraftTree.valid`) are never accepted and
-acceptance stops at the reply's room (`limit`), so a tree never changes shape near the end. For
-point-mass drafts the recursive rule has an equivalent form that needs no loop over siblings:
-draw the target's own token y ~ p at every row at once, then follow, from the root, the first
-child whose token is the row's y. With distinct sibling tokens, child x is accepted with
-probability p(x), exactly as with the recursive rule, and when none is, y is a draw from p with
-the children's mass removed, renormalized: the recursive rule's bonus. Each row's y is drawn
-independently and each row is visited at most once, so the committed tokens are distributed as
-plain sampling's; greedy, y is the argmax.
+The rules run in two forms, one per layout. The growing layout's (`accept`, `follow`: the
+reference) walks the tree on the host, drawing y at each row it visits (greedy: every row's choice
+in one read), which costs a CPU cycle no tensor operation beyond them. The fixed layout's
+(`accept_fixed`, `follow_fixed`) runs on the device without a host read, at a fixed shape: it
+draws y at every row at once (each row's draw independent, each row visited at most once, so the
+unvisited rows' draws change nothing), padding nodes (`DraftTree.valid`) are never accepted and
+acceptance stops at the reply's room (`limit`), so a tree never changes shape near the end. Given
+the same draws, the two forms accept the same path and bonus (tests/test_verify.py).
 """
 
 from __future__ import annotations
@@ -56,32 +58,27 @@ def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng:
     Greedy, `choices` are the rows' argmaxes if the caller has them already."""
     if tree.q is not None:
         return accept_sampled_chain(tree, logits, sampling, rng)
-    # Greedy: every row's choice in one read, not one device-to-host wait per row on a GPU (on a
-    # CPU the rows the walk never reaches cost little: one pass each over the vocabulary).
-    if sampling.greedy and choices is None:
-        choices = argmax(logits)
-    logits = logits if sampling.greedy else logits.float()  # once for all rows the walk samples from
+    if sampling.greedy:
+        # Every row's choice in one read, not one device-to-host wait per row on a GPU (on a CPU the
+        # rows the walk never reaches cost little: one pass each over the vocabulary).
+        choices = argmax(logits) if choices is None else choices
+        return follow(tree, choices.__getitem__)
+    logits = logits.float()  # once for all rows the walk samples from
+    return follow(tree, lambda row: sample(target_probs(logits[row], sampling), rng))  # y ~ p, at rows visited
+
+
+def follow(tree: DraftTree, choice) -> Acceptance:
+    """The point-mass rule (module docstring) on the host, the reference of `follow_fixed`: from the
+    root, the first child whose token is its row's `choice(row)` (the target's token there), until
+    no child is; that row's choice is the bonus."""
     children = tree.children()
     path: list[int] = []
     row = 0
     while True:
-        if sampling.greedy:
-            best = choices[row]
-            chosen = next((c for c in children[row] if tree.tokens[c] == best), None)
-            if chosen is None:
-                return Acceptance(path, best)
-        else:
-            p = target_probs(logits[row], sampling)
-            chosen = None
-            for child in children[row]:
-                x = tree.tokens[child]
-                mass = float(p.sum())
-                if _uniform(rng) * mass < float(p[x]):
-                    chosen = child
-                    break
-                p[x] = 0.0
-            if chosen is None:
-                return Acceptance(path, _draw_residual(p, logits[row], rng))
+        drawn = choice(row)
+        chosen = next((c for c in children[row] if tree.tokens[c] == drawn), None)
+        if chosen is None:
+            return Acceptance(path, drawn)
         path.append(chosen)
         row = chosen + 1
 
@@ -128,14 +125,19 @@ def accept_fixed(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams
     if tree.q is not None:
         return accept_fixed_chain(tree, logits, sampling, rng, limit)
     drawn = draw_rows(logits, sampling, rng)  # the target's token at every row (module docstring)
+    return follow_fixed(tree, drawn, limit, ancestor_mask(tree) if ancestors is None else ancestors)
+
+
+def follow_fixed(tree: DraftTree, drawn: torch.Tensor, limit: torch.Tensor, ancestors: torch.Tensor) -> FixedAcceptance:
+    """`follow` on the device, every row's token `drawn` [n + 1] at once: a node is on the path when
+    it and each of its ancestors is the first child of its parent matching the parent row's token."""
     matched = tree.valid & (tree.depths <= limit) & (tree.tokens == drawn[tree.parents + 1])
     matched &= ~(earlier_siblings(tree) & matched[None, :]).any(-1)  # the first matching child only
-    ancestors = ancestor_mask(tree) if ancestors is None else ancestors
     on_path = matched & ~(ancestors & ~matched[None, :]).any(-1)  # it and all its ancestors matched
     reached = torch.where(on_path, tree.depths, 0)
     count, last = reached.max(), reached.argmax()
     path_nodes = pick(ancestors, last) & (count > 0)
-    levels = torch.arange(1, tree.depth + 1, device=logits.device)
+    levels = torch.arange(1, tree.depth + 1, device=drawn.device)
     path = (path_nodes[None, :] & (tree.depths[None, :] == levels[:, None])).byte().argmax(-1)
     bonus = pick(drawn, torch.where(count > 0, last + 1, 0))
     return FixedAcceptance(count, path, bonus)

@@ -36,11 +36,11 @@ from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
 from specchat.decode.drafting.pace import Arm, Found, Pace
-from specchat.decode.drafting.selection import (LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, ContradictedLookups,
-                                                HeadTrust, LookupRates, merge_lookup, select_fixed)
-from specchat.decode.drafting.shapes import (CandidateTable, DynamicTree, Growth, HeadSteps, HostTable, StaticTree,
-                                             tree_budget)
+from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, merge_lookup, select_fixed
+from specchat.decode.drafting.growth import CandidateTable, Growth, HeadSteps, HostTable
+from specchat.decode.drafting.shapes import DynamicTree, StaticTree, tree_budget
 from specchat.decode.drafting.tree import Cycle, DraftTree
+from specchat.decode.drafting.trust import ContradictedLookups, HeadTrust, LookupRates
 from specchat.decode.runtime.envelope import MAX_TREE_ROWS, HostInputs, Window, pick, window_mask
 from specchat.decode.runtime.target import Target
 

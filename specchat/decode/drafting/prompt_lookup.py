@@ -17,8 +17,9 @@ import torch
 from specchat.decode.drafting.lookup import (DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, EarlierAnswers,
                                               LookupSource)
 from specchat.decode.drafting.pace import Arm
-from specchat.decode.drafting.selection import Candidates, LookupRates
+from specchat.decode.drafting.selection import Candidates
 from specchat.decode.drafting.tree import DraftTree, Source
+from specchat.decode.drafting.trust import LookupRates
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.runtime.envelope import HostInputs
 from specchat.decode.runtime.target import Target
