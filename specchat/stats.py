@@ -15,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from specchat.decode.drafting.pace import Arm
-from specchat.decode.drafting.tree import Source
+from specchat.decode import Arm, Source
 
 
 @dataclass
@@ -43,7 +42,7 @@ class Stats:
     finish_reason: str | None = None  # of the latest reply counted
 
     def add_step(self, step) -> None:
-        """Count one engine step (`specchat.decode.engine.StepResult`)."""
+        """Count one engine step (`specchat.decode.StepResult`)."""
         self.new_tokens += len(step.tokens)
         self.seconds += step.seconds
         self.target_forwards += step.target_forwards

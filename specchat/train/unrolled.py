@@ -1,7 +1,7 @@
 """Attention across unrolled draft steps, for training-time test (EAGLE-3, arXiv 2503.01840 §3.2).
 
 The draft layer's `Attention` hands its queries, keys and values to this store instead of an
-inference cache (`drafters.layers.HeadCache`); both implement `attend`.
+inference cache (`drafters.cache.HeadCache`); both implement `attend`.
 """
 
 from __future__ import annotations

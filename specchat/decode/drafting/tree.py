@@ -4,9 +4,10 @@ A draft tree grows from the root, the newest token (not yet in the target's cach
 stored parents-before-children, and siblings in decreasing draft probability, which is the order
 in which verification tries them. The target verifies the root and every node in one forward:
 each node attends to the cached context, to its ancestors and to itself (tree attention), at the
-position its depth gives it (`specchat.decode.acceptance.verify` builds that forward's inputs).
+position its depth gives it (each layout builds that forward's inputs: `engine.growing.verify_inputs`
+on the host, `engine.fixed.verify_rows` on the device; `acceptance.verify` reads its logits).
 
-Imports no torch: the lookup drafter and the method registry use it before torch loads.
+Imports no torch: statistics read its types before torch loads.
 """
 
 from __future__ import annotations

@@ -7,14 +7,15 @@ gets more tokens accepted, with diminishing returns, so the verified size is the
 maximizes expected tokens per second under this machine's curve. The curve is measured once per
 (machine, model, dtype, quantization and kernel version, threads) and cached.
 
-A curve is only as good as the machine was quiet while it was measured: another process on the
-same cores made one 5-40x too dear and non-monotonic (FACTS.md), and every later start planned
-trees on it. So a measurement during which other processes used more than BUSY_SHARE of the CPU
-(/proc/stat against this process's own time), or whose shape no machine has (`implausible`), is
-used for this session but not kept; a stored curve of such a shape is measured again; and the
-engine's live verify forwards (`Curve.observe`) correct a curve they contradict: live times well
-below it (it was measured on a busy machine) rescale it and the rescaled curve is kept, live times
-well above it (the machine is busy now, or the context is long) rescale it for this session only.
+A curve is only as good as the machine was quiet while it was measured: another process on the same
+cores made one 5-40x too dear and non-monotonic (an AVX2 host's: 4 tokens 198 ms, 20 tokens 2,690),
+and every later start planned trees on it. So a measurement during which other processes used more
+than BUSY_SHARE of the CPU (/proc/stat against this process's own time), or whose shape no machine
+has (`implausible`), is used for this session but not kept; a stored curve of such a shape is
+measured again; and the engine's live verify forwards (`Curve.observe`) correct a curve they
+contradict: live times well below it (it was measured on a busy machine) rescale it and the rescaled
+curve is kept, live times well above it (the machine is busy now, or the context is long) rescale it
+for this session only.
 
 A curve can be wrong in its shape while right on average: one stored on a Zen 3 took 40.6 ms for
 one token and 52.5 for four where live forwards took 17 and 32 (0.42x and 0.62x: its median ratio
