@@ -23,8 +23,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from specchat.decode.drafting.lookup import ANSWER_TOKENS, EarlierAnswers, prompt_key
-from specchat.decode.runtime.machine import cache_dir
+from specchat.decode import ANSWER_TOKENS, EarlierAnswers, cache_dir, prompt_key
 
 # A tokenizer's fingerprint: its size and its ids for text of several kinds (two tokenizers that
 # agree on all of it share their store, and then their ids mean the same things).

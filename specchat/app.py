@@ -14,14 +14,11 @@ from dataclasses import dataclass
 
 from specchat.answers import AnswerStore
 from specchat.chat import ChatFormat, ChatSession, resolve_template
-from specchat.decode import options
-from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode import Engine, GenerationSettings, ModelSpec, SamplingParams, Target, make_generator, options
 from specchat.live import LiveChat
 from specchat.methods import checked_draft
 from specchat.proposers import LoadModel, build_proposer
-from specchat.decode.acceptance.sampling import SamplingParams, make_generator
 from specchat.settings import Settings
-from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.sources import load_target
 
 log = logging.getLogger(__name__)

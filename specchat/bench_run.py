@@ -24,7 +24,7 @@ from specchat import app, bench, peers, peers_openvino, peers_vllm
 from specchat.bench import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import check_output_folder, read_prompts
-from specchat.decode.runtime.machine import hardware
+from specchat.decode import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, MissingDraft, checked_draft
 from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 

@@ -16,8 +16,7 @@ import jinja2
 import torch
 
 from specchat.answers import AnswerStore
-from specchat.decode.engine.engine import Engine, GenerationSettings, StepResult
-from specchat.decode.drafting.tree import Cycle
+from specchat.decode import Cycle, Engine, GenerationSettings, StepResult
 from specchat.errors import ContextLengthError, SpecchatError, UsageError
 from specchat.stats import Stats
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.chat import ChatSession, Conversation, Turn, TurnEvent
-from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode import Engine, GenerationSettings, SamplingParams, make_generator
 from specchat.errors import SpecchatError
 from specchat.settings import (FIELDS, LIVE_KEYS, METHOD_SECTIONS, LiveChatError, Settings, method_key, parse_value,
                                show_value, with_method_of)
 from specchat.methods import CHAT_METHODS, METHODS, PLAIN, MissingDraft, checked_draft, effective_draft
 from specchat.proposers import build_proposer
-from specchat.decode.acceptance.sampling import SamplingParams, make_generator
 from specchat.speedup import Comparison, PlainStepClock, compare_plainly, estimated_speedup
 from specchat.stats import Stats
 from specchat.transcript import load_transcript, save_transcript

@@ -26,8 +26,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from specchat.chat import ChatFormat, Turn
-from specchat.decode.engine.engine import GenerationSettings
-from specchat.decode.runtime.machine import cache_dir
+from specchat.decode import GenerationSettings, cache_dir
 from specchat.errors import SpecchatError
 from specchat.peers import ConversationRunner, PeerUnavailable
 from specchat.stats import Stats

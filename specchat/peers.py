@@ -25,17 +25,16 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from specchat.chat import ChatFormat, Conversation, Turn
-from specchat.decode.engine.engine import GenerationSettings
+from specchat.decode import GenerationSettings, Target
 from specchat.errors import SpecchatError
 from specchat.inputs import PromptRecord
 from specchat import methods
 from specchat.settings import Settings
 from specchat.stats import Stats
-from specchat.decode.runtime.target import Target
 from specchat.sources import source_gguf
 
 HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens default
-# llama-cpp-python's LlamaPromptLookupDecoding defaults (FACTS.md measured 16-36 tok/s with 10 tokens).
+# llama-cpp-python's LlamaPromptLookupDecoding defaults (16-36 tok/s with 10 tokens here, measured 2026-11-22).
 LLAMACPP_LOOKUP_TOKENS, LLAMACPP_LOOKUP_NGRAM = 10, 2
 LLAMACPP_MAX_CONTEXT = 4096  # allocated whole (with lookup, logits too: 2.5 GB); bench prompts and answers fit
 LLAMACPP_BUILD = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "

@@ -34,10 +34,8 @@ import drafters
 from drafters import Verifier
 from specchat import exports
 from specchat.chat import ChatFormat
-from specchat.decode.engine.engine import GenerationSettings
-from specchat.decode.runtime.machine import cache_dir
+from specchat.decode import GenerationSettings, ModelSpec, Target, cache_dir
 from specchat import methods
-from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import SpecchatError
 from specchat.peers import PeerUnavailable
 from specchat.peer_process import Worker, WorkerRunner, exported_once, find_python, run_tool

@@ -20,7 +20,7 @@ import torch
 
 from specchat import exports
 from specchat import methods
-from specchat.decode.runtime.target import Target
+from specchat.decode import Target
 from specchat.peer_process import Worker, WorkerRunner, exported_once, find_python
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder

@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specchat.decode import options
-from specchat.decode.drafting import deagle, lookup
-from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS  # (the `lookup` setting hides the module in the class)
+from specchat.decode import DEFAULT_LOOKUP_PATHS, deagle, lookup, options  # (the `lookup` setting hides the module)
 from specchat.embedded import DEFAULT_MODEL
 from specchat.errors import SpecchatError, UsageError
 from specchat.methods import CHAT_METHODS, HEAD_FORMATS, PLAIN

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode import Engine, GenerationSettings
 
 # One untimed step warms up allocations; the median of the timed ones resists a noisy neighbour.
 WARMUP_STEPS, TIMED_STEPS = 1, 3

@@ -104,6 +104,23 @@ def test_the_decoding_core_imports_only_itself_drafters_and_the_errors():
         assert not outside, f"{name} imports {sorted(outside)}; the core knows nothing of the layers above it"
 
 
+def test_outside_code_reaches_the_core_through_its_face():
+    """`specchat.decode`'s FACE names what the layers above use; only its BUILDERS import below it
+    (tests may: they test the parts)."""
+    import specchat.decode as face
+
+    below = [(name, module) for name, tree in project_modules().items()
+             if name.startswith("specchat.") and not name.startswith("specchat.decode")
+             and not name.startswith(face.BUILDERS)
+             for module in all_imports(tree) if module.startswith("specchat.decode.")]
+    assert not below, f"imports below the core's face (add the name to specchat.decode.FACE): {below}"
+    for name, where in face.FACE.items():  # each name is where the face says
+        assert getattr(face, name) is not None, where
+    code = "import sys; from specchat.decode import options, deagle, lookup; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"  # the face loads what is asked, and the command line's defaults need no torch
+
+
 def test_the_target_runtime_sits_below_drafting_and_the_engine():
     """`specchat.decode.runtime` (the target: loading, forward, cache, kernel, fixed shapes) is what the
     engine and the drafters run on; it imports neither, nor acceptance."""

@@ -46,4 +46,58 @@ those below it (acceptance and drafting share the tree type):
       calibrate.py     this machine's cost of verifying n tokens, which sizes CPU trees (healed by live forwards)
       machine.py       the CPU, devices, the cache folder, other processes' load
     options.py         what the core can be asked for, and its defaults (torch-free)
+
+Code outside the core imports it through this face (`from specchat.decode import Engine`): the
+names in FACE, each loaded from the module below that defines it on first use, so that importing
+the face costs nothing (the command line reads `options` before torch loads). Only the BUILDERS
+reach below it: they assemble the core's parts (targets, proposers) or check them one by one.
 """
+
+from __future__ import annotations
+
+import importlib
+
+# Module below -> the names of it that outside code uses.
+EXPORTS = {
+    # the decoding cycle, what it is asked for and what it answers; what a drafter is to it
+    "engine.engine": ("Engine", "GenerationSettings", "StepResult", "Proposer"),
+    # the target distribution
+    "acceptance.sampling": ("SamplingParams", "make_generator", "sample_rows"),
+    # the target and the machine
+    "runtime.target": ("ModelSpec", "Target"),
+    "runtime.machine": ("cache_dir", "hardware"),
+    # what a cycle records (statistics and transcripts read it)
+    "drafting.tree": ("Cycle", "Source"),
+    "drafting.pace": ("Arm",),
+    # this user's earlier answers, which lookup drafts from (`specchat.answers` keeps them), and a default
+    "drafting.lookup": ("EarlierAnswers", "ANSWER_TOKENS", "prompt_key", "DEFAULT_LOOKUP_PATHS"),
+    # the target's own forward and cache, which training runs in batches (`specchat.train`)
+    "runtime.forward": ("DecoderForward", "rotate", "unsupported_reason"),
+    "runtime.graphs": ("StepGraphs",),
+    "runtime.envelope": ("powers_of_two",),
+    "runtime.transformers_cache": ("KVCache",),
+}
+# Modules outside code uses whole, by their own name: the core's options and the drafting defaults the
+# settings declare (all torch-free).
+MODULES = ("options", "drafting.deagle", "drafting.lookup")
+# Name -> (module below, attribute; None: the module itself).
+FACE = {**{name: (module, name) for module, names in EXPORTS.items() for name in names},
+        **{module.rpartition(".")[2]: (module, None) for module in MODULES}}
+# The modules outside the core that import below this face.
+BUILDERS = ("specchat.proposers", "specchat.sources", "specchat.runtime_check")
+
+__all__ = sorted(FACE)
+
+
+def __getattr__(name: str):
+    if name not in FACE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = FACE[name]
+    loaded = importlib.import_module(f"{__name__}.{module}")
+    value = loaded if attribute is None else getattr(loaded, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(FACE))

@@ -31,10 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.attention import grouped
-from specchat.decode.runtime.envelope import powers_of_two
-from specchat.decode.runtime.forward import DecoderForward, rotate
-from specchat.decode.runtime.graphs import StepGraphs
-from specchat.decode.acceptance.sampling import make_generator, sample_rows
+from specchat.decode import DecoderForward, StepGraphs, make_generator, powers_of_two, rotate, sample_rows
 
 SMALLEST_SPAN = 128  # captured steps attend over powers of two from here to the capacity
 # Prompt tokens per prefill forward (rows x chunk): a CPU's attention scores are float32

@@ -28,9 +28,8 @@ from specchat.chat import ChatFormat
 from drafters import FORMATS, save_head
 from drafters.eagle3 import default_feature_layers
 from specchat.errors import UsageError
-from specchat.decode.runtime.machine import cache_dir, hardware
+from specchat.decode import cache_dir, hardware, unsupported_reason
 from specchat.train import data as data_mod
-from specchat.decode.runtime.forward import unsupported_reason
 from specchat.train.features import FeatureStore, LiveFeatures, extract, live_features_fit
 from specchat.train.datafolder import MANIFEST, DataFolder
 from specchat.train.losses import RIGHT_WEIGHT

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.decode.runtime.transformers_cache import KVCache
+from specchat.decode import KVCache
 from specchat.train.batched import Answer, Request, SlotDecoder, SlotTimes
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
