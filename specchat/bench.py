@@ -7,9 +7,10 @@ its wall time (prefill included); a method's speedup = mean per-question speed /
 measured in the same run. The decoding phase is also reported on its own (tokens after the first
 per second after the first token; `specchat.speedup`), since prefill cost depends on the cache
 and not on the method. tau = new tokens / target forward passes (bonus included). At temperature
-0 the identical-output rate counts the turns whose answer equals vanilla's, and each answer that
-differs from vanilla's in the same conversation is located: the first differing token and
-vanilla's top-2 logit margin there, so a near-tie (rounding) is told from a real difference.
+0 the identical-output rate counts the turns whose answer equals vanilla's (a peer's speculation:
+its own runtime's plain decoding's, when that ran too), and each answer that differs from it in
+the same conversation is located: the first differing token and the plain answer's top-2 logit
+margin there (where its runner gives one), so a near-tie (rounding) is told from a real difference.
 
 Peers (`specchat.peers`) run other tools' implementations on the same target and prompts: every
 runner answers a turn and returns the same statistics record (`specchat.stats.Stats`).
@@ -34,7 +35,7 @@ import torch
 from specchat import bench_breakdown
 from specchat.chat import ChatSession, Turn
 from specchat.inputs import PromptRecord
-from specchat.methods import PLAIN
+from specchat.methods import PLAIN, plain_of
 from specchat.speedup import Divergence, decoding_rate, divergence
 from specchat.stats import Stats
 
@@ -55,7 +56,7 @@ class TurnResult(Stats):
     tokens: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
     cycles: list[dict] = field(default_factory=list)
-    compared: bool = False  # with vanilla's answer in the same conversation (set by `summarize`)
+    compared: bool = False  # with its plain decoding's answer in the same conversation (set by `summarize`)
     divergence: Divergence | None = None  # where it first differs from that answer
 
 
@@ -191,7 +192,7 @@ def summarize(results: list[TurnResult], greedy: bool) -> dict:
         summary[method] = {}
         for category in ["overall"] + (categories if len(categories) > 1 else []):
             chosen = [r for r in rows if category == "overall" or (r.category or "all") == category]
-            summary[method][category] = _aggregate(chosen, compared=greedy and PLAIN in by_method)
+            summary[method][category] = _aggregate(chosen, compared=greedy and plain_of(method) in by_method)
     vanilla = summary.get(PLAIN, {})
     for method, categories in summary.items():
         for category, numbers in categories.items():
@@ -202,15 +203,16 @@ def summarize(results: list[TurnResult], greedy: bool) -> dict:
 
 
 def locate_divergences(results: list[TurnResult]) -> None:
-    """Compare each turn with vanilla's answer where both saw the same conversation: a question's
-    first turn, and later turns while every earlier answer was identical to vanilla's."""
-    vanilla = {(r.question, r.turn, r.repeat): r for r in results if r.method == PLAIN}
+    """Compare each turn with its plain decoding's answer (vanilla's; a peer's own runtime's:
+    `methods.plain_of`) where both saw the same conversation: a question's first turn, and later
+    turns while every earlier answer was identical to the plain one."""
+    answers = {(r.method, r.question, r.turn, r.repeat): r for r in results}
     by_conversation = defaultdict(list)
     for r in results:
         by_conversation[(r.method, r.question, r.repeat)].append(r)
-    for turns in by_conversation.values():
+    for (method, _, _), turns in by_conversation.items():
         for r in sorted(turns, key=lambda t: t.turn):
-            plain = vanilla.get((r.question, r.turn, r.repeat))
+            plain = answers.get((plain_of(method), r.question, r.turn, r.repeat))
             if plain is None:
                 break
             r.compared = True

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from specchat import app, bench, peers, peers_openvino, peers_vllm
+from specchat import app, bench, peers, peers_llamacpp, peers_openvino, peers_vllm
 from specchat.bench import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import check_output_folder, read_prompts
@@ -30,7 +30,7 @@ from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, 
 
 
 # What runs each of the other tools' methods (specchat's own: `specchat.proposers.BUILDERS`).
-RUNNERS = {**peers.RUNNERS, **peers_openvino.RUNNERS, **peers_vllm.RUNNERS}
+RUNNERS = {**peers.RUNNERS, **peers_llamacpp.RUNNERS, **peers_openvino.RUNNERS, **peers_vllm.RUNNERS}
 
 # What `bench.write_outputs` writes into the output folder (checked before the model loads).
 OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png",
@@ -185,7 +185,7 @@ SHORT_HEADERS = {"speedup": "×", "decode tok/s": "dec\ntok/s", "decode speedup"
                  "identical": "same", "near-tie divergences": "ties", "peak MiB": "MiB"}
 LEGEND = ("tok/s: new tokens per second · ×: speedup over vanilla · dec: decoding alone, after each turn's first "
           "token · τ: tokens per target forward · acc: share of draft tokens accepted · same: answers identical "
-          "to vanilla's · ties: differing answers that first differ at a near-tie, of how many · MiB: peak memory")
+          "to vanilla's (a peer's speculation: to its own plain decoding's) · ties: differing answers that first differ at a near-tie, of how many · MiB: peak memory")
 # Where the whole table is too wide, it is shown as two: these columns (speed and memory), then the
 # others (drafting and output).
 SPEED_COLUMNS = ("tok/s", "speedup", "decode tok/s", "decode speedup", "peak MiB")

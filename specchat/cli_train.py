@@ -16,7 +16,7 @@ import click
 from specchat import settings as settings_mod
 from specchat.errors import UsageError
 from specchat.inputs import check_output_folder
-from specchat.methods import EXPORT_FORMATS, HEAD_FORMATS, HEAD_LAYOUTS, OPENVINO_LAYOUT
+from specchat.methods import EXPORT_FORMATS, HEAD_FORMATS, HEAD_LAYOUTS, LLAMACPP_LAYOUT, OPENVINO_LAYOUT
 from specchat.train.options import (DATA_TEMPERATURES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, FEATURE_CHOICES,
                                      TrainOptions)
 from specchat.ui import TrainingProgress
@@ -154,7 +154,9 @@ def data_status(folder):
 @click.option("--format", "layout", type=click.Choice(EXPORT_FORMATS), required=True,
               help="speculators: vLLM's layout (EAGLE-3 heads); sglang or eagle: the EAGLE reference layout, which "
                    "SGLang loads as it is; openvino: OpenVINO GenAI's IR of an EAGLE-3 head, made by optimum-intel "
-                   "(SPECCHAT_OPENVINO_PYTHON names the Python that has it).")
+                   "(SPECCHAT_OPENVINO_PYTHON names the Python that has it); llamacpp: a GGUF of an EAGLE-3 head for "
+                   "llama.cpp's --spec-type draft-eagle3, made by llama.cpp's own converter (SPECCHAT_LLAMACPP_DIR "
+                   "names its source tree).")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder to write the head into.")
 @click.option("--verifier", default=None,
               help="The target's hub id, which the speculators layout names (default: the head's training record's "
@@ -163,8 +165,8 @@ def data_status(folder):
               help="The target's context, which every layout says (default: the head's training record's target's, "
                    "else the head's own config's).")
 @click.option("--model", default=None,
-              help="openvino: the target model, whose tokenizer goes with the IR (default: the head's training "
-                   "record's target).")
+              help="openvino, llamacpp: the target model, whose tokenizer goes with the head (default: the head's "
+                   "training record's target).")
 @click.option("--speculative-tokens", type=click.IntRange(min=1), default=5, show_default=True,
               help="Draft tokens the speculators layout proposes (vLLM's num_speculative_tokens when none is given).")
 @click.option("--max-shard-mb", type=float, default=None,
@@ -174,10 +176,12 @@ def export_head_command(head, layout, output, verifier, max_position_embeddings,
     """Write a draft head (a bundled name, a folder or a hub id) in a layout vLLM, SGLang or OpenVINO GenAI loads
     as it is."""
     check_output_folder("--output", output, [], HEAD_OUTPUT_FILES)
-    from specchat import exports, peers_openvino  # torch loads here
+    from specchat import exports, peers_llamacpp, peers_openvino  # torch loads here
 
     if layout == OPENVINO_LAYOUT:  # optimum-intel's conversion, in its own environment
         written = peers_openvino.export_named(head, output, verifier, max_position_embeddings, model)
+    elif layout == LLAMACPP_LAYOUT:  # llama.cpp's own converter, from its source tree
+        written = peers_llamacpp.export_named(head, output, verifier, max_position_embeddings, model)
     else:
         written = exports.export(head, layout, output, verifier, speculative_tokens,
                                  int(max_shard_mb * 2**20) if max_shard_mb else None, max_position_embeddings)

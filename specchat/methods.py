@@ -6,7 +6,7 @@ uses when none is given, and the rule that a method needing a draft has one (`ch
 imports nothing heavy, so the command line uses it before torch loads. What builds each method is
 a table next to the builders: `specchat.proposers.BUILDERS` for specchat's methods,
 `specchat.bench_run.RUNNERS` for other tools' implementations (`specchat.peers`,
-`specchat.peers_openvino`, `specchat.peers_vllm`), which only `bench` runs.
+`specchat.peers_llamacpp`, `specchat.peers_openvino`, `specchat.peers_vllm`), which only `bench` runs.
 
 eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
 Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.acceptance.verify`).
@@ -25,7 +25,8 @@ PLAIN = "vanilla"  # plain decoding: the baseline every speedup is measured agai
 HEAD_FORMATS = ("eagle", "eagle3", "jakiro")  # the draft head formats `drafters` reads
 HEAD_LAYOUTS = ("eagle", "sglang", "speculators")  # the layouts `drafters.export_head` writes (drafters.LAYOUTS)
 OPENVINO_LAYOUT = "openvino"  # OpenVINO GenAI's IR of the sglang layout, made by optimum-intel (`specchat.exports`)
-EXPORT_FORMATS = (*HEAD_LAYOUTS, OPENVINO_LAYOUT)  # what `export-head --format` takes
+LLAMACPP_LAYOUT = "llamacpp"  # a GGUF of the speculators layout, made by llama.cpp's converter (`specchat.peers_llamacpp`)
+EXPORT_FORMATS = (*HEAD_LAYOUTS, OPENVINO_LAYOUT, LLAMACPP_LAYOUT)  # what `export-head --format` takes
 HEAD = "a draft head (folder or hub id; EAGLE-1/2, EAGLE-3 or Jakiro format)"
 MODEL = "a small draft model sharing the target's tokenizer (like --model)"
 QWEN_05B, QWEN_15B = DEFAULT_MODEL, "qwen2.5-coder-1.5b-instruct"
@@ -40,6 +41,7 @@ class Method:
     bundled: dict[str, str] = field(default_factory=dict)  # target model -> its draft when none is given
     peer: bool = False  # another tool's implementation on the same target, run only by `bench`
     static_tree: bool = False  # it can draft a --static-tree
+    plain: str = PLAIN  # whose answers `bench` compares this one's with: plain decoding (a peer's: its own runtime's)
 
 
 VANILLA = Method(PLAIN, "plain decoding")
@@ -57,18 +59,24 @@ HF_ASSISTED = Method("hf-assisted", "transformers' assisted generation with a sm
                      bundled={QWEN_15B: QWEN_05B}, peer=True)
 HF_PLD = Method("hf-pld", "transformers' prompt lookup decoding", peer=True)
 LLAMACPP = Method("llamacpp", "llama.cpp decoding the target's GGUF file", peer=True)
-LLAMACPP_LOOKUP = Method("llamacpp-lookup", "llama.cpp's prompt lookup decoding on the target's GGUF file", peer=True)
+LLAMACPP_LOOKUP = Method("llamacpp-lookup", "llama.cpp's prompt lookup decoding on the target's GGUF file", peer=True,
+                         plain=LLAMACPP.name)
+LLAMACPP_EAGLE3 = Method("llamacpp-eagle3", "llama.cpp's EAGLE-3 speculation (llama-server) with specchat's head",
+                         draft=HEAD, head_kind="eagle3", bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}, peer=True,
+                         plain=LLAMACPP.name)
 OPENVINO = Method("openvino", "OpenVINO GenAI decoding the target with int4 weights", peer=True)
 OPENVINO_INT8 = Method("openvino-int8", "OpenVINO GenAI decoding the target with int8 weights", peer=True)
-OPENVINO_LOOKUP = Method("openvino-lookup", "OpenVINO GenAI's prompt lookup decoding (int4 weights)", peer=True)
+OPENVINO_LOOKUP = Method("openvino-lookup", "OpenVINO GenAI's prompt lookup decoding (int4 weights)", peer=True,
+                         plain=OPENVINO.name)
 OPENVINO_EAGLE3 = Method("openvino-eagle3", "OpenVINO GenAI's EAGLE-3 speculation with specchat's head (int4 weights)",
-                         draft=HEAD, head_kind="eagle3", bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}, peer=True)
+                         draft=HEAD, head_kind="eagle3", bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}, peer=True,
+                         plain=OPENVINO.name)
 VLLM = Method("vllm", "vLLM's CPU build decoding the target", peer=True)
 VLLM_EAGLE3 = Method("vllm-eagle3", "vLLM's EAGLE-3 speculation with specchat's head", draft=HEAD, head_kind="eagle3",
-                     bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}, peer=True)
+                     bundled={QWEN_05B: "qwen2.5-coder-0.5b-eagle3"}, peer=True, plain=VLLM.name)
 METHODS = {entry.name: entry for entry in (VANILLA, EAGLE, EAGLE2, DEAGLE, JAKIRO, SPS, PLD, HF_ASSISTED, HF_PLD,
-                                           LLAMACPP, LLAMACPP_LOOKUP, OPENVINO, OPENVINO_INT8, OPENVINO_LOOKUP,
-                                           OPENVINO_EAGLE3, VLLM, VLLM_EAGLE3)}
+                                           LLAMACPP, LLAMACPP_LOOKUP, LLAMACPP_EAGLE3, OPENVINO, OPENVINO_INT8,
+                                           OPENVINO_LOOKUP, OPENVINO_EAGLE3, VLLM, VLLM_EAGLE3)}
 CHAT_METHODS = tuple(name for name, method in METHODS.items() if not method.peer)  # what --method takes
 
 
@@ -110,6 +118,12 @@ def effective_draft(settings) -> str | None:
     if not needs_draft(settings.method):
         return settings.draft
     return settings.draft or default_draft(settings.method, settings.model)
+
+
+def plain_of(label: str) -> str:
+    """The plain decoding a bench method's answers are compared with (`label`: a method, + options)."""
+    method = METHODS.get(label.split("+")[0])
+    return method.plain if method else PLAIN
 
 
 def checked_draft(settings) -> str | None:

@@ -10,9 +10,9 @@ from conftest import invoke, load_tiny_target, random_head
 from specchat.bench import TurnResult, calibration, summarize
 
 
-def turn(method, question, turn_index, tokens, seconds, forwards, response="same", category="writing", **extra):
+def turn(method, question, turn_index, new_tokens, seconds, forwards, response="same", category="writing", **extra):
     return TurnResult(method=method, question=question, category=category, turn=turn_index, repeat=0,
-                      response=response, new_tokens=tokens, seconds=seconds, target_forwards=forwards, **extra)
+                      response=response, new_tokens=new_tokens, seconds=seconds, target_forwards=forwards, **extra)
 
 
 def test_speedup_is_the_ratio_of_mean_per_question_speeds():
@@ -31,6 +31,22 @@ def test_speedup_is_the_ratio_of_mean_per_question_speeds():
     assert overall["acceptance_rate"] == round(32 / 150, 4)
     assert overall["identical"] == round(2 / 3, 4)
     assert summarize(results, greedy=False)["eagle2"]["overall"]["identical"] is None
+
+
+def test_a_peers_speculation_is_compared_with_its_own_runtimes_plain_decoding():
+    # llama.cpp's answers differ from specchat's plain ones (another quantization); its EAGLE-3
+    # speculation is lossless or not against llama.cpp's own plain decoding, when that ran too.
+    results = [turn("vanilla", 1, 0, 3, 1.0, 3, response="a", tokens=[1, 2, 3]),
+               turn("llamacpp", 1, 0, 3, 1.0, 3, response="b", tokens=[1, 2, 4]),
+               turn("llamacpp-eagle3", 1, 0, 3, 1.0, 2, response="b", tokens=[1, 2, 4]),
+               turn("llamacpp-lookup", 1, 0, 3, 1.0, 2, response="c", tokens=[1, 5, 4])]
+    summary = summarize(results, greedy=True)
+    assert summary["llamacpp"]["overall"]["identical"] == 0.0  # against vanilla: its own plain is vanilla
+    assert summary["llamacpp-eagle3"]["overall"]["identical"] == 1.0
+    assert summary["llamacpp-lookup"]["overall"]["identical"] == 0.0
+    assert results[3].divergence.position == 1
+    alone = summarize([r for r in results if r.method != "llamacpp"], greedy=True)
+    assert alone["llamacpp-eagle3"]["overall"]["identical"] is None  # nothing of its runtime to compare with
 
 
 def test_tree_and_stop_depths_are_means_over_cycles():

@@ -1,0 +1,246 @@
+"""llama.cpp's own EAGLE-3 speculation with specchat's head: `llamacpp-eagle3`, and `export-head --format llamacpp`.
+
+llama.cpp speculates with EAGLE-3 heads itself (`--spec-type draft-eagle3`). Its Python binding
+(llama-cpp-python, the `llamacpp` peers of `specchat.peers`) does not expose that loop, so this
+peer runs llama.cpp's own server, `llama-server`, built from the llama.cpp that llama-cpp-python's
+source distribution vendors (the same llama.cpp as the binding's: BUILD), in a process of its own
+on the target's GGUF file, answering the bench's prompts as token ids over its HTTP API on
+localhost. It drafts with llama.cpp's defaults as a user gets them (a chain of up to 3 tokens).
+
+The head reaches llama.cpp as a GGUF written by llama.cpp's own converter (`convert_hf_to_gguf.py`
+and the `gguf` package of that source tree; PyPI's gguf 0.19.0 lacks the EAGLE-3 architecture) from
+vLLM's speculators layout, whose `eagle_aux_hidden_state_layer_ids` name the target layers whose
+*inputs* the head reads, as llama.cpp reads them (`llama_set_embeddings_layer_inp`), and whose
+`norm_before_residual` says which layer the head has. The converter takes the target's Hugging Face
+folder for its vocabulary (llama.cpp checks that draft and target share it) and hidden size.
+
+SPECCHAT_LLAMACPP_DIR names that source tree with its build (default: `<cache>/peers/llama.cpp`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+import drafters
+from drafters import Verifier
+from specchat import exports, methods
+from specchat.chat import ChatFormat
+from specchat.decode import GenerationSettings, ModelSpec, Target, cache_dir
+from specchat.errors import SpecchatError
+from specchat.peer_process import PeerFailed, exported_once, last_line, run_tool
+from specchat.peers import LLAMACPP_MAX_CONTEXT, ConversationRunner, PeerUnavailable
+from specchat.settings import Settings
+from specchat.sources import locate, resolve_folder, source_gguf
+from specchat.stats import Stats
+
+TOOLS_DIR = "SPECCHAT_LLAMACPP_DIR"
+VERSION = "0.3.36"  # llama-cpp-python's, as the `peers` extra pins it: the same llama.cpp as the `llamacpp` peers
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # built with GCC 12, ggml's AMX matmul segfaults at the first decode
+# Its EAGLE-3 path reads the target's layer inputs where a model's graph exposes them, which this llama.cpp's Qwen2
+# graph does not (its first request aborts: "layer input tensor is null"): one line, as its Llama graph has it.
+QWEN2_PATCH = ("sed -i 's|^    for (int il = 0; il < n_layer; ++il) {$|&\\n        res->t_layer_inp[il] = inpL;|' "
+               '"$D/src/models/qwen2.cpp"')
+BUILD = (f'D=${{{TOOLS_DIR}:-~/.cache/specchat/peers/llama.cpp}}; mkdir -p "$D" && '
+         f'pip download --no-deps --no-binary :all: llama-cpp-python=={VERSION} -d "$D" && '
+         f'tar xzf "$D/llama_cpp_python-{VERSION}.tar.gz" -C "$D" --strip-components=3 '
+         f'llama_cpp_python-{VERSION}/vendor/llama.cpp && {QWEN2_PATCH} && '
+         f'cmake -S "$D" -B "$D/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF '
+         f'-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}" && '
+         f'cmake --build "$D/build" --target llama-server -j')
+SERVER = Path("build") / "bin" / "llama-server"
+CONVERTER = "convert_hf_to_gguf.py"
+HEAD_FILE = "head.gguf"  # what `export-head --format llamacpp` writes into its folder
+# The head's weights as a llama.cpp user converts a small draft for a CPU: 8-bit (its float16 matmuls are slower
+# there; specchat's own head runs 4-bit on its kernel).
+HEAD_TYPE = "q8_0"
+START_SECONDS = 300  # the server loads the target and the head, and warms up
+ANSWER_SECONDS = 3600
+
+
+def tools() -> Path:
+    """The llama.cpp source tree with its built server (BUILD), or PeerUnavailable saying how to build it."""
+    folder = Path(os.environ.get(TOOLS_DIR) or cache_dir() / "peers" / "llama.cpp").expanduser()
+    if not (folder / SERVER).is_file() or not (folder / CONVERTER).is_file():
+        raise PeerUnavailable(f"needs llama.cpp's llama-server built from llama-cpp-python {VERSION}'s source in "
+                              f"{folder} (or ${TOOLS_DIR}): {BUILD}")
+    return folder
+
+
+def convert_head(head: Path, output: Path, verifier: Verifier, feature_layers: tuple[int, ...] | None,
+                 target_folder: Path, tree: Path) -> Path:
+    """The EAGLE-3 head in `head` as a GGUF llama.cpp loads (module docstring), written into `output`
+    by the converter of the llama.cpp source `tree`; `target_folder` is the target's Hugging Face folder."""
+    if importlib.util.find_spec("sentencepiece") is None:  # the converter tries it first for every vocabulary
+        raise PeerUnavailable("llama.cpp's converter needs sentencepiece: pip install sentencepiece")
+    output.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specchat-llamacpp-") as work:
+        staged = Path(work) / "speculators"
+        try:  # the layout names a verifier, which llama.cpp does not read: the target's hub id where known
+            drafters.export_head(head, staged, "speculators",
+                                 Verifier(verifier.name or target_folder.name, verifier.architectures,
+                                          verifier.max_position_embeddings), feature_layers=feature_layers)
+        except drafters.HeadLoadError as error:
+            raise SpecchatError(str(error)) from error
+        config = json.loads((staged / "config.json").read_text())
+        if config["architectures"] != ["Eagle3Speculator"]:
+            raise SpecchatError(f"{head}: llama.cpp drafts with EAGLE-3 heads only, not {config['architectures'][0]}")
+        if not config.get("eagle_aux_hidden_state_layer_ids"):
+            raise SpecchatError(f"{head}: the target layers the head reads are unknown (its training record names "
+                                f"no target)")
+        gguf = output / HEAD_FILE
+        run_tool([sys.executable, str(tree / CONVERTER), str(staged), "--target-model-dir", str(target_folder),
+                  "--outtype", HEAD_TYPE, "--outfile", str(gguf)],
+                 cache_dir() / "peers" / "export-llamacpp-head.log", "llama.cpp's head conversion",
+                 env={"PYTHONPATH": str(tree / "gguf-py"), "HF_HUB_OFFLINE": "1"})
+    return gguf
+
+
+def export_named(head: str, output: str | Path, verifier: str | None = None,
+                 max_position_embeddings: int | None = None, model: str | None = None) -> list[Path]:
+    """`export-head --format llamacpp`: the head `head` names, for the target `model` (default: the one
+    its training record names), whose converted folder gives the vocabulary."""
+    tree = tools()
+    folder = resolve_folder(head)
+    model = model or exports.target_name(folder)
+    if model is None:
+        raise SpecchatError(f"{head}: its training record names no target: say which model it drafts for (--model)")
+    return [convert_head(folder, Path(output), exports.target_of(folder, verifier, max_position_embeddings),
+                         exports.feature_layers(folder), Path(locate(ModelSpec(model=model), torch.bfloat16)), tree)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def failure(log: Path) -> str:
+    """Why llama-server ended, from its log: its failed assertion or its last error line (a crash
+    ends the log with a backtrace)."""
+    lines = log.read_text(errors="replace").splitlines()
+    said = [line.strip() for line in lines if "GGML_ASSERT" in line or " E " in line or "error" in line.lower()]
+    return said[-1] if said else last_line(log)
+
+
+class LlamaServer:
+    """A `llama-server` process on localhost, loaded (its output into `<cache>/peers/<name>.log`)."""
+
+    def __init__(self, command: list[str], name: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = cache_dir() / "peers" / f"{name}.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(self.port)],
+                                            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready()
+        except PeerFailed as error:
+            self.close()
+            raise PeerUnavailable(f"{name} did not start: {error}") from error
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PeerFailed(f"llama-server ended ({failure(self.log)}; its log: {self.log})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # still loading (503) or not listening yet
+            time.sleep(0.2)
+        raise PeerFailed(f"llama-server was not ready within {START_SECONDS} s (its log: {self.log})")
+
+    def complete(self, request: dict) -> dict:
+        body = json.dumps(request).encode()
+        post = urllib.request.Request(self.url + "/completion", data=body,
+                                      headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(post, timeout=ANSWER_SECONDS) as reply:
+                return json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            raise PeerFailed(f"llama-server answered {error.code}: {error.read().decode(errors='replace')[:300]} "
+                             f"(its log: {self.log})") from error
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+            if self.process.poll() is not None:
+                raise PeerFailed(f"llama-server ended ({failure(self.log)}; its log: {self.log})") from error
+            raise PeerFailed(f"llama-server did not answer ({error}; its log: {self.log})") from error
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class LlamaServerRunner(ConversationRunner):
+    """A bench runner answering through llama-server's /completion: the prompt as token ids (the
+    model's own chat template), its cache reused for the conversation's shared prefix, the plain
+    distribution (temperature, top-k and top-p only: none of its other samplers' defaults).
+    Each speculative step yields its accepted drafts and one token more, so the target's forwards
+    are the new tokens less the accepted drafts (the prefill's giving the first)."""
+
+    def __init__(self, server: LlamaServer, chat_format: ChatFormat, settings: GenerationSettings, seed: int | None):
+        super().__init__()
+        self.server, self.chat_format, self.settings = server, chat_format, settings
+        self.seed = 0 if seed is None else seed
+
+    def close(self) -> None:
+        self.server.close()
+
+    def turn(self, prompt: str):
+        self.conversation.add_user(prompt)
+        sampling = self.settings.sampling
+        start = time.perf_counter()
+        reply = self.server.complete({
+            "prompt": self.chat_format.prompt_ids(self.conversation), "n_predict": self.settings.max_new_tokens,
+            "temperature": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p,
+            "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "seed": self.seed, "cache_prompt": True,
+            "return_tokens": True, "stream": False})
+        seconds = time.perf_counter() - start
+        tokens = reply["tokens"]
+        ends = [i for i, token in enumerate(tokens) if token in self.settings.stop_ids]
+        tokens = tokens[:ends[0] + 1] if ends else tokens
+        timings = reply["timings"]
+        drafted, accepted = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
+        return self.answered(tokens, Stats(
+            new_tokens=len(tokens), seconds=seconds, prefill_seconds=timings["prompt_ms"] / 1000,
+            target_forwards=timings["predicted_n"] - accepted, draft_tokens=drafted, accepted_tokens=accepted))
+
+
+def llamacpp_eagle3(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
+                    load_model) -> tuple[LlamaServerRunner, None]:
+    tree = tools()
+    gguf = source_gguf(target.spec)
+    if gguf is None:
+        raise PeerUnavailable(f"{target.name} has no GGUF file for llama.cpp to read")
+    source = resolve_folder(settings.draft)
+    folder = Path(locate(target.spec, torch.bfloat16))  # the converter's vocabulary and hidden size
+    head = exported_once("llamacpp-head", [source, folder], lambda output: convert_head(
+        source, output, exports.target_of(source), exports.feature_layers(source), folder, tree)) / HEAD_FILE
+    threads = str(torch.get_num_threads())
+    command = [str(tree / SERVER), "-m", str(gguf), "-md", str(head), "--spec-type", "draft-eagle3",
+               "-c", str(min(target.max_context, LLAMACPP_MAX_CONTEXT)), "-np", "1", "-t", threads, "-tb", threads,
+               "-td", threads, "-tbd", threads, "--no-webui"]
+    return LlamaServerRunner(LlamaServer(command, settings.method), chat_format, generation, settings.seed), None
+
+
+# What runs each of its methods (all peers': `specchat.bench_run.RUNNERS`).
+RUNNERS = {methods.LLAMACPP_EAGLE3: llamacpp_eagle3}
