@@ -88,6 +88,17 @@ def exported_once(kind: str, sources: list[Path], make: Callable[[Path], None]) 
     return folder
 
 
+def end(process: subprocess.Popen, ask: Callable[[], None], seconds: float) -> None:
+    """End a peer's process: `ask` it to, then kill it if it has not ended within `seconds`."""
+    if process.poll() is None:
+        ask()
+        try:
+            process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class Worker:
     """A `specchat.peer_worker` process in another environment, loaded and answering requests."""
 
@@ -120,13 +131,7 @@ class Worker:
         return reply
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end(self.process, self.process.stdin.close, seconds=60)  # the end of its input ends the worker
 
 
 class WorkerRunner(ConversationRunner):

@@ -39,7 +39,7 @@ from specchat import exports, methods
 from specchat.chat import ChatFormat
 from specchat.decode import GenerationSettings, ModelSpec, Target, cache_dir
 from specchat.errors import SpecchatError
-from specchat.peer_process import PeerFailed, exported_once, last_line, run_tool
+from specchat.peer_process import PeerFailed, end, exported_once, last_line, run_tool
 from specchat.peers import LLAMACPP_MAX_CONTEXT, ConversationRunner, PeerUnavailable
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder, source_gguf
@@ -181,13 +181,7 @@ class LlamaServer:
             raise PeerFailed(f"llama-server did not answer ({error}; its log: {self.log})") from error
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end(self.process, self.process.terminate, seconds=30)
 
 
 class LlamaServerRunner(ConversationRunner):
