@@ -305,6 +305,26 @@ def test_the_pace_takes_the_fastest_arm_and_tries_the_others_ever_later():
     assert pace.choose(found=False) is Arm.HEAD and pace.records[(Arm.PLAIN, False)].rate == plain
 
 
+def test_a_new_reply_weighs_what_its_own_text_earns():
+    """A head record kept whole from a reply where the head lost (a long prompt: dear cycles) kept it
+    away for most of a short reply where it wins; a new reply carries CARRY of each record's weight,
+    so a few good cycles of its own bring the head back (here it runs three cycles in a row from the
+    reply's third cycle on; from its eleventh with its waits and records kept whole)."""
+    pace = Pace(plain_ms=10.0)
+    for _ in range(60):  # the first reply: the head earns 1 token in 3 plain steps' time
+        arm = pace.choose(found=False)
+        pace.learn(arm, False, tokens=1, milliseconds=30.0 if arm is Arm.HEAD else 10.0)
+    assert pace.choose(found=False) is Arm.PLAIN
+    pace.check_soon()
+    cycles, heads_in_a_row = 0, 0
+    while heads_in_a_row < 3:  # the next reply: the head earns 5 tokens in that time
+        arm = pace.choose(found=False)
+        pace.learn(arm, False, tokens=5 if arm is Arm.HEAD else 1, milliseconds=30.0 if arm is Arm.HEAD else 10.0)
+        heads_in_a_row = heads_in_a_row + 1 if arm is Arm.HEAD else 0
+        cycles += 1
+    assert cycles <= 6
+
+
 def test_with_a_continuation_found_the_pace_weighs_lookup_alone_apart_from_the_head():
     pace = Pace(plain_ms=10.0)
     # With a continuation lookup alone earns most; without one the head beats plain steps.

@@ -9,19 +9,20 @@ A cycle can take one of three arms (`Arm`):
 
 Each arm's record is its recent tokens and milliseconds, a cycle's whole wall time (drafting,
 verification, bookkeeping), decayed so that recent text counts most. What lookup found splits the
-records in three (`Found`): nothing, a continuation, or one likely accepted (PROMISING or more):
-a head cycle with a chain to merge is another bet than one without, a copy under way (a rewritten
+records in three (`Found`): nothing, a continuation, or one likely accepted (PROMISING or more): a
+head cycle with a chain to merge is another bet than one without, a copy under way (a rewritten
 function) is another than a stray match, and the lookup arm exists only where there is a chain; a
-plain step costs the same in each (its cost is the machine's), so the plain arm has one record.
-The next cycle takes the arm with the best rate among those it can take, and each other arm is
-tried again after EXPLORE steps of its context (a context that comes back now and then would
-otherwise retry a slower arm nearly every time), twice as many after each try that finds it still
-slower (up to LONGEST_WAIT), after EXPLORE again when the try's own cycle beat the best; every arm is tried afresh at the
-start of each reply (its text may draft otherwise), and a likely continuation is never passed over
+plain step costs the same in each (its cost is the machine's), so the plain arm has one record. The
+next cycle takes the arm with the best rate among those it can take, and each other arm is tried
+again after EXPLORE steps of its context (a context that comes back now and then would otherwise
+retry a slower arm nearly every time), twice as many after each try that finds it still slower (up
+to LONGEST_WAIT), after EXPLORE again when the try's own cycle beat the best; every arm is tried
+afresh at the start of each reply (its text may draft otherwise), its waits starting over and its
+record carrying CARRY of its weight into the reply, and a likely continuation is never passed over
 for a plain step. The text changing kind (prose turning into code that quotes the prompt) shows as
 the split and in the decayed records. The records describe this machine, model and head, not the
 text, so they outlast a conversation (`specchat bench` answers each question on its own and keeps
-them, as a chat does across /clear).
+them, as a chat does across /clear), though weighed less in each new reply.
 
 Every arm is exact, so output is unchanged: only the pace follows the measurements. Nothing here
 imports torch.
@@ -74,6 +75,7 @@ class Pace:
     """Chooses each cycle's arm (see the module docstring)."""
 
     DECAY = 0.9  # per step of each arm: recent text counts most
+    CARRY = 0.3  # of its weight, what a record carries into a new reply (its rate stays)
     EXPLORE, LONGEST_WAIT = 4, 32  # steps before another arm is tried again, doubling up to the longest
     PROMISING = 0.6  # a lookup continuation accepted at least this often is never passed over for a plain step
     # (`Found.LIKELY`)
@@ -135,9 +137,13 @@ class Pace:
             record.wait = min(2 * max(record.wait, self.EXPLORE // 2), self.LONGEST_WAIT)
 
     def check_soon(self) -> None:
-        """A new reply: every arm is tried again (its text may draft otherwise)."""
+        """A new reply: every arm is tried again, and again after waits that start short, and what it
+        earns counts more than before (its text may draft otherwise, and its context costs otherwise:
+        a record kept whole from a long prompt outweighed a short one's few tries for its whole reply)."""
         for record in self.records.values():
-            record.since = record.wait
+            record.tokens *= self.CARRY
+            record.milliseconds *= self.CARRY
+            record.wait = record.since = self.EXPLORE
 
     def forget(self) -> None:
         """What follows is unrelated: the drafting arms' records go (a plain step's cost stays: it is the machine's)."""
