@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specchat import embedded, sources
+from specchat import converted, embedded
 from specchat.decode.runtime.target import ModelSpec
 from specchat.errors import ModelLoadError
 from specchat.sources import locate
@@ -72,10 +72,10 @@ def _converted_folder(cache, model, stamp_chunks):
     """A finished conversion in the cache, as an earlier install would have left it."""
     folder = cache / "models" / f"{model.name}-float32"
     folder.mkdir(parents=True)
-    for name in sources.NEEDED_FILES:
+    for name in converted.NEEDED_FILES:
         (folder / name).write_text("{}")
     save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
-    (folder / sources.STAMP).write_text(json.dumps({"embedded": model.name, "sha256": model.sha256,
+    (folder / converted.STAMP).write_text(json.dumps({"embedded": model.name, "sha256": model.sha256,
                                                     "dtype": "float32", "chunks": stamp_chunks}))
     return folder
 
@@ -83,10 +83,10 @@ def _converted_folder(cache, model, stamp_chunks):
 def test_a_conversion_from_another_install_is_reused_after_checking_the_chunks(fake_chunks, tmp_path, monkeypatch):
     model, _ = fake_chunks
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(sources, "convert_gguf", lambda *args: pytest.fail("converted again"))
+    monkeypatch.setattr(converted, "convert_gguf", lambda *args: pytest.fail("converted again"))
     folder = _converted_folder(tmp_path / "cache", model, [["/old/venv/part01.bin", 3000, 0]])
-    assert sources.embedded_folder(model, torch.float32) == folder
-    stamp = json.loads((folder / sources.STAMP).read_text())
+    assert converted.embedded_folder(model, torch.float32) == folder
+    stamp = json.loads((folder / converted.STAMP).read_text())
     assert stamp["chunks"] == embedded.fingerprint(embedded.chunk_files(model))
 
 
@@ -97,4 +97,4 @@ def test_chunks_that_changed_under_an_old_conversion_are_an_error(fake_chunks, t
     part.write_bytes(b"corrupted" + part.read_bytes()[9:])
     _converted_folder(tmp_path / "cache", model, [])
     with pytest.raises(ModelLoadError, match="pip install --force-reinstall"):
-        sources.embedded_folder(model, torch.float32)
+        converted.embedded_folder(model, torch.float32)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import load_tiny_target
-from specchat import sources
+from specchat import converted as conversion
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.errors import ModelLoadError
 
@@ -33,19 +33,19 @@ def gguf(tmp_path, qwen_dir, monkeypatch):
         conversions.append(folder)
         shutil.copytree(qwen_dir, folder, dirs_exist_ok=True)
 
-    monkeypatch.setattr(sources, "write_hf_folder", write_hf_folder)
+    monkeypatch.setattr(conversion, "write_hf_folder", write_hf_folder)
     return SimpleNamespace(path=path, conversions=conversions)
 
 
 def converted(gguf):
-    return sources.gguf_folder(gguf.path, torch.float32)
+    return conversion.gguf_folder(gguf.path, torch.float32)
 
 
 def test_a_conversion_records_its_files_and_is_whole(gguf):
     folder = converted(gguf)
-    stamp = json.loads((folder / sources.STAMP).read_text())
+    stamp = json.loads((folder / conversion.STAMP).read_text())
     assert set(stamp["files"]) >= {"config.json", "tokenizer.json", "model.safetensors"}
-    assert sources.damage(folder) is None
+    assert conversion.damage(folder) is None
     assert converted(gguf) == folder and len(gguf.conversions) == 1  # used as it is
 
 
@@ -67,7 +67,7 @@ def test_every_file_of_a_converted_model_damaged_is_made_again(gguf, capfd):
         damage()
         assert converted(gguf) == folder, what
         assert len(gguf.conversions) == number, f"{what}: not converted again"
-        assert sources.damage(folder) is None, what
+        assert conversion.damage(folder) is None, what
         err = capfd.readouterr().err
         assert f"the converted model in {folder} is damaged" in err and "converting it again" in err, what
         assert len(err.strip().splitlines()) == 2, err  # the damage line, then the conversion's own line
@@ -95,13 +95,13 @@ def test_what_a_killed_conversion_left_is_removed(gguf, tmp_path):
     code = textwrap.dedent(f"""
         import shutil, sys, time, torch
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
-        from specchat import sources
+        from specchat import converted as conversion
         def write_hf_folder(gguf_path, dtype, folder):
             (folder / "config.json").write_text("{{}}")
             open({str(started)!r}, "w").close()
             time.sleep(60)
-        sources.write_hf_folder = write_hf_folder
-        sources.gguf_folder(__import__("pathlib").Path({str(gguf.path)!r}), torch.float32)
+        conversion.write_hf_folder = write_hf_folder
+        conversion.gguf_folder(__import__("pathlib").Path({str(gguf.path)!r}), torch.float32)
     """)
     child = subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy())
     try:
@@ -112,10 +112,10 @@ def test_what_a_killed_conversion_left_is_removed(gguf, tmp_path):
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    models = sources.cache_dir() / "models"
+    models = conversion.cache_dir() / "models"
     assert list(models.glob("*.tmp-*")), "the killed conversion should have left its folder"
     folder = converted(gguf)
-    assert not list(models.glob("*.tmp-*")) and sources.damage(folder) is None
+    assert not list(models.glob("*.tmp-*")) and conversion.damage(folder) is None
 
 
 def test_a_living_conversion_keeps_its_folder(gguf, qwen_dir, monkeypatch):
@@ -125,7 +125,7 @@ def test_a_living_conversion_keeps_its_folder(gguf, qwen_dir, monkeypatch):
         time.sleep(0.5)
         shutil.copytree(qwen_dir, folder, dirs_exist_ok=True)
 
-    monkeypatch.setattr(sources, "write_hf_folder", slow)
+    monkeypatch.setattr(conversion, "write_hf_folder", slow)
     folders, errors = [], []
 
     def load():
@@ -148,10 +148,10 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(gguf, monkeypatch):
         (folder / "config.json").write_text("{}")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sources, "write_hf_folder", full)
+    monkeypatch.setattr(conversion, "write_hf_folder", full)
     with pytest.raises(ModelLoadError, match="cannot write the converted model into .*No space left on device"):
         converted(gguf)
-    assert [path.name for path in (sources.cache_dir() / "models").iterdir() if not path.name.endswith(".lock")] == []
+    assert [path.name for path in (conversion.cache_dir() / "models").iterdir() if not path.name.endswith(".lock")] == []
 
 
 class Payload:
@@ -185,7 +185,7 @@ def test_a_gguf_is_parsed_once_while_converting(tmp_path, monkeypatch):
             made.append(path)
 
     monkeypatch.setattr(gguf_package, "GGUFReader", CountingReader)
-    with sources._gguf_parsed_once():
+    with conversion._gguf_parsed_once():
         from gguf import GGUFReader
         first, second = GGUFReader(tmp_path / "m.gguf"), GGUFReader(str(tmp_path / "m.gguf"))
         other = GGUFReader(tmp_path / "other.gguf")

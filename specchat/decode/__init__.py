@@ -84,7 +84,7 @@ MODULES = ("options", "drafting.deagle", "drafting.lookup")
 FACE = {**{name: (module, name) for module, names in EXPORTS.items() for name in names},
         **{module.rpartition(".")[2]: (module, None) for module in MODULES}}
 # The modules outside the core that import below this face.
-BUILDERS = ("specchat.proposers", "specchat.sources", "specchat.runtime_check")
+BUILDERS = ("specchat.proposers", "specchat.sources", "specchat.converted", "specchat.runtime_check")
 
 __all__ = sorted(FACE)
 

