@@ -13,12 +13,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 import drafters
 from drafters import Verifier
 from drafters.eagle3 import default_feature_layers
+from specchat.decode import ModelSpec
 from specchat.embedded import EMBEDDED_MODELS
+from specchat.errors import SpecchatError
 from specchat.hub import HUB_ID
-from specchat.sources import DraftHeadError, resolve_folder
+from specchat.sources import DraftHeadError, locate, resolve_folder
 
 TRAINING_RECORD = "training.json"  # what `specchat train` writes beside a head
 
@@ -40,6 +44,19 @@ def export_folder(folder: Path, layout: str, output: str | Path, verifier: str |
                                     speculative_tokens, feature_layers(folder), max_shard_bytes)
     except drafters.HeadLoadError as error:
         raise DraftHeadError(str(error)) from error
+
+
+def named_with_target(head: str, verifier: str | None = None, max_position_embeddings: int | None = None,
+                      model: str | None = None) -> tuple[Path, Verifier, tuple[int, ...] | None, Path]:
+    """For a runtime that reads the target's own files beside the head (OpenVINO's IR, llama.cpp's GGUF):
+    the head's folder, its target as exports name it (`target_of`), the target layers it reads, and the
+    converted Hugging Face folder of `model` (default: the target its training record names)."""
+    folder = resolve_folder(head)
+    model = model or target_name(folder)
+    if model is None:
+        raise SpecchatError(f"{head}: its training record names no target: say which model it drafts for (--model)")
+    return (folder, target_of(folder, verifier, max_position_embeddings), feature_layers(folder),
+            Path(locate(ModelSpec(model=model), torch.bfloat16)))
 
 
 def target_of(folder: Path, verifier: str | None = None, max_position_embeddings: int | None = None) -> Verifier:

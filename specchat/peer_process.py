@@ -134,21 +134,26 @@ class Worker:
         end(self.process, self.process.stdin.close, seconds=60)  # the end of its input ends the worker
 
 
-class WorkerRunner(ConversationRunner):
-    """A bench runner answering through a worker."""
+class PeerRunner(ConversationRunner):
+    """A bench runner answering through a peer's own process (`peer`: a `Worker`, or
+    `specchat.peers_llamacpp.LlamaServer`), which ends with the runner."""
 
-    def __init__(self, worker: Worker, chat_format: ChatFormat, settings: GenerationSettings, seed: int | None):
+    def __init__(self, peer, chat_format: ChatFormat, settings: GenerationSettings, seed: int | None):
         super().__init__()
-        self.worker, self.chat_format, self.settings = worker, chat_format, settings
+        self.peer, self.chat_format, self.settings = peer, chat_format, settings
         self.seed = 0 if seed is None else seed
 
     def close(self) -> None:
-        self.worker.close()
+        self.peer.close()
+
+
+class WorkerRunner(PeerRunner):
+    """A bench runner answering through a worker."""
 
     def turn(self, prompt: str) -> Turn:
         self.conversation.add_user(prompt)
         sampling = self.settings.sampling
-        reply = self.worker.ask({
+        reply = self.peer.ask({
             "op": "generate", "prompt": self.chat_format.prompt_ids(self.conversation),
             "max_new_tokens": self.settings.max_new_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": self.seed, "stop": sorted(self.settings.stop_ids)})

@@ -19,6 +19,7 @@ SPECCHAT_LLAMACPP_DIR names that source tree with its build (default: `<cache>/p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,10 +38,11 @@ import drafters
 from drafters import Verifier
 from specchat import exports, methods
 from specchat.chat import ChatFormat
-from specchat.decode import GenerationSettings, ModelSpec, Target, cache_dir
+from specchat.decode import GenerationSettings, Target, cache_dir
 from specchat.errors import SpecchatError
-from specchat.peer_process import PeerFailed, end, exported_once, last_line, run_tool
-from specchat.peers import LLAMACPP_MAX_CONTEXT, ConversationRunner, PeerUnavailable
+from specchat.peer_process import PeerFailed, PeerRunner, end, exported_once, last_line, run_tool
+from specchat.peer_worker import with_stop
+from specchat.peers import LLAMACPP_MAX_CONTEXT, PeerUnavailable
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder, source_gguf
 from specchat.stats import Stats
@@ -89,8 +91,8 @@ def convert_head(head: Path, output: Path, verifier: Verifier, feature_layers: t
         staged = Path(work) / "speculators"
         try:  # the layout names a verifier, which llama.cpp does not read: the target's hub id where known
             drafters.export_head(head, staged, "speculators",
-                                 Verifier(verifier.name or target_folder.name, verifier.architectures,
-                                          verifier.max_position_embeddings), feature_layers=feature_layers)
+                                 dataclasses.replace(verifier, name=verifier.name or target_folder.name),
+                                 feature_layers=feature_layers)
         except drafters.HeadLoadError as error:
             raise SpecchatError(str(error)) from error
         config = json.loads((staged / "config.json").read_text())
@@ -112,12 +114,8 @@ def export_named(head: str, output: str | Path, verifier: str | None = None,
     """`export-head --format llamacpp`: the head `head` names, for the target `model` (default: the one
     its training record names), whose converted folder gives the vocabulary."""
     tree = tools()
-    folder = resolve_folder(head)
-    model = model or exports.target_name(folder)
-    if model is None:
-        raise SpecchatError(f"{head}: its training record names no target: say which model it drafts for (--model)")
-    return [convert_head(folder, Path(output), exports.target_of(folder, verifier, max_position_embeddings),
-                         exports.feature_layers(folder), Path(locate(ModelSpec(model=model), torch.bfloat16)), tree)]
+    folder, target, layers, target_folder = exports.named_with_target(head, verifier, max_position_embeddings, model)
+    return [convert_head(folder, Path(output), target, layers, target_folder, tree)]
 
 
 def free_port() -> int:
@@ -184,34 +182,25 @@ class LlamaServer:
         end(self.process, self.process.terminate, seconds=30)
 
 
-class LlamaServerRunner(ConversationRunner):
+class LlamaServerRunner(PeerRunner):
     """A bench runner answering through llama-server's /completion: the prompt as token ids (the
     model's own chat template), its cache reused for the conversation's shared prefix, the plain
     distribution (temperature, top-k and top-p only: none of its other samplers' defaults).
     Each speculative step yields its accepted drafts and one token more, so the target's forwards
     are the new tokens less the accepted drafts (the prefill's giving the first)."""
 
-    def __init__(self, server: LlamaServer, chat_format: ChatFormat, settings: GenerationSettings, seed: int | None):
-        super().__init__()
-        self.server, self.chat_format, self.settings = server, chat_format, settings
-        self.seed = 0 if seed is None else seed
-
-    def close(self) -> None:
-        self.server.close()
-
     def turn(self, prompt: str):
         self.conversation.add_user(prompt)
         sampling = self.settings.sampling
         start = time.perf_counter()
-        reply = self.server.complete({
+        reply = self.peer.complete({
             "prompt": self.chat_format.prompt_ids(self.conversation), "n_predict": self.settings.max_new_tokens,
             "temperature": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p,
             "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "seed": self.seed, "cache_prompt": True,
             "return_tokens": True, "stream": False})
         seconds = time.perf_counter() - start
-        tokens = reply["tokens"]
-        ends = [i for i, token in enumerate(tokens) if token in self.settings.stop_ids]
-        tokens = tokens[:ends[0] + 1] if ends else tokens
+        tokens = with_stop(reply["tokens"], {"max_new_tokens": self.settings.max_new_tokens,
+                                             "stop": self.settings.stop_ids})
         timings = reply["timings"]
         drafted, accepted = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
         return self.answered(tokens, Stats(

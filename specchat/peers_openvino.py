@@ -34,7 +34,7 @@ import drafters
 from drafters import Verifier
 from specchat import exports
 from specchat.chat import ChatFormat
-from specchat.decode import GenerationSettings, ModelSpec, Target, cache_dir
+from specchat.decode import GenerationSettings, Target, cache_dir
 from specchat import methods
 from specchat.errors import SpecchatError
 from specchat.peers import PeerUnavailable
@@ -131,13 +131,8 @@ def export_named(head: str, output: str | Path, verifier: str | None = None,
     """`export-head --format openvino`: the head `head` names, for the target `model` (default: the
     one its training record names), whose converted folder gives the tokenizer."""
     python_path = python()  # before anything converts
-    folder = resolve_folder(head)
-    model = model or exports.target_name(folder)
-    if model is None:
-        raise SpecchatError(f"{head}: its training record names no target: say which model it drafts for (--model)")
-    return export_head(folder, Path(output), exports.target_of(folder, verifier, max_position_embeddings),
-                       exports.feature_layers(folder), Path(locate(ModelSpec(model=model), torch.bfloat16)),
-                       python_path)
+    folder, target, layers, target_folder = exports.named_with_target(head, verifier, max_position_embeddings, model)
+    return export_head(folder, Path(output), target, layers, target_folder, python_path)
 
 
 def _runner(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
