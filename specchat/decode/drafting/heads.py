@@ -260,9 +260,9 @@ class GrowingHead(HeadProposer):
         positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
         root_top = None
         if self.fused is not None and self.shape.grows_on_host:  # with its top-k, which the host growth reads
-            out, *root_top = self.fused.draft(features, next_tokens, positions, self.cache, self.consumed, None,
-                                              outputs=1, k=self.top_k)
-            root_top = tuple(root_top)
+            out, logps, ids = self.fused.draft(features, next_tokens, positions, self.cache, self.consumed, None,
+                                               outputs=1, k=self.top_k)
+            root_top = (logps, ids)
         elif self.fused is not None:  # the new rows see each other causally; only the last one's output is read
             out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None, outputs=1)
         else:
@@ -336,15 +336,18 @@ class GrowingHead(HeadProposer):
         tree.head_trust = self.head_trust
         return tree
 
-    def feed(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, both: bool = False):
+    def level_inputs(self, tokens, level: int, first_entry: int, entries: torch.Tensor):
+        """A tree level's positions and, of this cycle's entries, those its nodes attend to."""
         m = len(tokens)
         assert self.cache.length == self.consumed + first_entry, "tree entries are appended in feeding order"
-        positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
+        return torch.full((m,), self.consumed - 1 + level, device=tokens.device), entries[:, : first_entry + m]
+
+    def feed(self, hidden, tokens, level: int, first_entry: int, entries: torch.Tensor, both: bool = False):
+        positions, seen = self.level_inputs(tokens, level, first_entry, entries)
         if self.fused is not None and not both:
-            return self.fused.step(hidden, tokens, positions, self.cache, self.consumed,
-                                   entries[:, : first_entry + m].contiguous()), None
-        context = torch.ones(m, self.consumed, dtype=torch.bool, device=tokens.device)
-        mask = torch.cat([context, entries[:, : first_entry + m]], dim=1)[None, None]
+            return self.fused.step(hidden, tokens, positions, self.cache, self.consumed, seen.contiguous()), None
+        context = torch.ones(len(tokens), self.consumed, dtype=torch.bool, device=tokens.device)
+        mask = torch.cat([context, seen], dim=1)[None, None]
         if both:
             return self.head.forward_both(hidden, tokens, positions, mask, self.cache)
         return self.head(hidden, tokens, positions, mask, self.cache), None
@@ -356,11 +359,9 @@ class GrowingHead(HeadProposer):
         """The fused step and its top-k in one kernel call (`FusedEagle3Step.draft`)."""
         if self.fused is None:
             return super().feed_top(hidden, tokens, level, first_entry, entries, k)
-        m = len(tokens)
-        assert self.cache.length == self.consumed + first_entry, "tree entries are appended in feeding order"
-        positions = torch.full((m,), self.consumed - 1 + level, device=tokens.device)
-        return self.fused.draft(hidden, tokens, positions, self.cache, self.consumed,
-                                entries[:, : first_entry + m].contiguous(), outputs=None, k=k)
+        positions, seen = self.level_inputs(tokens, level, first_entry, entries)
+        return self.fused.draft(hidden, tokens, positions, self.cache, self.consumed, seen.contiguous(), outputs=None,
+                                k=k)
 
     def stops(self, fired: torch.Tensor, growth: Growth) -> bool:
         return bool(fired)
