@@ -3,11 +3,14 @@
 The engine sees only token ids. This module turns a list of chat messages into the prompt ids
 through the model's own chat template, names the tokens that end a turn, turns generated ids
 back into text incrementally for streaming, and holds the session that does all three around
-the engine, one reply at a time, counting what each reply took (`specchat.stats`).
+the engine, one reply at a time, counting what each reply took (`specchat.stats`). A reply may be
+given a prediction (OpenAI's predicted outputs): text it will mostly repeat, which lookup drafts
+from (`prediction_usage` says how much of it the reply used).
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -145,6 +148,11 @@ class ChatFormat:
         except jinja2.TemplateError as error:
             raise TemplateError(f"the chat template cannot format this conversation: {error}") from error
 
+    def prediction_ids(self, text: str) -> list[int]:
+        """A prediction's token ids: the text as the reply would spell it, so without the special
+        tokens a tokenizer adds around a whole input (a BOS), which no reply repeats."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def check_size(self, messages: list[dict], context_tokens: int) -> None:
         """Refuse, before tokenizing them, messages whose size alone shows that they cannot fit in
         `context_tokens`: B bytes of text make at least B / max_token_bytes tokens. Tokenizing a huge
@@ -213,6 +221,7 @@ class Turn:
     prompt_ids: list[int] = field(default_factory=list)  # the conversation the reply answered, as token ids
     generation: GenerationSettings | None = None
     rng_state: torch.Tensor | None = None  # the random stream's state when it began
+    prediction_ids: list[int] = field(default_factory=list)  # the text it was predicted to repeat (none: empty)
     text: str = ""  # the whole reply, once it ends (the events carry it piece by piece)
     tokens: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # per token, the target's top-2 logit margin
@@ -252,9 +261,14 @@ class ChatSession:
     def prompt_ids(self) -> list[int]:
         return self.chat_format.prompt_ids(self.conversation)
 
-    def reply(self, user_text: str, on_end: Callable[[Turn], None] | None = None) -> Iterator[TurnEvent]:
+    def reply(self, user_text: str, on_end: Callable[[Turn], None] | None = None, *,
+              generation: GenerationSettings | None = None, rng: torch.Generator | None = None,
+              prediction: str | None = None) -> Iterator[TurnEvent]:
         """Add the user's message and stream the assistant's reply; `on_end(turn)` once it ends.
 
+        `generation` and `rng` replace the session's own for this reply only (a request's settings);
+        `prediction` is text the reply is expected to mostly repeat (OpenAI's predicted outputs),
+        which lookup drafts from: it changes how fast the reply comes, never what it says.
         The reply joins the conversation when the stream ends; if the consumer stops early
         (Ctrl-C), the partial reply is kept and marked `"interrupted": True`. A message that cannot
         be answered (too long for the context, refused by the template) ends before any turn.
@@ -267,10 +281,13 @@ class ChatSession:
         except TemplateError:
             self.conversation.messages.pop()  # the message is not part of the conversation after all
             raise
-        turn = self.last_turn = Turn(prompt, self.settings, self.rng.get_state() if self.rng is not None else None)
+        generation = generation or self.settings
+        rng = rng if rng is not None else self.rng
+        predicted = self.chat_format.prediction_ids(prediction) if prediction else []
+        turn = self.last_turn = Turn(prompt, generation, rng.get_state() if rng is not None else None, predicted)
         decoder = self.chat_format.decoder()
         try:
-            for step in self.engine.generate(prompt, self.settings, self.rng):
+            for step in self.engine.generate(prompt, generation, rng, prediction=predicted):
                 turn.stats.add_step(step)
                 turn.tokens += step.tokens
                 turn.margins += step.margins
@@ -295,3 +312,13 @@ class ChatSession:
                 self.conversation.messages.append(message)
             if on_end is not None:
                 on_end(turn)
+
+
+def prediction_usage(prediction_ids: list[int], completion_ids: list[int]) -> tuple[int, int]:
+    """OpenAI's `(accepted_prediction_tokens, rejected_prediction_tokens)` of a reply given a prediction:
+    the tokens of the prediction that appeared in the completion (in order: the matching blocks of
+    the two sequences) and those that did not. It says how much of the prediction the answer
+    repeated, whatever the drafts made of it (a token may be accepted here and drafted never)."""
+    matcher = difflib.SequenceMatcher(None, prediction_ids, completion_ids, autojunk=False)
+    accepted = sum(block.size for block in matcher.get_matching_blocks())
+    return accepted, len(prediction_ids) - accepted

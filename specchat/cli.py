@@ -33,7 +33,7 @@ from rich.console import Console
 from specchat import cli_train
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
-from specchat.inputs import atomic_output, check_outputs, read_prompts, read_stdin
+from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
 from specchat.methods import METHODS, plain_unless_drafted
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI
@@ -107,13 +107,23 @@ def cli():
 
 
 @cli.command()
+@click.option("--predict", metavar="FILE", default=None,
+              help="Text the answers will mostly repeat (the file being edited, say): every answer is drafted "
+                   "from it too (OpenAI's predicted outputs); the answers stay exactly the model's.")
 @VERBOSE
 @settings_options
-def chat(verbose, **options):
+def chat(predict, verbose, **options):
     """Chat in the terminal; with a pipe on stdin, answer what it holds and exit."""
     show_core_messages(verbose)
     settings, profile = resolve_settings(options)
     settings, note = plain_unless_drafted(settings, options)
+    prediction = read_prediction(predict) if predict is not None else None
+
+    def opened(note: str | None = None):
+        chat = open_chat(settings, profile, note, answers_by_default=True)
+        chat.set_prediction(prediction, predict)
+        return chat
+
     if sys.stdout is None or sys.stdout.closed:
         raise UsageError("standard output is closed: the answers would have nowhere to go")
     if sys.stdin is None or not sys.stdin.isatty():
@@ -122,7 +132,7 @@ def chat(verbose, **options):
             raise UsageError("empty prompt (stdin held no text)")
         global piped_chat_ran
         piped_chat_ran = True
-        answer_once(open_chat(settings, profile, note, answers_by_default=True), prompt)
+        answer_once(opened(note), prompt)
         return
     if note:  # now: once the prompt is up, a line from the loading thread would cut into it
         click.echo(f"specchat: {note}", err=True)
@@ -130,7 +140,7 @@ def chat(verbose, **options):
     terminal_chat_ran = True  # however the chat ends, main() then ends the process at once
     from specchat.repl import run_repl  # prompt_toolkit loads here: a piped prompt has no use for it
 
-    run_repl(lambda: open_chat(settings, profile, answers_by_default=True), settings.model)
+    run_repl(opened, settings.model)
 
 
 def answer_once(chat, prompt: str) -> None:

@@ -1,4 +1,4 @@
-"""Prompt files for `specchat run` and `specchat bench`.
+"""Prompt files for `specchat run` and `specchat bench`, and a chat's prediction file (`read_prediction`).
 
 Accepted inputs:
 - `.txt`: one prompt per line (blank lines are skipped);
@@ -161,6 +161,16 @@ def read_stdin() -> str:
         return _decode(raw.read(), "<stdin>") if raw is not None else sys.stdin.read().removeprefix(BYTE_ORDER_MARK)
     except OSError as error:
         raise InputError(f"<stdin>: cannot read ({error.strerror})") from error
+
+
+def read_prediction(path: str) -> str:
+    """The text of a prediction file (`chat --predict`, `/predict`: what the answers will mostly
+    repeat), UTF-8 strictly, whole; an InputError in one line if it cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            return _decode(handle.read(), path)
+    except OSError as error:
+        raise InputError(f"{path}: cannot read the prediction ({error.strerror})") from error
 
 
 def read_prompts(paths: list[str]) -> list[PromptRecord]:

@@ -4,7 +4,8 @@
 keeps the two in step when something changes mid-conversation (`/method`, `/set`, `/load`).
 It also keeps what the chat reports: session totals per method (`/stats`), the last draft tree
 (`/tree`), the plain-decoding clock behind speedup estimates and, on request, a plain engine for
-exact comparisons. It prints nothing; `specchat.ui` decides how things look.
+exact comparisons; and the prediction every reply is given (`--predict`, `/predict`). It prints
+nothing; `specchat.ui` decides how things look.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.chat import ChatSession, Conversation, Turn, TurnEvent
+from specchat.chat import ChatSession, Conversation, Turn, TurnEvent, prediction_usage
 from specchat.decode import Engine, GenerationSettings, SamplingParams, make_generator
 from specchat.errors import SpecchatError
 from specchat.settings import (FIELDS, LIVE_KEYS, METHOD_SECTIONS, LiveChatError, Settings, method_key, parse_value,
@@ -84,6 +85,7 @@ class TurnReport:
     stats: Stats
     estimated_speedup: float | None = None
     comparison: Comparison | None = None
+    prediction: tuple[int, int] | None = None  # the prediction's tokens the reply repeated, of how many
 
 
 class LiveChat:
@@ -102,6 +104,8 @@ class LiveChat:
         self.clock = PlainStepClock(session.engine)
         self._plain_engine: Engine | None = None
         self._proposers = {method_key(settings): session.engine.proposer}  # loaded once, reused on switching back
+        self.prediction: str | None = None  # text every reply is given as its prediction (`ChatSession.reply`)
+        self.prediction_name: str | None = None  # where it came from (a file), for /predict
 
     @property
     def engine(self) -> Engine:
@@ -113,10 +117,14 @@ class LiveChat:
 
     # -- replies ---------------------------------------------------------------------------
 
-    def reply(self, text: str) -> Iterator[TurnEvent]:
-        """Stream the reply to `text` (the session's own stream; stopping early keeps the partial
-        reply, see `ChatSession.reply`); the session totals count it once it ends."""
-        return self.session.reply(text, on_end=functools.partial(self._count, self.settings.method))
+    def reply(self, text: str, *, generation: GenerationSettings | None = None, rng: torch.Generator | None = None,
+              prediction: str | None = None) -> Iterator[TurnEvent]:
+        """Stream the reply to `text` (the session's own stream, with `ChatSession.reply`'s arguments;
+        stopping early keeps the partial reply); the session totals count it once it ends. Without a
+        `prediction` the chat's own is given (`set_prediction`); an empty one gives none."""
+        return self.session.reply(text, on_end=functools.partial(self._count, self.settings.method),
+                                  generation=generation, rng=rng,
+                                  prediction=self.prediction if prediction is None else prediction)
 
     def _count(self, method: str, turn: Turn) -> None:
         totals = self.totals.setdefault(method, MethodTotals())
@@ -133,6 +141,8 @@ class LiveChat:
         turn = self.last_turn
         assert turn is not None, "report() follows a reply"
         report = TurnReport(turn.stats)
+        if turn.prediction_ids:
+            report.prediction = (prediction_usage(turn.prediction_ids, turn.tokens)[0], len(turn.prediction_ids))
         room = self.engine.max_context - self.engine.cache.length
         if self.last_method == PLAIN or turn.stats.new_tokens < 2 or room < 8:
             return report  # nothing was decoded after the prefill, or no room to time plain steps
@@ -166,6 +176,10 @@ class LiveChat:
         """A new conversation (the system prompt stays)."""
         self.session.clear()
         self.last_turn = self.last_cycle = None
+
+    def set_prediction(self, text: str | None, name: str | None = None) -> None:
+        """Give every reply from now on `text` as its prediction (None: none); `name` says where it came from."""
+        self.prediction, self.prediction_name = text or None, name if text else None
 
     def set_system(self, text: str | None) -> None:
         self.session.conversation.system = text

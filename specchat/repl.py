@@ -23,6 +23,7 @@ from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 
 from specchat.errors import ContextLengthError
+from specchat.inputs import InputError, read_prediction
 from specchat.settings import LIVE_KEYS, LiveChatError, show_value
 from specchat.methods import CHAT_METHODS, METHODS, effective_draft, needs_draft
 from specchat.transcript import TranscriptError
@@ -44,6 +45,7 @@ COMMANDS = (
     ("stats", "", "session totals per method: tokens, τ, acceptance (by tree depth), speedup"),
     ("compare", "[on | off]", "also decode each answer plainly: measured speedup, identical answers?"),
     ("tree", "", "the last draft tree with its probabilities, accepted path marked"),
+    ("predict", "[FILE | off]", "show, set or remove the text every answer will mostly repeat (drafted from)"),
     ("save", "FILE", "save the conversation and settings as a JSON transcript"),
     ("load", "FILE", "restore a saved conversation and its settings"),
 )
@@ -130,7 +132,7 @@ def unwrap_block(text: str) -> str:
 
 
 class CommandCompleter(Completer):
-    """Tab completes command names, /method names, /set keys and on/off."""
+    """Tab completes command names, /method names, /set keys, on/off and /predict off."""
 
     def get_completions(self, document, complete_event):
         words = document.text_before_cursor.split(" ")
@@ -140,7 +142,7 @@ class CommandCompleter(Completer):
             candidates = ["/" + name for name, _, _ in COMMANDS]
         elif len(words) == 2:
             arguments = {"/method": list(CHAT_METHODS), "/set": list(LIVE_KEYS),
-                         "/compare": ["on", "off"]}
+                         "/compare": ["on", "off"], "/predict": ["off"]}
             candidates = arguments.get(words[0], [])
         else:
             candidates = ["on", "off"] if words[0] == "/set" and words[1] in ("show_accept", "compare") else []
@@ -293,7 +295,7 @@ class Repl:
             return False
         try:
             getattr(self, f"do_{name}")(chat, argument.strip())
-        except (LiveChatError, TranscriptError) as error:
+        except (LiveChatError, TranscriptError, InputError) as error:
             self.ui.error(str(error))
         except Exception as error:  # a failing library call must not end the chat and lose the conversation
             self.ui.error(f"/{name} failed: {first_line(error)}")
@@ -366,6 +368,18 @@ class Repl:
                          f"(now: {chat.settings.method}).")
             return
         self.ui.tree(chat.last_cycle, chat.tokenizer)
+
+    def do_predict(self, chat, argument: str) -> None:
+        off = argument.lower() == "off"
+        if off:
+            chat.set_prediction(None)
+        elif argument:
+            chat.set_prediction(read_prediction(argument), argument)
+        if chat.prediction is None:
+            self.ui.note("no prediction" + (f" ({argument} is empty)" if argument and not off else ""))
+            return
+        tokens = len(chat.session.chat_format.prediction_ids(chat.prediction))
+        self.ui.note(f"prediction {chat.prediction_name}: {tokens} tokens, drafted from in every answer")
 
     def do_save(self, chat, argument: str) -> None:
         if not argument:

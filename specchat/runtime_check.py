@@ -126,6 +126,9 @@ class ScriptedTree:
     def forget(self) -> None:
         pass
 
+    def predict(self, tokens: list[int]) -> None:
+        pass  # its trees follow the script, whatever text is predicted
+
     def observe(self, tokens, features) -> None:
         pass
 

@@ -85,19 +85,23 @@ class TrainingProgress:
 DRAFTED_STYLE, TARGET_STYLE = "green", "yellow"
 
 
-def stats_line(stats, estimated_speedup: float | None = None, comparison=None) -> str:
+def stats_line(stats, estimated_speedup: float | None = None, comparison=None,
+               prediction: tuple[int, int] | None = None) -> str:
     """One line about a reply: tokens, tokens/s, tau, acceptance rate, speedup over plain decoding.
 
     tau counts the bonus token (1.00 for plain decoding); the acceptance rate is accepted draft
     tokens over the draft tokens the target verified. The speedup is the decoding phase's (see
     `specchat.speedup`): estimated, marked "est.", or measured when a `comparison` (the reply
-    decoded plainly too) is given.
+    decoded plainly too) is given. `prediction`: the reply's prediction's tokens that it repeated
+    (OpenAI's accepted prediction tokens, `chat.prediction_usage`) and how many it held.
     """
     parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s:.1f} tok/s", f"τ {stats.tau:.2f}"]
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance {stats.acceptance_rate:.0%} ({stats.accepted_tokens}/{stats.draft_tokens} drafted)")
     if stats.accepted_from_lookup:
         parts.append(f"{stats.accepted_from_lookup} accepted from lookup")
+    if prediction is not None:
+        parts.append(f"prediction {prediction[0]}/{prediction[1]} accepted")
     shares = stats.arm_shares()
     if len(shares) > 1:  # the pace took several draft sources
         parts.append("steps " + " ".join(f"{arm} {share:.0%}" for arm, share in shares.items()))
@@ -181,7 +185,7 @@ class ChatUI:
             self.note("(interrupted; the partial answer stays in the conversation)")
 
     def stats(self, report) -> None:
-        self.note(stats_line(report.stats, report.estimated_speedup, report.comparison))
+        self.note(stats_line(report.stats, report.estimated_speedup, report.comparison, report.prediction))
 
     # -- messages --------------------------------------------------------------------------
 

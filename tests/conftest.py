@@ -228,6 +228,9 @@ class ScriptedProposer:
     def observe(self, tokens, features) -> None:
         self.context.extend(tokens)
 
+    def predict(self, tokens) -> None:
+        pass  # it drafts the script, whatever text is predicted
+
     def committed(self, tokens, cycle) -> None:
         self.context.extend(tokens)
 
@@ -312,10 +315,10 @@ def interrupt_the_prompt_with(monkeypatch, word: str) -> None:
 
     generate = Engine.generate
 
-    def interrupted(self, prompt, settings, rng=None):
+    def interrupted(self, prompt, settings, rng=None, prediction=None):
         if self.target.tokenizer.decode(prompt).count(word):
             raise KeyboardInterrupt
-        yield from generate(self, prompt, settings, rng)
+        yield from generate(self, prompt, settings, rng, prediction)
 
     monkeypatch.setattr(Engine, "generate", interrupted)
 

@@ -53,7 +53,7 @@ def test_streamed_reply_text_equals_the_reply(tokenizer):
     class StubEngine:  # replays fixed steps: 2 tokens, then 2 more ending mid-character
         max_context = 512
 
-        def generate(self, prompt, settings, rng):
+        def generate(self, prompt, settings, rng, prediction=None):
             yield StepResult(tokens=emoji[:2], drafted=[False, False], seconds=0.1)
             yield StepResult(tokens=emoji[2:5], drafted=[True, True, False], seconds=0.1, finish_reason="length")
 

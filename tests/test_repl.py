@@ -4,6 +4,7 @@ Every REPL test types into a real `PromptSession` (pipe input, dummy output) and
 chat printed from a rich console on a string buffer.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -11,6 +12,7 @@ import time
 from contextlib import closing
 
 import pytest
+import torch
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
@@ -129,10 +131,10 @@ def test_ctrl_c_mid_answer_keeps_a_consistent_conversation(qwen_dir, head_dirs, 
     engine, generate = chat.engine, chat.engine.generate
     calls = []
 
-    def interrupted_once(prompt, settings, rng=None):
+    def interrupted_once(prompt, settings, rng=None, prediction=None):
         # The first reply is stopped after three steps, as if Ctrl-C arrived mid-answer.
         calls.append(prompt)
-        with closing(generate(prompt, settings, rng)) as steps:
+        with closing(generate(prompt, settings, rng, prediction)) as steps:
             for index, step in enumerate(steps):
                 if len(calls) == 1 and index == 3:
                     raise KeyboardInterrupt
@@ -209,6 +211,45 @@ def test_show_accept_colours_drafted_and_target_tokens_on_a_terminal_only(bigram
     assert "\x1b[" not in plain and "colours show only on a terminal" in plain
 
 
+def predicted_text(model_dir, message: str, **settings) -> str:
+    """A prediction of the plain answer to `message` that it repeats whole: its text up to the first
+    character the tiny random model's bytes do not make."""
+    return plain_answer(model_dir, [{"role": "user", "content": message}], **settings).split("\ufffd")[0]
+
+
+def test_predict_sets_shows_and_clears_the_prediction_of_every_answer(qwen_dir, tmp_path):
+    prediction = predicted_text(qwen_dir, "hi", max_new_tokens=20)
+    (tmp_path / "draft.py").write_text(prediction, encoding="utf-8")
+    answer = plain_answer(qwen_dir, [{"role": "user", "content": "hi"}], max_new_tokens=20)
+    chat = new_chat(qwen_dir, method="pld", max_new_tokens=20)
+    out = drive(chat, f"/predict\n/predict {tmp_path / 'draft.py'}\n/predict\nhi\n/predict /no/such.py\n")
+    ids = chat.session.chat_format.prediction_ids(prediction)
+    lines = out.splitlines()
+    assert lines.count("no prediction") == 1 and "error: /no/such.py: cannot read the prediction" in out
+    assert sum(f"prediction {tmp_path / 'draft.py'}: {len(ids)} tokens" in line for line in lines) == 2
+    assert len(ids) > 5 and f"prediction {len(ids)}/{len(ids)} accepted" in out  # the answer repeated it whole
+    assert chat.last_turn.prediction_ids == chat.engine.proposer.source.prediction.tokens == ids  # pld drafted from it
+    assert chat.session.conversation.messages[-1]["content"] == answer  # and the answer is the plain one
+    out = drive(chat, "/predict off\n/predict\nagain\n")
+    assert out.count("no prediction") == 2 and "prediction 0/" not in out and " accepted ·" not in out
+    assert chat.prediction is None
+    assert chat.last_turn.prediction_ids == chat.engine.proposer.source.prediction.tokens == []
+
+
+def test_a_reply_can_have_its_own_settings_random_stream_and_prediction(qwen_dir):
+    chat = new_chat(qwen_dir, method="pld")
+    chat.set_prediction("a b c", "abc.txt")
+    short = dataclasses.replace(chat.session.settings, max_new_tokens=2)
+    rng = torch.Generator().manual_seed(3)
+    list(chat.reply("hi", generation=short, rng=rng))
+    turn = chat.last_turn
+    assert turn.generation is short and turn.stats.new_tokens <= 2 and chat.session.settings.max_new_tokens == 8
+    assert turn.prediction_ids == chat.session.chat_format.prediction_ids("a b c")
+    list(chat.reply("again", prediction=""))  # an empty prediction gives none, the chat's stays
+    assert chat.last_turn.prediction_ids == [] and chat.prediction == "a b c"
+    assert chat.report().prediction is None
+
+
 def test_parse_value():
     assert parse_value("temperature", "0.7") == 0.7 and parse_value("temperature", 1) == 1.0
     assert parse_value("seed", "none") is None and parse_value("show_accept", "on") is True
@@ -229,6 +270,24 @@ def test_piped_chat_keeps_stdout_plain_and_compares_on_request(qwen_dir, capsys,
     assert len(lines) == 1 and "vs plain, measured (same answer)" in lines[0]  # (pld sizes chains by the verify cost)
     code, _, err = invoke(["chat", *tiny(qwen_dir, "--method", "pld")], capsys, monkeypatch, stdin="again\n")
     assert code == 0 and "x est." in err
+
+
+def test_piped_chat_drafts_from_the_predicted_file(qwen_dir, tmp_path, capsys, monkeypatch):
+    prediction = predicted_text(qwen_dir, "hi", max_new_tokens=20)
+    predicted = tmp_path / "predicted.txt"
+    predicted.write_text(prediction, encoding="utf-8")
+    options = tiny(qwen_dir, "--method", "pld", "--max-new-tokens", "20")
+    code, out, err = invoke(["chat", *options, "--predict", str(predicted)], capsys, monkeypatch, stdin="hi")
+    assert code == 0 and out.startswith(prediction)
+    size = len(prediction.encode())  # the tiny tokenizer's tokens are bytes
+    assert size > 5 and f"prediction {size}/{size} accepted" in err  # the answer repeated it whole
+    code, _, err = invoke(["chat", *options, "--predict", str(tmp_path / "missing.txt")], capsys, monkeypatch,
+                          stdin="hi\n")
+    assert code == 2 and err.strip().splitlines() == [
+        f"specchat: error: {tmp_path / 'missing.txt'}: cannot read the prediction (No such file or directory)"]
+    predicted.write_bytes(b"caf\xe9")
+    code, _, err = invoke(["chat", *options, "--predict", str(predicted)], capsys, monkeypatch, stdin="hi\n")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not UTF-8 text" in err
 
 
 def test_run_text_format_prints_only_the_answers(qwen_dir, tmp_path, capsys, monkeypatch):

@@ -73,6 +73,9 @@ class DraftModelProposer:
     def forget(self) -> None:
         pass  # it keeps nothing beyond the context
 
+    def predict(self, tokens: list[int]) -> None:
+        pass  # it drafts from its own model of the context, not from text it is shown
+
     def observe(self, tokens: list[int], features) -> None:
         self.context.extend(tokens)
 

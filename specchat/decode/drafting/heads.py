@@ -115,6 +115,10 @@ class HeadProposer(HeadSteps):
         if self.lookup is not None:  # the acceptance rates and the pace stay: they describe the machine, the
             self.lookup.forget()  # head and the model, not the text
 
+    def predict(self, tokens: list[int]) -> None:
+        if self.lookup is not None:  # the head alone drafts from what the target's features say, not from text
+            self.lookup.predict(tokens)
+
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
         self.pend(tokens, features)
         if self.lookup is not None:

@@ -2,20 +2,24 @@
 `prompt_lookup`) and the lookup source of hybrid trees (`heads`).
 
 The newest n tokens (n from `max_ngram` down to `min_ngram`) are looked up where they occurred
-before, in two places:
+before, in these places:
 
 - the conversation the engine holds (prompt and reply so far);
+- the reply's prediction, where the client gave one (OpenAI's "predicted outputs": the text the
+  answer will mostly repeat, such as the file being edited), held until the next reply;
 - the chat's history: everything the conversation held before it was cut back (an earlier
   conversation after /clear, an answer regenerated, earlier records of a `run`), so text the
   user asks to edit or repeat is found even when it left the context; and, where the session
   gives one, this user's earlier answers on this machine (`specchat.answers`).
 
-Both are indexes from n-gram to the positions where it ends, updated as tokens are committed, so a
+Each is an index from n-gram to the positions where it ends, updated as tokens are committed, so a
 lookup costs a few dictionary accesses whatever the chat's length (measured: docs/cpu-runtime.md).
 An occurrence's evidence is its match's length: how many tokens before the root agree with it, up
-to MAX_EVIDENCE. Occurrences are ranked by evidence (then the conversation's first, then the
+to MAX_EVIDENCE. Occurrences are ranked by evidence (then by place, in the order above, then the
 latest): the longest match says most about what follows (replayed on the bench's rewrite answers,
-longest-first lookup accepted 3% more tokens a cycle than latest-first).
+longest-first lookup accepted 3% more tokens a cycle than latest-first). A prediction's tokens are
+drafted and trusted like any other lookup continuation's (`selection.LookupRates` learns what they
+earn): a wrong prediction costs verified tokens, never a changed answer.
 
 As in SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975), the continuations of the best
 occurrences form a tree: where they agree, a path; where they part, branches, each with the share
@@ -149,7 +153,7 @@ class EarlierAnswers(NgramIndex):
 class LookupSource:
     """The conversation the engine holds and the chat's history, kept in step with the engine
     (`observe`, `rewind`), asked for continuations of the newest tokens (`matches`); and, if given,
-    this user's earlier answers (`EarlierAnswers`)."""
+    the reply's prediction (`predict`) and this user's earlier answers (`EarlierAnswers`)."""
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM,
                  earlier: EarlierAnswers | None = None):
@@ -157,6 +161,7 @@ class LookupSource:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.context = NgramIndex(max_ngram, min_ngram)
         self.history = NgramIndex(max_ngram, min_ngram)
+        self.prediction = NgramIndex(max_ngram, min_ngram)
         self.earlier = earlier
 
     @property
@@ -179,9 +184,16 @@ class LookupSource:
                 self.history.reset(self.history.tokens[-(HISTORY_LIMIT // 2):])
         return len(self.context.tokens)
 
+    def predict(self, tokens: list[int]) -> None:
+        """Tokens the next reply is expected to repeat (OpenAI's predicted outputs), in place of the
+        previous prediction (none: no prediction). Searched after the conversation, which is the
+        reply's own text, and before the history, which a prediction given for this reply outranks."""
+        self.prediction.reset(tokens)
+
     def forget(self) -> None:
         self.context.reset()
         self.history.reset()
+        self.prediction.reset()
 
     def matches(self, root: int, limit: int, count: int = 1, tree: bool = False) -> list[Match]:
         """Up to `count` continuations (each of at most `limit` tokens) of the newest tokens and `root`,
@@ -190,10 +202,11 @@ class LookupSource:
         if limit < 1:
             return []
         tail = self.context.tokens[-(MAX_EVIDENCE - 1):] + [root]  # the root's own n-gram is not indexed yet
-        indexes = (self.context, self.history) if self.earlier is None else (self.context, self.history, self.earlier)
+        indexes = (self.context, *([self.prediction] if self.prediction.tokens else ()), self.history,
+                   *([self.earlier] if self.earlier is not None else ()))
         found = [(evidence, -rank, end, index) for rank, index in enumerate(indexes)
                  for evidence, end in index.occurrences(tail)]
-        found.sort(key=lambda occurrence: occurrence[:3], reverse=True)  # evidence, the nearer text, latest
+        found.sort(key=lambda occurrence: occurrence[:3], reverse=True)  # evidence, the place (in that order), latest
         if not tree:
             matches: list[Match] = []
             for evidence, _, end, index in found:

@@ -57,6 +57,9 @@ class LookupProposer:
     def forget(self) -> None:
         self.source.forget()
 
+    def predict(self, tokens: list[int]) -> None:
+        self.source.predict(tokens)
+
     def observe(self, tokens: list[int], features) -> None:
         self.source.observe(tokens)
         self.source.prompted()

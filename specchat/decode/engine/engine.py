@@ -139,6 +139,10 @@ class Proposer(Protocol):
         """Forget the text seen beyond the context (a lookup's history of the chat): what follows is
         unrelated (bench questions, which Spec-Bench answers independently)."""
 
+    def predict(self, tokens: list[int]) -> None:
+        """Tokens the next reply is expected to repeat (OpenAI's predicted outputs): a lookup source until
+        the next call; proposers that do not look up ignore it."""
+
 
 class Engine:
     """Generates replies from a target model, optionally speculating with a proposer."""
@@ -197,9 +201,13 @@ class Engine:
     # -- the layers ----------------------------------------------------------------------------
 
     def generate(
-        self, prompt_ids: list[int], settings: GenerationSettings, rng: torch.Generator | None = None
+        self, prompt_ids: list[int], settings: GenerationSettings, rng: torch.Generator | None = None,
+        prediction: list[int] | None = None,
     ) -> Iterator[StepResult]:
         """Stream the steps of one reply to `prompt_ids` (the whole conversation so far).
+
+        `prediction`: tokens the reply is expected to repeat (OpenAI's predicted outputs), which the
+        proposer may draft from (`Proposer.predict`); it changes what is drafted, never the reply.
 
         Raises:
             ContextLengthError: the prompt leaves no room for a reply in the model's context.
@@ -212,6 +220,8 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but the model's context holds {self.max_context}"
             )
         budget = min(settings.max_new_tokens, room)
+        if self.proposer is not None:  # each reply's prediction replaces the previous one; none clears it
+            self.proposer.predict(prediction or [])
         try:
             step = self.prefill(prompt_ids, settings, rng)
             produced = 0
