@@ -12,7 +12,7 @@ line on stderr, never a traceback (set SPECCHAT_DEBUG=1 for one).
 torch and transformers load only inside the commands that need them (marked where imported),
 so `--help`, `profiles` and the chat prompt come up at once; the REPL's prompt_toolkit only for a
 chat in a terminal. `--verbose` says the start's phases, each with the seconds since the process
-started (the decoding core's debug lines, `show_core_messages`).
+started (the decoding core's debug lines, `specchat.logs`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import os
 import signal
 import sys
 import threading
-import time
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import click
 from rich.console import Console
@@ -34,6 +32,7 @@ from specchat import cli_train
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
+from specchat.logs import show_core_messages
 from specchat.methods import METHODS, plain_unless_drafted
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI
@@ -371,40 +370,6 @@ def main(argv: list[str] | None = None) -> None:
         leave_at_once(exit_code)
     if exit_code is not None:
         sys.exit(exit_code)
-
-
-def process_start() -> float:
-    """When this process started (`time.time()`'s clock), from /proc (to 10 ms); elsewhere, now."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # starttime: ticks since boot
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return time.time()
-    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-
-
-PROCESS_START = process_start()
-
-
-class CoreLines(logging.Handler):
-    """The decoding core's messages (`logging.getLogger("specchat")`) as one `specchat: ` line each on
-    stderr, written to whatever stderr is at the time (a test's capture included); a debug line (a
-    start phase that ended, `--verbose`) with the seconds since the process started."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        line = record.getMessage()
-        if record.levelno <= logging.DEBUG:
-            line = f"{record.created - PROCESS_START:6.2f}s  {line}"
-        print(f"specchat: {line}", file=sys.stderr, flush=True)
-
-
-def show_core_messages(phases: bool = False) -> None:
-    """The core's messages on stderr; with `phases`, its debug lines too (`--verbose`)."""
-    core = logging.getLogger("specchat")
-    if not any(isinstance(handler, CoreLines) for handler in core.handlers):
-        core.addHandler(CoreLines())
-        core.propagate = False
-    core.setLevel(logging.DEBUG if phases else logging.INFO)
 
 
 def run_command(argv: list[str] | None) -> None:

@@ -97,7 +97,7 @@ def qwen_dir(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def core_messages():
     """The core's messages (logging) on stderr as the command line shows them, in every test."""
-    from specchat.cli import show_core_messages
+    from specchat.logs import show_core_messages
 
     show_core_messages()
 
