@@ -1,9 +1,9 @@
-"""The `specchat` command line: `chat`, `run`, `bench`, `profiles` and `runtime-check` here; `data`,
+"""The `specchat` command line: `chat`, `run`, `serve`, `bench`, `profiles` and `runtime-check` here; `data`,
 `train` and `export-head` (the draft heads' commands) in `specchat.cli_train`, registered below.
 
 Commands only parse their options and hand them to the assembly layer (`specchat.app`), the
-batch runner (`specchat.batch`), the bench (`specchat.bench_run`) or the runtime check
-(`specchat.runtime_check`, which parses its own). Exit status: 0 success;
+batch runner (`specchat.batch`), the server (`specchat.serve`), the bench (`specchat.bench_run`) or
+the runtime check (`specchat.runtime_check`, which parses its own). Exit status: 0 success;
 1 a runtime error (a model or head that cannot be loaded, a prompt longer than the context, ...);
 2 a usage error (bad option, profile or prompt file); 130 interrupted (Ctrl-C); 143 terminated
 (SIGTERM, handled like Ctrl-C: finished records kept, temporary files removed). Errors are one
@@ -29,6 +29,7 @@ import click
 from rich.console import Console
 
 from specchat import cli_train
+from specchat import serve as serving
 from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
@@ -195,6 +196,30 @@ def run(inputs, output, output_format, trace, atomic, verbose, **options):
                                         warn=lambda line: click.echo(line, err=True), kept=not atomic)
     if failures:
         raise SpecchatError(f"{failures} of {len(records)} prompt records failed (see above)")
+
+
+@cli.command()
+@click.option("--host", default=serving.DEFAULT_HOST, show_default=True,
+              help="Where to listen; beyond this machine (not a loopback address) an API key is required.")
+@click.option("--port", type=click.IntRange(0, 65535), default=serving.DEFAULT_PORT, show_default=True, help="The port.")
+@click.option("--api-key", envvar="SPECCHAT_API_KEY", default=None, show_envvar=False,
+              help="Clients must send 'Authorization: Bearer KEY' (also SPECCHAT_API_KEY).")
+@click.option("--served-model-name", default=None, help="The model's name for clients (default: --model's value).")
+@click.option("--max-waiting", type=click.IntRange(0), default=serving.MAX_WAITING, show_default=True,
+              help="Requests queued behind the one being answered before new ones get 429.")
+@VERBOSE
+@settings_options
+def serve(host, port, api_key, served_model_name, max_waiting, verbose, **options):
+    """Serve the model behind an OpenAI-compatible endpoint (POST /v1/chat/completions)."""
+    show_core_messages(verbose)
+    settings, profile = resolve_settings(options)
+    settings, note = plain_unless_drafted(settings, options)
+    if not serving.is_local(host) and not api_key:
+        raise UsageError(f"--host {host} serves beyond this machine: give an API key (--api-key or SPECCHAT_API_KEY)")
+    serving.check_installed()
+    from specchat.serve import app as server  # starlette, uvicorn and torch load here
+
+    server.serve(open_chat(settings, profile, note), host, port, api_key, served_model_name, max_waiting)
 
 
 @cli.group()

@@ -1,0 +1,312 @@
+"""`specchat serve`: OpenAI's chat completions over a real uvicorn server on the tiny model.
+
+The server runs in a thread on a socket bound here; requests go over HTTP as a client's would.
+Greedy answers are compared with `specchat run`'s for the same prompt and settings (lossless), a
+stream's pieces with the whole answer, and every refusal is checked for its status and that the
+server answers the next request.
+"""
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from conftest import invoke, tiny  # noqa: E402
+import specchat.serve as serving  # noqa: E402
+from specchat.serve import app as serve_app  # noqa: E402
+from specchat.cli import open_chat, resolve_settings  # noqa: E402
+from specchat.serve.requests import MAX_BODY_BYTES, ApiError, checked_request  # noqa: E402
+from specchat.serve.worker import Decoder, Job, StopText  # noqa: E402
+
+MODEL = "tiny"
+PROMPT = "Say something about the sea."
+
+
+def new_chat(model_dir, **overrides):
+    options = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "method": "pld", "max_new_tokens": 24,
+               **overrides}
+    settings, profile = resolve_settings(options)
+    return open_chat(settings, profile)
+
+
+@contextlib.contextmanager
+def running(chat, **options):
+    """A server of `chat` in a thread; yields its port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    server = serve_app.server(chat, model=MODEL, **options)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "the server did not start"
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def request(port, method, path, body=None, headers=None, raw: bytes | None = None):
+    """(status, parsed JSON body or the raw text) of one request."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    try:
+        return response.status, json.loads(text)
+    except json.JSONDecodeError:
+        return response.status, text
+
+
+def ask(port, **fields):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, **fields}
+    return request(port, "POST", "/v1/chat/completions", body)
+
+
+def events(port, **fields) -> list:
+    """The data of each server-sent event of a streamed answer ("[DONE]" as the string)."""
+    status, text = ask(port, stream=True, **fields)
+    assert status == 200, text
+    return [line[len("data: "):] if line.endswith("[DONE]") else json.loads(line[len("data: "):])
+            for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def chat(qwen_dir):
+    return new_chat(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def port(chat):
+    with running(chat) as port:
+        yield port
+
+
+def run_answer(qwen_dir, capsys, prompt=PROMPT, *extra) -> str:
+    """`specchat run`'s answer to `prompt` with the same settings."""
+    status, out, err = invoke(["run", "-", *tiny(qwen_dir, "--method", "pld", "--max-new-tokens", "24", *extra)],
+                              capsys, pytest.MonkeyPatch(), stdin=json.dumps({"turns": [prompt]}) + "\n")
+    assert status == 0, err
+    return json.loads(out)["turns"][0]["response"]
+
+
+def test_a_greedy_answer_is_run_s_answer_and_a_stream_carries_the_same_text(port, qwen_dir, capsys):
+    status, answer = ask(port)
+    assert status == 200, answer
+    expected = run_answer(qwen_dir, capsys)
+    choice = answer["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": expected}
+    assert answer["object"] == "chat.completion" and answer["model"] == MODEL
+    usage = answer["usage"]
+    assert usage["completion_tokens"] == 24 and choice["finish_reason"] == "length"
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 24
+    assert usage["specchat"]["method"] == "pld" and usage["specchat"]["target_forwards"] >= 1
+    chunks = events(port, stream_options={"include_usage": True})
+    assert chunks[-1] == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks[:-1] if chunk["choices"])
+    assert text == expected
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-2]][-1] == "length"
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == 24
+
+
+def test_max_tokens_system_and_history_are_the_run_record_s(port, qwen_dir, capsys):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": PROMPT}]
+    status, answer = ask(port, max_tokens=5, messages=messages)
+    assert status == 200, answer
+    record = {"messages": messages}
+    status, out, err = invoke(["run", "-", *tiny(qwen_dir, "--method", "pld", "--max-new-tokens", "5")], capsys,
+                              pytest.MonkeyPatch(), stdin=json.dumps(record) + "\n")
+    assert status == 0, err
+    assert answer["choices"][0]["message"]["content"] == json.loads(out)["turns"][0]["response"]
+    assert answer["usage"]["completion_tokens"] == 5
+
+
+def test_a_stop_sequence_ends_the_answer_before_it(port):
+    _, whole = ask(port)
+    text = whole["choices"][0]["message"]["content"]
+    at = next(i for i in range(1, len(text) - 1) if text.find(text[i:i + 2]) == i)  # two characters' first time
+    stop = text[at:at + 2]
+    _, stopped = ask(port, stop=[stop, "\x00never"])
+    assert stopped["choices"][0]["message"]["content"] == text[:at]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    streamed = events(port, stop=stop)
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in streamed[:-1]) == text[:at]
+
+
+def test_a_prediction_reaches_the_drafts_and_its_usage_is_openai_s(port, chat):
+    """(That a prediction drafts, and saves forwards, is tests/test_prediction.py's: the tiny model's
+    answers are bytes that are not UTF-8, which no text given back as a prediction spells.)"""
+    _, plain = ask(port)
+    text = plain["choices"][0]["message"]["content"]
+    prediction = "The sea is " + text
+    status, predicted = ask(port, prediction={"type": "content", "content": prediction})
+    assert status == 200, predicted
+    assert predicted["choices"][0]["message"]["content"] == text  # lossless: the prediction only drafts
+    assert chat.last_turn.prediction_ids == chat.session.chat_format.prediction_ids(prediction)
+    details = predicted["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == len(prediction.encode())
+    assert plain["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
+                                                          "rejected_prediction_tokens": 0}
+
+
+def test_models_and_health(port):
+    status, models = request(port, "GET", "/v1/models")
+    assert status == 200 and [model["id"] for model in models["data"]] == [MODEL]
+    assert request(port, "GET", "/health") == (200, {"status": "ok", "waiting": 0})
+
+
+BAD_REQUESTS = [
+    ({"model": "gpt-4o"}, 404, "model"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "  "}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "assistant", "content": "Hi."}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+                   {"role": "user", "content": "c"}]}, 400, "messages[1].role"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 10_000}, 400, "max_tokens"),
+    ({"max_tokens": "5"}, 400, "max_tokens"),
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"n": 2}, 400, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"logprobs": True}, 400, "logprobs"),
+    ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prediction": {"type": "content", "content": ""}}, 400, "prediction.content"),
+    ({"messages": [{"role": "user", "content": "x" * 2000}]}, 400, "messages"),
+    ({"prediction": {"type": "content", "content": "x" * 2000}}, 400, "prediction.content"),
+]
+
+
+@pytest.mark.parametrize("fields, status, param", BAD_REQUESTS)
+def test_a_bad_request_gets_openai_s_error_and_the_server_goes_on(port, fields, status, param):
+    got, body = ask(port, **fields)
+    assert got == status, body
+    assert body["error"]["param"] == param and body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
+    assert ask(port, max_tokens=2)[0] == 200
+
+
+def test_malformed_json_and_an_oversized_body_are_refused(port):
+    status, body = request(port, "POST", "/v1/chat/completions", raw=b'{"model": ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = request(port, "POST", "/v1/chat/completions", raw=b" " * (MAX_BODY_BYTES + 1))
+    assert status == 413, body
+    assert ask(port, max_tokens=2)[0] == 200
+
+
+def test_an_api_key_is_asked_of_every_client_but_health(chat):
+    with running(chat, api_key="s3cret") as port:
+        assert ask(port)[0] == 401
+        assert request(port, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        status, body = request(port, "POST", "/v1/chat/completions", headers={"Authorization": "Bearer s3cret"},
+                               body={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2})
+        assert status == 200, body
+        assert request(port, "GET", "/health")[0] == 200
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_stops_its_answer_within_a_cycle(qwen_dir, monkeypatch, stream):
+    chat = new_chat(qwen_dir, max_new_tokens=400)
+    generate = chat.engine.generate
+
+    def slowly(*args, **kwargs):  # 20 ms a step: 400 steps would take 8 s
+        for step in generate(*args, **kwargs):
+            time.sleep(0.02)
+            yield step
+
+    monkeypatch.setattr(chat.engine, "generate", slowly)
+    with running(chat) as port:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "stream": stream,
+                "max_tokens": 400}
+        connection.request("POST", "/v1/chat/completions", body=json.dumps(body))
+        if stream:
+            connection.getresponse().readline()  # the first event: the answer is under way
+        else:
+            time.sleep(0.5)
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        status, answer = ask(port, max_tokens=2)  # answered once the first one ends
+        assert status == 200, answer
+    turns = chat.totals["pld"].turns
+    assert turns == 2 and chat.totals["pld"].new_tokens < 200, "the first answer ran on after its client left"
+
+
+def test_checked_request_takes_text_parts_and_joins_leading_system_messages():
+    request = checked_request({"model": MODEL, "messages": [
+        {"role": "system", "content": "A."}, {"role": "developer", "content": [{"type": "text", "text": "B."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there."}]}],
+        "stop": "x", "seed": 3, "max_completion_tokens": 9, "stream": True,
+        "stream_options": {"include_usage": True}}, MODEL)
+    assert (request.system, request.history, request.user) == ("A.\n\nB.", [], "Hi there.")
+    assert (request.stop, request.seed, request.max_tokens, request.stream, request.include_usage) == (
+        ("x",), 3, 9, True, True)
+    with pytest.raises(ApiError) as refused:
+        checked_request({"messages": [{"role": "user", "content": "x"}]}, MODEL)
+    assert refused.value.status == 400 and refused.value.param == "model"
+
+
+def test_stop_text_holds_back_what_may_begin_a_stop_sequence():
+    stops = StopText(("END", "\n\n"))
+    assert stops.push("abc E") == "abc "
+    assert stops.push("N") == ""
+    assert stops.push("x\n") == "ENx"
+    assert stops.push("\nmore") == "" and stops.stopped
+    assert stops.push("after") == ""
+    rest = StopText(("END",))
+    assert rest.push("the EN") == "the " and rest.flush() == "EN"
+
+
+def test_a_full_queue_is_a_429():
+    decoder = Decoder(chat=None, max_waiting=1)
+    job = Job(checked_request({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, MODEL), 1, print)
+    decoder.submit(job)
+    with pytest.raises(ApiError) as refused:
+        decoder.submit(job)
+    assert refused.value.status == 429 and refused.value.kind == "rate_limit_error"
+
+
+def test_the_command_line_asks_a_key_beyond_this_machine_and_names_the_extra(qwen_dir, capsys, monkeypatch):
+    assert serving.is_local("127.0.0.1") and serving.is_local("::1") and serving.is_local("localhost")
+    assert not serving.is_local("0.0.0.0") and not serving.is_local("192.168.1.2")
+    status, _, err = invoke(["serve", "--host", "0.0.0.0", *tiny(qwen_dir)], capsys)
+    assert status == 2 and "--api-key" in err and "SPECCHAT_API_KEY" in err
+    real = serving.importlib.util.find_spec
+    monkeypatch.setattr(serving.importlib.util, "find_spec", lambda name: None if name == "uvicorn" else real(name))
+    status, _, err = invoke(["serve", *tiny(qwen_dir)], capsys)
+    assert status == 1 and "pip install 'specchat[serve]'" in err
+
+
+def test_the_command_line_hands_its_settings_to_the_server(qwen_dir, capsys, monkeypatch):
+    """`specchat serve` as a user starts it: the model loads with the settings given, and the server
+    gets its address and name (the routes themselves are the tests above)."""
+    served = {}
+
+    def serve(chat, host, port, api_key, model, max_waiting):
+        served.update(host=host, port=port, model=model, method=chat.settings.method, max_new=chat.settings.max_new_tokens)
+
+    monkeypatch.setattr(serve_app, "serve", serve)
+    status, _, err = invoke(["serve", "--port", "8123", "--served-model-name", "mine", *tiny(qwen_dir, "--method", "pld")],
+                            capsys)
+    assert status == 0, err
+    assert served == {"host": "127.0.0.1", "port": 8123, "model": "mine", "method": "pld", "max_new": 6}
