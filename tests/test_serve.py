@@ -310,3 +310,50 @@ def test_the_command_line_hands_its_settings_to_the_server(qwen_dir, capsys, mon
                             capsys)
     assert status == 0, err
     assert served == {"host": "127.0.0.1", "port": 8123, "model": "mine", "method": "pld", "max_new": 6}
+
+
+def test_openai_s_own_client_gets_whole_and_streamed_answers(port):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
+                                           prediction={"type": "content", "content": "The sea is wide."})
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    details = whole.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == len("The sea is wide.")
+    assert whole.usage.model_extra["specchat"]["method"] == "pld"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == \
+        whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=messages, n=3)
+
+
+def test_sixteen_concurrent_requests_get_their_sequential_answers(port):
+    prompts = [f"Tell me about the number {n}." for n in range(16)]
+    sequential = [ask(port, messages=[{"role": "user", "content": prompt}], max_tokens=10)[1] for prompt in prompts]
+    answers = [None] * len(prompts)
+
+    def one(index):
+        answers[index] = ask(port, messages=[{"role": "user", "content": prompts[index]}], max_tokens=10,
+                             stream=index % 2 == 1)
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for index, (status, answer) in enumerate(answers):
+        assert status == 200, answer
+        expected = sequential[index]["choices"][0]["message"]["content"]
+        if index % 2:  # streamed: the events' pieces
+            answer = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                             for line in answer.split("\n\n") if line.startswith("data: {") and '"choices": [{' in line)
+            assert answer == expected
+        else:
+            assert answer["choices"][0]["message"]["content"] == expected
