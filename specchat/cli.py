@@ -84,6 +84,16 @@ def resolve_settings(options: dict) -> tuple[Settings, str]:
     return settings_mod.resolve({k: options.get(k) for k in FIELDS}, options.get("profile"))
 
 
+def command_settings(options: dict, verbose: bool) -> tuple[Settings, str, str | None]:
+    """What a command that answers prompts (chat, run, serve) runs with: the resolved settings, the
+    profile, and the note `plain_unless_drafted` has for them; the core's messages shown from here
+    on (with `verbose`, the start's phases)."""
+    show_core_messages(verbose)
+    settings, profile = resolve_settings(options)
+    settings, note = plain_unless_drafted(settings, options)
+    return settings, profile, note
+
+
 def open_chat(settings: Settings, profile: str, note: str | None = None, answers_by_default: bool = False):
     """The chat for `settings`; `note` is shown once the target has loaded (so that a model that
     cannot load gives the only message); `answers_by_default`: `--answer-index auto` means on."""
@@ -114,9 +124,7 @@ def cli():
 @settings_options
 def chat(predict, verbose, **options):
     """Chat in the terminal; with a pipe on stdin, answer what it holds and exit."""
-    show_core_messages(verbose)
-    settings, profile = resolve_settings(options)
-    settings, note = plain_unless_drafted(settings, options)
+    settings, profile, note = command_settings(options, verbose)
     prediction = read_prediction(predict) if predict is not None else None
 
     def opened(note: str | None = None):
@@ -177,9 +185,7 @@ def answer_once(chat, prompt: str) -> None:
 @settings_options
 def run(inputs, output, output_format, trace, atomic, verbose, **options):
     """Answer prompt files (.txt, .jsonl, or - for stdin); one JSON record per line of input."""
-    show_core_messages(verbose)
-    settings, profile = resolve_settings(options)
-    settings, note = plain_unless_drafted(settings, options)
+    settings, profile, note = command_settings(options, verbose)
     inputs = list(inputs) or ["-"]
     atomic = atomic and output != "-"
     check_outputs({"--output": output, "--trace": trace}, inputs, atomic=("--output",) if atomic else ())
@@ -211,9 +217,7 @@ def run(inputs, output, output_format, trace, atomic, verbose, **options):
 @settings_options
 def serve(host, port, api_key, served_model_name, max_waiting, verbose, **options):
     """Serve the model behind an OpenAI-compatible endpoint (POST /v1/chat/completions)."""
-    show_core_messages(verbose)
-    settings, profile = resolve_settings(options)
-    settings, note = plain_unless_drafted(settings, options)
+    settings, profile, note = command_settings(options, verbose)
     if not serving.is_local(host) and not api_key:
         raise UsageError(f"--host {host} serves beyond this machine: give an API key (--api-key or SPECCHAT_API_KEY)")
     serving.check_installed()
