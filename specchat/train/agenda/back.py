@@ -1,0 +1,92 @@
+"""The way back: there, the head and the answers not brought back yet in pieces within what a
+call brings back (`back`); here, the returned pieces joined and unpacked into place (`collect`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import click
+
+from specchat.inputs import file_lines
+from specchat.train.agenda import plan
+from specchat.train.datafolder import DataFolder
+
+def back(out: Path) -> None:
+    """The head (without its checkpoint), then the answers not brought back yet (each prompt's deepest
+    new turn per temperature, as one checksummed shard), in pieces as far as the limits on what a call
+    brings back leave room; what did not fit is said."""
+    bundles = []
+    if (plan.THERE / "head").is_dir():
+        with tarfile.open(plan.THERE / "head.tgz", "w:gz") as tar:
+            tar.add(plan.THERE / "head", arcname=".", filter=lambda info: None if "checkpoint" in info.name else info)
+        bundles.append((plan.THERE / "head.tgz", []))
+    new = [p for p in sorted((plan.THERE / "data" / "shards").glob("*.jsonl")) if p.name not in shards_here()]
+    if new:
+        deepest: dict[tuple, dict] = {}
+        for shard in new:
+            for line in filter(str.strip, file_lines(shard.read_text(encoding="utf-8"))):
+                record = json.loads(line)
+                slot = (record["key"], float(record["temperature"]))
+                if slot not in deepest or deepest[slot]["turn"] < record["turn"]:
+                    deepest[slot] = record
+        compact = plan.THERE / "answers"
+        shutil.rmtree(compact, ignore_errors=True)
+        with DataFolder(compact).writer() as writer:
+            for record in deepest.values():
+                writer.write(record)
+        with tarfile.open(plan.THERE / "answers.tgz", "w:gz") as tar:
+            tar.add(compact / "shards", arcname="shards")
+        bundles.append((plan.THERE / "answers.tgz", [p.name for p in new]))
+    files = [f for f in out.iterdir() if f.is_file()]
+    for bundle, shards in bundles:
+        size = bundle.stat().st_size
+        pieces = -(-size // plan.BACK_PIECE)
+        if len(files) + pieces > plan.BACK_FILES or sum(f.stat().st_size for f in files) + size > plan.BACK_BYTES:
+            click.echo(f"[agenda] {bundle.name} ({size / 2**20:.1f} MiB) does not fit what this call brings back",
+                       err=True)
+            continue
+        with open(bundle, "rb") as source:
+            for index in range(pieces):
+                files.append(out / f"{bundle.name}.{index:02d}")
+                files[-1].write_bytes(source.read(plan.BACK_PIECE))
+        shards_here(shards)
+
+
+def shards_here(shards: list[str] = ()) -> set[str]:
+    """The data folder's shards already here (brought in or back), after adding `shards`."""
+    path = plan.THERE / "returned.json"
+    returned = set(json.loads(path.read_text())) if path.is_file() else set()
+    returned |= set(shards)
+    path.write_text(json.dumps(sorted(returned)))
+    return returned
+
+
+
+@click.command()
+@click.argument("returned", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--head", "head_folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Unpack the returned head into this folder.")
+@click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Add the returned answers to this data folder's shards.")
+def collect(returned, head_folder, data):
+    """Join the pieces in RETURNED (a call's files) and unpack the head and the answers."""
+    for name, target in (("head.tgz", head_folder), ("answers.tgz", data)):
+        pieces = sorted(returned.glob(f"{name}.*"))
+        if not pieces or target is None:
+            continue
+        joined = returned.parent / f"{returned.name}-{name}"
+        with open(joined, "wb") as sink:
+            for piece in pieces:
+                sink.write(piece.read_bytes())
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(joined) as tar:
+            tar.extractall(target, filter="data")
+        joined.unlink()
+        click.echo(f"{name}: {len(pieces)} pieces into {target}")
+    if data is not None:
+        scan = DataFolder(data).scan()
+        bad = [s["file"] for s in scan.shards if s["status"] != "ok"]
+        click.echo(f"{data}: {len(scan.answers):,} answered prompts" + (f"; not ok: {', '.join(bad)}" if bad else ""))

