@@ -357,3 +357,20 @@ def test_sixteen_concurrent_requests_get_their_sequential_answers(port):
             assert answer == expected
         else:
             assert answer["choices"][0]["message"]["content"] == expected
+
+
+def test_an_answer_that_fails_is_a_500_and_the_next_is_answered(qwen_dir, monkeypatch):
+    chat = new_chat(qwen_dir)
+    generate, calls = chat.engine.generate, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a bug")
+        yield from generate(*args, **kwargs)
+
+    monkeypatch.setattr(chat.engine, "generate", failing_once)
+    with running(chat) as port:
+        status, body = ask(port)
+        assert status == 500 and body["error"]["type"] == "server_error" and "KeyError" in body["error"]["message"]
+        assert ask(port, max_tokens=2)[0] == 200

@@ -116,8 +116,8 @@ class Decoder:
                 job.send(error)
             except (SpecchatError, ValueError) as error:  # the template refused it, it does not fit, ...
                 job.send(ApiError(400, str(error)))
-            except RuntimeError as error:  # the caches were rolled back: the next job starts clean
-                log.error(f"an answer failed: {type(error).__name__}: {error}")
+            except Exception as error:  # one failed answer must not end the thread that serves them all
+                log.error(f"an answer failed: {type(error).__name__}: {error}")  # (the engine rolled its caches back)
                 job.send(ApiError(500, f"the answer failed: {type(error).__name__}: {error}", kind="server_error"))
             else:
                 if done is not None:
