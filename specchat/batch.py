@@ -82,7 +82,7 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
     session.conversation.messages.extend(record.history)
     turns = []
     for turn_index, prompt in enumerate(record.turns):
-        writer = ui.answer(session.chat_format.decoder() if settings.show_accept else None) if ui else None
+        writer = ui.answer(settings.show_accept) if ui else None
         try:
             for event in chat.reply(prompt):
                 if writer is not None:
@@ -98,9 +98,6 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
             if ui is not None:
                 ui.end_answer()
             return failed(chat, record, turns, f"{record.where}: turn {turn_index + 1}: {reason}")
-        finally:
-            if writer is not None:
-                writer.close()
         comparison = chat.compare_last_turn() if settings.compare else None
         stats = chat.last_turn.stats
         turn = {"prompt": prompt, "response": chat.last_turn.text, **stats.record()}

@@ -232,11 +232,14 @@ class Turn:
 
 @dataclass
 class TurnEvent:
-    """One streamed piece of a reply: the step, the text it made printable, and the turn so far."""
+    """One streamed piece of a reply: the step, the text it made printable, and the turn so far;
+    `pieces`: that text token by token, each with whether the token was a draft the target accepted
+    (what `--show-accept` colours), the last step's held-back text with the target's own."""
 
     text: str
     step: StepResult
     turn: Turn
+    pieces: list[tuple[str, bool]] = field(default_factory=list)
 
 
 class ChatSession:
@@ -293,10 +296,12 @@ class ChatSession:
                 turn.margins += step.margins
                 if step.cycle is not None:
                     turn.cycles.append(step.cycle)
-                text = decoder.push(step.tokens)
+                # Each token's text is made once, token by token (mlx-lm's stream does so too), so that
+                # the text and its colouring by source are one decoding.
+                pieces = [(decoder.push([token]), drafted) for token, drafted in zip(step.tokens, step.drafted)]
                 if step.finish_reason:  # the last step also releases what the decoder held back
-                    text += decoder.flush()
-                yield TurnEvent(text=text, step=step, turn=turn)
+                    pieces.append((decoder.flush(), False))
+                yield TurnEvent(text="".join(piece for piece, _ in pieces), step=step, turn=turn, pieces=pieces)
             turn.finished = True
             if self.keep_answers and self.answers is not None:
                 self.answers.add(prompt, turn.tokens)

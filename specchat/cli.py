@@ -154,14 +154,11 @@ def chat(predict, verbose, **options):
 def answer_once(chat, prompt: str) -> None:
     """Answer one prompt like a Unix tool: the answer on stdout, the statistics line on stderr."""
     ui = ChatUI.for_streams(info_on_stderr=True)
-    writer = ui.answer(chat.session.chat_format.decoder() if chat.settings.show_accept else None)
-    try:
-        for index, event in enumerate(chat.reply(prompt)):
-            if index == 0:
-                log.debug("the first token")
-            writer.write(event)
-    finally:
-        writer.close()
+    writer = ui.answer(chat.settings.show_accept)
+    for index, event in enumerate(chat.reply(prompt)):
+        if index == 0:
+            log.debug("the first token")
+        writer.write(event)
     ui.end_answer()
     report = chat.report()
     if chat.settings.compare:

@@ -256,8 +256,7 @@ class Repl:
 
     def _stream(self, chat, message: str) -> bool:
         """Print the answer as it comes; False if Ctrl-C stopped it."""
-        colour_decoder = chat.session.chat_format.decoder() if chat.settings.show_accept else None
-        writer = self.ui.answer(colour_decoder)
+        writer = self.ui.answer(chat.settings.show_accept)
         # Closing the stream on Ctrl-C lets the engine trim its caches back to the committed
         # tokens, and the session keep the partial answer marked as interrupted.
         with closing(chat.reply(message)) as events:
@@ -266,8 +265,6 @@ class Repl:
                     writer.write(event)
             except KeyboardInterrupt:
                 return False
-            finally:
-                writer.close()
         return True
 
     def _compare(self, chat):

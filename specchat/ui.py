@@ -128,22 +128,19 @@ def token_label(tokenizer, token: int) -> str:
 class AnswerWriter:
     """Streams one answer: the text as is, or coloured token by token by where it came from."""
 
-    def __init__(self, console: Console, decoder=None):
+    def __init__(self, console: Console, colour: bool = False):
         self.file = console.file
-        self.decoder = decoder  # its own IncrementalDecoder when colouring: pieces per token
+        self.colour = colour
         self.color_system = COLOR_SYSTEMS.get(console.color_system or "")
         self.styles = {True: Style.parse(DRAFTED_STYLE), False: Style.parse(TARGET_STYLE)}
 
     def write(self, event) -> None:
-        if self.decoder is None:
+        """An event's text (`specchat.chat.TurnEvent`), coloured token by token from its pieces."""
+        if not self.colour:
             self._emit(event.text)
             return
-        for token, drafted in zip(event.step.tokens, event.step.drafted):
-            self._emit(self.decoder.push([token]), self.styles[drafted])
-
-    def close(self) -> None:
-        if self.decoder is not None:
-            self._emit(self.decoder.flush(), self.styles[False])
+        for piece, drafted in event.pieces:
+            self._emit(piece, self.styles[drafted])
 
     def _emit(self, text: str, style: Style | None = None) -> None:
         if not text:
@@ -174,9 +171,9 @@ class ChatUI:
 
     # -- answers ---------------------------------------------------------------------------
 
-    def answer(self, colour_decoder=None) -> AnswerWriter:
-        """A writer for the next answer; `colour_decoder` (a fresh IncrementalDecoder) turns on colouring."""
-        return AnswerWriter(self.out, colour_decoder if self.can_colour else None)
+    def answer(self, colour: bool = False) -> AnswerWriter:
+        """A writer for the next answer, coloured by where each token came from if asked and possible."""
+        return AnswerWriter(self.out, colour and self.can_colour)
 
     def end_answer(self, interrupted: bool = False) -> None:
         self.out.file.write("\n")

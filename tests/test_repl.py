@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import time
 from contextlib import closing
 
@@ -205,8 +206,13 @@ def test_estimated_speedup_is_marked_as_an_estimate(qwen_dir):
 
 def test_show_accept_colours_drafted_and_target_tokens_on_a_terminal_only(bigram_dir, head_dirs):
     keys = f"/method eagle2 {head_dirs / 'oracle'}\n/set show_accept on\nhello\n"
-    coloured = drive(new_chat(bigram_dir), keys, terminal=True)
+    chat = new_chat(bigram_dir)
+    coloured = drive(chat, keys, terminal=True)
     assert "\x1b[32m" in coloured and "\x1b[33m" in coloured  # green: from the draft; yellow: the target's own
+    assert chat.last_turn.text in re.sub(r"\x1b\[[0-9;]*m", "", coloured)  # the colours hold the answer's text
+    for event in chat.reply("hello again"):  # each token's text made once, with its source, in the session
+        assert "".join(piece for piece, _ in event.pieces) == event.text
+        assert [drafted for _, drafted in event.pieces][: len(event.step.tokens)] == event.step.drafted
     plain = drive(new_chat(bigram_dir), keys)
     assert "\x1b[" not in plain and "colours show only on a terminal" in plain
 
