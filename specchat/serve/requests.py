@@ -51,10 +51,6 @@ class CompletionRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     prediction: str | None = None  # OpenAI's predicted output: text the reply is expected to repeat
 
-    def messages(self) -> list[dict]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return [*head, *self.history, {"role": "user", "content": self.user}]
-
 
 def parse_body(body: bytes) -> dict:
     """The JSON object a body holds, or a 400."""

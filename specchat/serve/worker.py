@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specchat.chat import Conversation, prediction_usage
+from specchat.chat import Conversation
 from specchat.decode import GenerationSettings, SamplingParams, make_generator
 from specchat.errors import SpecchatError
 from specchat.live import LiveChat
@@ -28,6 +28,13 @@ from specchat.speedup import decoding_rate
 from specchat.ui import stats_line
 
 log = logging.getLogger(__name__)
+
+
+def conversation_of(request: CompletionRequest, system: str | None) -> Conversation:
+    """The conversation a request's reply follows (its last message not yet in it): its own system
+    message, else the server's `system`."""
+    return Conversation(system=request.system if request.system is not None else system,
+                        messages=list(request.history))
 
 
 class StopText:
@@ -134,8 +141,7 @@ class Decoder:
     def answer(self, job: Job) -> Done | None:
         """Answer `job`, sending its text as it comes; its end (None: cancelled, nothing more to send)."""
         request, chat = job.request, self.chat
-        chat.session.conversation = Conversation(system=request.system if request.system is not None
-                                                 else chat.settings.system, messages=list(request.history))
+        chat.session.conversation = conversation_of(request, chat.settings.system)
         # A seed gives the request a random stream of its own; without one it continues the server's.
         rng = make_generator(request.seed, chat.engine.target.device) if request.seed is not None else None
         stops, finish = StopText(request.stop), None
@@ -162,14 +168,14 @@ class Decoder:
         plain decoding's too); logs the chat's statistics line."""
         chat, turn = self.chat, self.chat.last_turn
         stats, report = turn.stats, chat.report()
-        accepted, rejected = prediction_usage(turn.prediction_ids, turn.tokens)
+        accepted, size = report.prediction or (0, 0)  # (counted once, by the report)
         comparison = chat.compare_last_turn() if chat.settings.compare else None  # (None for a reply cut short)
         log.info(stats_line(stats, report.estimated_speedup, comparison, report.prediction))
         rate = decoding_rate(stats.new_tokens, stats.seconds, stats.prefill_seconds)
         return {
             "prompt_tokens": job.prompt_tokens, "completion_tokens": stats.new_tokens,
             "total_tokens": job.prompt_tokens + stats.new_tokens,
-            "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": size - accepted},
             "specchat": {
                 "method": chat.settings.method, "tau": _round(stats.tau), "acceptance_rate": _round(stats.acceptance_rate),
                 "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
