@@ -2,7 +2,7 @@
 `train` and `export-head` (the draft heads' commands) in `specchat.cli_train`, registered below.
 
 Commands only parse their options and hand them to the assembly layer (`specchat.app`), the
-batch runner (`specchat.batch`), the server (`specchat.serve`), the bench (`specchat.bench_run`) or
+batch runner (`specchat.batch`), the server (`specchat.serve`), the bench (`specchat.bench`) or
 the runtime check (`specchat.runtime_check`, which parses its own). Exit status: 0 success;
 1 a runtime error (a model or head that cannot be loaded, a prompt longer than the context, ...);
 2 a usage error (bad option, profile or prompt file); 130 interrupted (Ctrl-C); 143 terminated
@@ -308,7 +308,7 @@ def profiles_show(name, **options):
 @settings_options
 def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave, breakdown, output_dir, **options):
     """Measure methods against plain decoding on prompt files (Spec-Bench protocol)."""
-    from specchat.bench_run import run_bench  # torch and transformers load here
+    from specchat.bench import run_bench  # torch and transformers load here
 
     settings, profile = resolve_settings(options)
     chosen = [m.strip() for m in methods.split(",") if m.strip()]

@@ -176,12 +176,13 @@ def export_head_command(head, layout, output, verifier, max_position_embeddings,
     """Write a draft head (a bundled name, a folder or a hub id) in a layout vLLM, SGLang or OpenVINO GenAI loads
     as it is."""
     check_output_folder("--output", output, [], HEAD_OUTPUT_FILES)
-    from specchat import exports, peers_llamacpp, peers_openvino  # torch loads here
+    from specchat import exports  # torch loads here
+    from specchat.peers import llamacpp
 
     if layout == OPENVINO_LAYOUT:  # optimum-intel's conversion, in its own environment
-        written = peers_openvino.export_named(head, output, verifier, max_position_embeddings, model)
+        written = exports.export_openvino(head, output, verifier, max_position_embeddings, model)
     elif layout == LLAMACPP_LAYOUT:  # llama.cpp's own converter, from its source tree
-        written = peers_llamacpp.export_named(head, output, verifier, max_position_embeddings, model)
+        written = llamacpp.export_named(head, output, verifier, max_position_embeddings, model)
     else:
         written = exports.export(head, layout, output, verifier, speculative_tokens,
                                  int(max_shard_mb * 2**20) if max_shard_mb else None, max_position_embeddings)

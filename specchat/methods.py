@@ -5,8 +5,8 @@ The one registry the rest reads: the choices of `--method` (settings), the comma
 uses when none is given, and the rule that a method needing a draft has one (`checked_draft`). It
 imports nothing heavy, so the command line uses it before torch loads. What builds each method is
 a table next to the builders: `specchat.proposers.BUILDERS` for specchat's methods,
-`specchat.bench_run.RUNNERS` for other tools' implementations (`specchat.peers`,
-`specchat.peers_llamacpp`, `specchat.peers_openvino`, `specchat.peers_vllm`), which only `bench` runs.
+`specchat.bench.run.RUNNERS` for other tools' implementations (the peers of `specchat.peers`:
+`hf`, `llamacpp`, `openvino`, `vllm`), which only `bench` runs.
 
 eagle, eagle2 and deagle take any head format (EAGLE-1/2, EAGLE-3 or Jakiro); jakiro needs a
 Jakiro head. Every specchat method is verified by the same exact rules (`specchat.decode.acceptance.verify`).
@@ -25,7 +25,7 @@ PLAIN = "vanilla"  # plain decoding: the baseline every speedup is measured agai
 HEAD_FORMATS = ("eagle", "eagle3", "jakiro")  # the draft head formats `drafters` reads
 HEAD_LAYOUTS = ("eagle", "sglang", "speculators")  # the layouts `drafters.export_head` writes (drafters.LAYOUTS)
 OPENVINO_LAYOUT = "openvino"  # OpenVINO GenAI's IR of the sglang layout, made by optimum-intel (`specchat.exports`)
-LLAMACPP_LAYOUT = "llamacpp"  # a GGUF of the speculators layout, made by llama.cpp's converter (`specchat.peers_llamacpp`)
+LLAMACPP_LAYOUT = "llamacpp"  # a GGUF of the speculators layout, made by llama.cpp's converter (`specchat.peers.llamacpp`)
 EXPORT_FORMATS = (*HEAD_LAYOUTS, OPENVINO_LAYOUT, LLAMACPP_LAYOUT)  # what `export-head --format` takes
 HEAD = "a draft head (folder or hub id; EAGLE-1/2, EAGLE-3 or Jakiro format)"
 MODEL = "a small draft model sharing the target's tokenizer (like --model)"

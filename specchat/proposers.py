@@ -18,6 +18,7 @@ from specchat import methods
 from specchat.decode.runtime import cpu_decoder, quantized
 from specchat.decode.runtime.calibrate import Curve, cached_curve
 from specchat.decode.drafting.deagle import DeagleParams
+from specchat.decode.drafting import draft_model as small_model, heads, prompt_lookup
 from specchat.decode.drafting.draft_model import (DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch,
                                                   check_tokenizers)
 from specchat.decode.drafting.heads import HeadProposer
@@ -89,9 +90,9 @@ def verify_cost_curve(target: Target) -> Curve | None:
 
 def lookup(settings: Settings, target: Target, inputs: DraftInputs) -> LookupProposer:
     try:
-        return LookupProposer(target, settings.draft_tokens or DEFAULT_LOOKUP_TOKENS, settings.pld_max_ngram,
-                              settings.pld_min_ngram, curve=verify_cost_curve(target),
-                              earlier=inputs.earlier(settings))
+        return prompt_lookup.for_target(target, draft_tokens=settings.draft_tokens or DEFAULT_LOOKUP_TOKENS,
+                                        max_ngram=settings.pld_max_ngram, min_ngram=settings.pld_min_ngram,
+                                        curve=verify_cost_curve(target), earlier=inputs.earlier(settings))
     except ValueError as error:
         raise MethodError(str(error)) from error
 
@@ -104,7 +105,7 @@ def draft_model(settings: Settings, target: Target, inputs: DraftInputs) -> Draf
         raise MethodError(str(error)) from error
     if target.envelope is not None and draft.own_forward is None:
         raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
-    return DraftModelProposer(draft, target, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
+    return small_model.for_target(draft, target, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
 
 
 def static_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:
@@ -127,7 +128,7 @@ def jakiro_tree(settings: Settings, target: Target, inputs: DraftInputs) -> Head
                           lambda: JakiroTree(dynamic_params(settings, target), settings.jakiro_reference_attach))
 
 
-# What builds each of specchat's methods (the peers' are `specchat.bench_run.RUNNERS`).
+# What builds each of specchat's methods (the peers' are `specchat.bench.run.RUNNERS`).
 BUILDERS: dict[methods.Method, Callable[[Settings, Target, DraftInputs], Proposer | None]] = {
     methods.VANILLA: plain, methods.PLD: lookup, methods.SPS: draft_model, methods.EAGLE: static_tree,
     methods.EAGLE2: dynamic_tree, methods.DEAGLE: deagle_tree, methods.JAKIRO: jakiro_tree,
@@ -154,9 +155,8 @@ def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make
     if settings.lookup or settings.plain_when_faster:  # both weigh what a verified token costs here
         curve = verify_cost_curve(target)
     try:
-        return HeadProposer.for_target(head, target, make_shape(), lookup=lookup, curve=curve,
-                                       pace=settings.plain_when_faster, lookup_paths=settings.lookup_paths,
-                                       fused=fused)
+        return heads.for_target(head, target, make_shape(), lookup=lookup, curve=curve,
+                                pace=settings.plain_when_faster, lookup_paths=settings.lookup_paths, fused=fused)
     except ValueError as error:
         raise MethodError(str(error)) from error
 

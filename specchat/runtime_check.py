@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from drafters.eagle3 import Eagle3Config, Eagle3Head
-from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting import heads
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.drafting.tree import DraftTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
@@ -265,7 +265,7 @@ def head_cycle(args, target: Target, prompt: list[int]) -> dict:
         head = Eagle3Head(config, target.embed_tokens).to(target.dtype).eval()
     head.refresh_vocab_map()
     shape = DynamicTree(DynamicTreeParams(total_tokens=60, depth=6, top_k=10))
-    proposer = HeadProposer.for_target(head, target, shape)
+    proposer = heads.for_target(head, target, shape)
     _, cycles = timed(Engine(target, proposer), prompt, args.tokens, args.repeats)
     return {"draft_ms": round(median_ms([s.draft_seconds for s in cycles]), 3),
             "verify_ms": round(median_ms([s.verify_seconds for s in cycles]), 3),

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import invoke, load_tiny_target, random_head
-from specchat.bench import TurnResult, calibration, summarize
+from specchat.bench.measure import TurnResult, calibration, summarize
 
 
 def turn(method, question, turn_index, new_tokens, seconds, forwards, response="same", category="writing", **extra):
@@ -108,7 +108,7 @@ def test_interleaved_bench_asks_every_method_each_question_in_turn(qwen_dir, tmp
 
 
 def test_interleaved_answers_come_one_by_one_so_an_interruption_keeps_them():
-    from specchat.bench import run_interleaved
+    from specchat.bench.measure import run_interleaved
     from specchat.chat import Turn
     from specchat.inputs import PromptRecord
     from specchat.stats import Stats
@@ -245,7 +245,7 @@ def rendered(width):
 
     from rich.console import Console
 
-    from specchat.bench_run import result_tables
+    from specchat.bench.run import result_tables
 
     console = Console(width=width, file=io.StringIO(), force_terminal=False)
     console.print(result_tables(realistic_summary(), "Qwen/Qwen2.5-7B-Instruct · T=0.0 · 256 tokens"))
@@ -278,7 +278,7 @@ def test_result_tables_are_readable_at_the_width_of_the_terminal_or_pipe(width):
 def test_each_method_gets_its_draft_as_chat_would_unless_draft_for_says():
     """bench's drafts: --draft-for by label or method, else `methods.effective_draft` (--draft, else the
     method's default for the model); a variant may name its own draft; plain decoding always runs."""
-    from specchat.bench_run import method_settings
+    from specchat.bench.run import method_settings
     from specchat.settings import Settings
 
     settings = Settings(model="some/model", draft="given-head")

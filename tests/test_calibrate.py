@@ -72,7 +72,7 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
 
     from conftest import random_head
     from specchat.decode.engine.engine import Engine, GenerationSettings
-    from specchat.decode.drafting.heads import HeadProposer
+    from specchat.decode.drafting import heads
     from specchat.decode.drafting.lookup import LookupSource
     from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 
@@ -84,8 +84,8 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("a plausible stored curve is not measured"))
     curve = calibrate.cached_curve(target)
     assert curve.milliseconds == poisoned
-    proposer = HeadProposer.for_target(random_head("eagle3", target), target, DynamicTree(DynamicTreeParams(4, 3, 2)),
-                                       lookup=LookupSource(), curve=curve)
+    proposer = heads.for_target(random_head("eagle3", target), target, DynamicTree(DynamicTreeParams(4, 3, 2)),
+                                lookup=LookupSource(), curve=curve)
     steps = list(Engine(target, proposer).generate([258, 10, 20, 30, 40], GenerationSettings(max_new_tokens=24)))
     assert sum(step.draft_tokens > 0 for step in steps) >= calibrate.LIVE_EVIDENCE
     kept = {int(n): ms for n, ms in json.loads(path.read_text())[calibrate._key(target)].items()}
@@ -169,3 +169,4 @@ def test_another_process_s_work_is_seen_as_the_machine_being_busy():
     with other_processes_share() as busy:  # a child spins one core for a second while this one sleeps
         subprocess.run([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1: pass"], check=True)
     assert busy.share > 0.5 / os.cpu_count() and 0.0 <= quiet.share <= 1.0
+

@@ -12,9 +12,8 @@ from conftest import ScriptedProposer, build_model, build_tokenizer, random_head
 from specchat.decode.runtime import quantized
 from specchat.decode.runtime import woq_kernel
 from specchat.decode.engine.engine import Engine, GenerationSettings
-from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting import heads, prompt_lookup
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams, JakiroTree
-from specchat.decode.drafting.prompt_lookup import LookupProposer
 from specchat.decode.runtime.target import ModelSpec, Target, compiles
 
 pytestmark = pytest.mark.compile  # the slowest tests after the real model's: -m "not compile" leaves them out
@@ -112,9 +111,9 @@ def test_speculative_greedy_through_the_compiled_forward_equals_plain_greedy():
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
     assert tokens_of(Engine(compiled), PROMPT, settings) == plain
-    head = HeadProposer.for_target(random_head("eagle", compiled), compiled,
-                        DynamicTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3)))
-    proposers = {"eagle2": head, "pld": LookupProposer(compiled),
+    head = heads.for_target(random_head("eagle", compiled), compiled,
+                            DynamicTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3)))
+    proposers = {"eagle2": head, "pld": prompt_lookup.for_target(compiled),
                  "scripted": ScriptedProposer(PROMPT, plain, depth=4)}  # deep acceptance through tree masks
     for name, proposer in proposers.items():
         assert tokens_of(Engine(compiled, proposer), PROMPT, settings) == plain, name
@@ -132,10 +131,10 @@ def test_the_fixed_envelope_steps_through_the_compiled_forward_as_plain_greedy_d
     plain = tokens_of(Engine(eager), PROMPT, settings)
     assert tokens_of(Engine(compiled), PROMPT, settings) == plain
     tree = DynamicTreeParams(total_tokens=8, depth=3, top_k=3)
-    head = HeadProposer.for_target(random_head("eagle", compiled), compiled, DynamicTree(tree))
-    jakiro = HeadProposer.for_target(random_head("jakiro", compiled), compiled, JakiroTree(tree))  # forward_both
+    head = heads.for_target(random_head("eagle", compiled), compiled, DynamicTree(tree))
+    jakiro = heads.for_target(random_head("jakiro", compiled), compiled, JakiroTree(tree))  # forward_both
     assert head.layer is not head.head  # the head's layer is compiled with the target's forward
-    proposers = {"eagle2": head, "jakiro": jakiro, "pld": LookupProposer(compiled),
+    proposers = {"eagle2": head, "jakiro": jakiro, "pld": prompt_lookup.for_target(compiled),
                  "scripted": ScriptedProposer(PROMPT, plain, depth=4, device="cpu")}  # device trees: the fixed layout's
     for name, proposer in proposers.items():
         assert tokens_of(Engine(compiled, proposer), PROMPT, settings) == plain, name
@@ -152,7 +151,7 @@ def test_on_cuda_the_compiled_forward_is_the_default_without_graphs_and_lossless
     eager = Target(model, target.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off"))
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
-    assert tokens_of(Engine(target, LookupProposer(target)), PROMPT, settings) == plain
+    assert tokens_of(Engine(target, prompt_lookup.for_target(target)), PROMPT, settings) == plain
     assert_compiled_whole()
 
 
@@ -165,7 +164,7 @@ def test_on_cuda_captured_steps_of_the_compiled_forward_are_lossless():
     eager = Target(model, target.tokenizer, "tiny", spec=ModelSpec(model="tiny", compile="off", cuda_graphs="off"))
     settings = GenerationSettings(max_new_tokens=12)
     plain = tokens_of(Engine(eager), PROMPT, settings)
-    for proposer in (None, LookupProposer(target), ScriptedProposer(PROMPT, plain, depth=4, device="cuda")):
+    for proposer in (None, prompt_lookup.for_target(target), ScriptedProposer(PROMPT, plain, depth=4, device="cuda")):
         engine = Engine(target, proposer)
         # A step shape is captured the second time it runs, and in 12 tokens the scripted tree's shapes
         # run once each: the second answer replays what the first captured.

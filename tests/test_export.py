@@ -45,7 +45,7 @@ from conftest import invoke, load_tiny_target, random_head, tokens_of
 from drafters import HeadLoadError, Verifier, export_head, load_head, save_head, layer_fields
 from drafters.eagle3 import default_feature_layers
 from specchat.decode.engine.engine import Engine, GenerationSettings
-from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting import heads
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198, 10, 20, 30]
@@ -168,10 +168,10 @@ def test_exported_heads_load_back_strictly_and_draft_the_same(kind, layout, targ
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     settings = GenerationSettings(max_new_tokens=24)
     shape = DynamicTree(DynamicTreeParams(total_tokens=12, depth=4, top_k=3))
-    steps = [list(Engine(target, HeadProposer.for_target(h, target, shape)).generate(PROMPT, settings))
+    steps = [list(Engine(target, heads.for_target(h, target, shape)).generate(PROMPT, settings))
              for h in (head, back)]
     assert [s.cycle.tree.tokens for s in steps[0][1:]] == [s.cycle.tree.tokens for s in steps[1][1:]]
-    assert tokens_of(Engine(target, HeadProposer.for_target(back, target, shape)), PROMPT, settings) == \
+    assert tokens_of(Engine(target, heads.for_target(back, target, shape)), PROMPT, settings) == \
         tokens_of(Engine(target), PROMPT, settings)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.runtime.calibrate import Curve
-from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting import heads
 from specchat.decode.drafting.pace import Arm, Found, Pace
 from specchat.decode.drafting.selection import Candidates
 from specchat.decode.drafting.trust import ContradictedLookups, HeadTrust, LookupRates
@@ -49,8 +49,8 @@ def hybrid(target, lookup, curve=FLAT, pace=False):
     """A hybrid drafter (the cost curve is the growing layout's: the fixed one verifies its whole budget)."""
     head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
-    return HeadProposer.for_target(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None,
-                                   pace=pace)
+    return heads.for_target(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None,
+                            pace=pace)
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong", "half"])

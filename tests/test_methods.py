@@ -8,9 +8,8 @@ import torch
 
 from conftest import assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
 from specchat.decode.drafting.deagle import DeagleParams, DepthVote
-from specchat.decode.drafting.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
-from specchat.decode.drafting.heads import HeadProposer
-from specchat.decode.drafting.prompt_lookup import LookupProposer
+from specchat.decode.drafting import draft_model, heads, prompt_lookup
+from specchat.decode.drafting.draft_model import TokenizerMismatch, check_tokenizers
 from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams, JakiroTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
 
@@ -30,15 +29,15 @@ def bigram(bigram_dir, layout):
 
 def make(method, model, head=None, draft=None):
     if method == "deagle":
-        return HeadProposer.for_target(head or random_head("eagle3", model), model, DeagleTree(TREE, DeagleParams()))
+        return heads.for_target(head or random_head("eagle3", model), model, DeagleTree(TREE, DeagleParams()))
     if method == "jakiro":
-        return HeadProposer.for_target(head or random_head("jakiro", model), model, JakiroTree(TREE))
+        return heads.for_target(head or random_head("jakiro", model), model, JakiroTree(TREE))
     if method == "jakiro-reference":
-        return HeadProposer.for_target(head or random_head("jakiro", model), model,
-                                       JakiroTree(TREE, reference_attach=True))
+        return heads.for_target(head or random_head("jakiro", model), model,
+                                JakiroTree(TREE, reference_attach=True))
     if method == "sps":
-        return DraftModelProposer(draft or model, model, draft_tokens=4)
-    return LookupProposer(model, draft_tokens=6)
+        return draft_model.for_target(draft or model, model, draft_tokens=4)
+    return prompt_lookup.for_target(model, draft_tokens=6)
 
 
 @pytest.mark.parametrize("method", ["deagle", "jakiro", "jakiro-reference", "sps", "pld"])
@@ -174,7 +173,7 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram_dir):
     head.forward = counting
     both = head.forward_both
     head.forward_both = lambda *a, **k: (calls.append("both"), both(*a, **k))[1]
-    proposer = HeadProposer.for_target(head, bigram, JakiroTree(DynamicTreeParams(total_tokens=40, depth=5, top_k=3)))
+    proposer = heads.for_target(head, bigram, JakiroTree(DynamicTreeParams(total_tokens=40, depth=5, top_k=3)))
     engine = Engine(bigram, proposer)
     steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=20)))
     tree = steps[1].cycle.tree
@@ -216,7 +215,7 @@ def test_sps_refuses_a_draft_with_another_tokenizer(target, tmp_path):
 
 def test_sps_keeps_the_draft_cache_in_step(qwen_dir, tiny_model_dir):
     """The growing layout's draft cache holds the entries it knows right (`fed`) and no more."""
-    proposer = DraftModelProposer(load_tiny_target(tiny_model_dir), load_tiny_target(qwen_dir), draft_tokens=3)
+    proposer = draft_model.for_target(load_tiny_target(tiny_model_dir), load_tiny_target(qwen_dir), draft_tokens=3)
     engine = Engine(load_tiny_target(qwen_dir), proposer)
     for prompt in PROMPTS:
         for step in engine.generate(prompt, GenerationSettings(max_new_tokens=10)):
@@ -226,7 +225,7 @@ def test_sps_keeps_the_draft_cache_in_step(qwen_dir, tiny_model_dir):
 
 
 def test_pld_proposes_what_followed_the_latest_match():
-    pld = LookupProposer(SimpleNamespace(envelope=None), draft_tokens=3, max_ngram=2)  # the growing layout's
+    pld = prompt_lookup.for_target(SimpleNamespace(envelope=None), draft_tokens=3, max_ngram=2)  # the growing layout's
     pld.observe([1, 2, 3, 4, 9, 1, 2, 5, 6, 7, 8], None)
     assert pld.prepare(root=2, max_depth=10, max_nodes=10) == 3
     assert pld.draft(2, 11, None, None, None).tokens == [5, 6, 7]  # "1 2" last seen before "5 6 7"
@@ -250,14 +249,15 @@ def test_pld_verifies_the_part_of_a_chain_worth_its_cost_on_this_machine(qwen_di
     plain = tokens_of(Engine(target), copying, settings)
     drafted = {}
     for name, curve in (("flat", flat), ("dear", dear)):
-        pld = LookupProposer(target, draft_tokens=8, curve=curve)
+        pld = prompt_lookup.for_target(target, draft_tokens=8, curve=curve)
         pld.rates.counts = [[5.0, 10.0] for _ in pld.rates.BUCKETS]  # lookup tokens accepted half the time
         pld.observe(copying, None)
         pld.prepare(root=60, max_depth=20, max_nodes=20)
         drafted[name] = len(pld.chain)
-        assert tokens_of(Engine(target, LookupProposer(target, draft_tokens=8, curve=curve)), copying, settings) == plain
+        engine = Engine(target, prompt_lookup.for_target(target, draft_tokens=8, curve=curve))
+        assert tokens_of(engine, copying, settings) == plain
     assert drafted["flat"] > 4 and drafted["dear"] == 1
-    pld = LookupProposer(target, draft_tokens=8, curve=dear)
+    pld = prompt_lookup.for_target(target, draft_tokens=8, curve=dear)
     pld.rates.counts = [[19.0, 20.0] for _ in pld.rates.BUCKETS]  # a chat that quotes its own text
     pld.observe(copying, None)
     pld.prepare(root=60, max_depth=20, max_nodes=20)

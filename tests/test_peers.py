@@ -12,12 +12,12 @@ from importlib import metadata
 import pytest
 
 from conftest import invoke, load_tiny_target
-from specchat import peer_worker
 from specchat.chat import ChatFormat
 from specchat.decode.engine.engine import GenerationSettings
 from specchat.inputs import PromptRecord
-from specchat.peer_process import PeerFailed, Worker, WorkerRunner, find_python
 from specchat.peers import PeerUnavailable
+from specchat.peers import worker as peer_worker
+from specchat.peers.process import PeerFailed, Worker, WorkerRunner, find_python
 
 
 class Counting:

@@ -1,8 +1,8 @@
 """`llamacpp-eagle3`: llama.cpp's own EAGLE-3 speculation through llama-server, and the head's GGUF.
 
 The fast tests stand a small HTTP server in for llama-server (its /health and /completion as
-0.3.36's llama.cpp answers them). Where llama.cpp's tools are built (`peers_llamacpp.BUILD`; CI
-does not build them) the slow test converts the bundled head with llama.cpp's own converter and
+0.3.36's llama.cpp answers them). Where llama.cpp's tools are built (`specchat.peers.llamacpp.BUILD`;
+CI does not build them) the slow test converts the bundled head with llama.cpp's own converter and
 decodes with it.
 """
 
@@ -15,15 +15,14 @@ import pytest
 
 from conftest import invoke, load_tiny_target, random_head
 from drafters import save_head
-from specchat import peers_llamacpp
 from specchat.chat import ChatFormat
 from specchat.decode.runtime.machine import cache_dir
 from specchat.decode.engine.engine import GenerationSettings
 from specchat.inputs import PromptRecord
-from specchat.peers import PeerUnavailable
+from specchat.peers import PeerUnavailable, llamacpp
 
 # Where this user built llama.cpp's tools, read before the tests isolate the cache folder.
-USER_TOOLS = os.environ.get(peers_llamacpp.TOOLS_DIR) or str(cache_dir() / "peers" / "llama.cpp")
+USER_TOOLS = os.environ.get(llamacpp.TOOLS_DIR) or str(cache_dir() / "peers" / "llama.cpp")
 
 # llama-server as the runner sees it: health 503 while loading, then /completion answering as
 # told by the file its first argument names ({"tokens": [...], "timings": {...}}), recording each request.
@@ -64,7 +63,7 @@ def fake_server(tmp_path, tokens, timings):
     script.write_text(json.dumps({"tokens": tokens, "timings": timings}))
     program = tmp_path / "llama_server.py"
     program.write_text(FAKE_SERVER)
-    return peers_llamacpp.LlamaServer([sys.executable, str(program), str(script)], "fake"), script
+    return llamacpp.LlamaServer([sys.executable, str(program), str(script)], "fake"), script
 
 
 def test_the_runner_counts_forwards_as_the_drafts_accepted_leave_them(qwen_dir, tmp_path):
@@ -77,7 +76,7 @@ def test_the_runner_counts_forwards_as_the_drafts_accepted_leave_them(qwen_dir, 
     server, script = fake_server(tmp_path, [*hi, stop, 99], {"prompt_ms": 100.0, "predicted_n": 3, "draft_n": 4,
                                                               "draft_n_accepted": 1})
     settings = GenerationSettings(max_new_tokens=16, stop_ids=chat_format.stop_ids)
-    runner = peers_llamacpp.LlamaServerRunner(server, chat_format, settings, seed=None)
+    runner = llamacpp.LlamaServerRunner(server, chat_format, settings, seed=None)
     try:
         runner.start(PromptRecord(id="1", category=None, turns=["hi"]), system=None)
         turn = runner.turn("hi")
@@ -103,12 +102,12 @@ def test_a_server_that_ends_while_loading_is_one_line_naming_its_log(tmp_path):
     program.write_text("import sys\nprint('error: failed to load model draft.gguf', file=sys.stderr)\nsys.exit(1)\n")
     with pytest.raises(PeerUnavailable, match=r"^dies did not start: llama-server ended \(error: failed to load "
                                               r"model draft\.gguf; its log: .*dies\.log\)$"):
-        peers_llamacpp.LlamaServer([sys.executable, str(program)], "dies")
+        llamacpp.LlamaServer([sys.executable, str(program)], "dies")
 
 
 def test_without_the_built_tools_the_peer_and_the_export_say_how_to_build_them(qwen_dir, tmp_path, capsys,
                                                                               monkeypatch):
-    monkeypatch.setenv(peers_llamacpp.TOOLS_DIR, str(tmp_path / "none"))
+    monkeypatch.setenv(llamacpp.TOOLS_DIR, str(tmp_path / "none"))
     target = load_tiny_target(qwen_dir)
     head = tmp_path / "head"
     save_head(random_head("eagle3", target), head)
@@ -131,11 +130,11 @@ def test_without_the_built_tools_the_peer_and_the_export_say_how_to_build_them(q
 @pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is None,
                     reason="the peers extra (sentencepiece, for llama.cpp's converter) is not installed")
 def test_llamacpp_converts_the_bundled_head_and_decodes_with_it(tmp_path, tmp_path_factory, capsys, monkeypatch):
-    monkeypatch.setenv(peers_llamacpp.TOOLS_DIR, USER_TOOLS)
+    monkeypatch.setenv(llamacpp.TOOLS_DIR, USER_TOOLS)
     try:
-        tree = peers_llamacpp.tools()
+        tree = llamacpp.tools()
     except PeerUnavailable:
-        pytest.skip(f"llama.cpp's tools are not built in {USER_TOOLS} (peers_llamacpp.BUILD)")
+        pytest.skip(f"llama.cpp's tools are not built in {USER_TOOLS} (specchat.peers.llamacpp.BUILD)")
     # The real-model tests' cache (the GGUF chunks converted once a run).
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "real-model-cache"))
     status, _, err = invoke(["export-head", "qwen2.5-coder-0.5b-eagle3", "--format", "llamacpp",
@@ -144,7 +143,7 @@ def test_llamacpp_converts_the_bundled_head_and_decodes_with_it(tmp_path, tmp_pa
     sys.path.insert(0, str(tree / "gguf-py"))  # the converter's gguf package, which knows EAGLE-3
     try:
         from gguf import GGUFReader
-        reader = GGUFReader(tmp_path / "gguf" / peers_llamacpp.HEAD_FILE)
+        reader = GGUFReader(tmp_path / "gguf" / llamacpp.HEAD_FILE)
     finally:
         sys.path.remove(str(tree / "gguf-py"))
     fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}

@@ -7,9 +7,8 @@ import torch
 
 from conftest import load_tiny_target, random_head
 from specchat.chat import ChatFormat, prediction_usage
-from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting import heads, prompt_lookup
 from specchat.decode.drafting.lookup import LookupSource
-from specchat.decode.drafting.prompt_lookup import LookupProposer
 from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
@@ -79,8 +78,8 @@ def hybrid(target):
     head = random_head("eagle3", target)
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
     growing = target.envelope is None
-    return HeadProposer.for_target(head, target, shape, lookup=LookupSource(), curve=FLAT if growing else None,
-                                   pace=growing)
+    return heads.for_target(head, target, shape, lookup=LookupSource(), curve=FLAT if growing else None,
+                            pace=growing)
 
 
 def reply(engine, prediction=None):
@@ -93,7 +92,7 @@ def reply(engine, prediction=None):
 def test_greedy_replies_are_plain_decodings_whatever_the_prediction(target, method):
     plain, _ = reply(Engine(target))
     unrelated = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0)).tolist()
-    engine = Engine(target, LookupProposer(target) if method == "pld" else hybrid(target))
+    engine = Engine(target, prompt_lookup.for_target(target) if method == "pld" else hybrid(target))
     for prediction in (plain, unrelated, plain[5:] + unrelated[:20], None):
         assert reply(engine, prediction)[0] == plain
 
@@ -101,7 +100,7 @@ def test_greedy_replies_are_plain_decodings_whatever_the_prediction(target, meth
 def test_a_right_prediction_takes_fewer_target_forwards(target):
     """pld with the plain answer as the prediction drafts it whole (deterministic: it cannot fail by chance)."""
     plain, plain_forwards = reply(Engine(target))
-    engine = Engine(target, LookupProposer(target))
+    engine = Engine(target, prompt_lookup.for_target(target))
     tokens, without = reply(engine)
     assert engine.proposer.source.prediction.tokens == []
     tokens_predicted, predicted = reply(engine, plain)

@@ -158,9 +158,9 @@ def test_each_method_name_is_written_once_outside_the_registry():
 
 def test_every_method_is_built_by_one_entry_of_the_builder_tables():
     """The tables are explicit (no builder registers itself by being imported): specchat's methods in
-    `proposers.BUILDERS`, other tools' in `bench_run.RUNNERS`, each method in exactly one."""
+    `proposers.BUILDERS`, other tools' in `bench.run.RUNNERS`, each method in exactly one."""
     from specchat.methods import METHODS
-    from specchat.bench_run import RUNNERS
+    from specchat.bench.run import RUNNERS
     from specchat.proposers import BUILDERS
 
     assert set(BUILDERS).isdisjoint(RUNNERS) and set(BUILDERS) | set(RUNNERS) == set(METHODS.values())

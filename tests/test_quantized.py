@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_VOCAB, load_tiny_target, random_head
 from specchat.decode.runtime import quantized
 from specchat.decode.runtime import woq_kernel
-from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting import heads
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.runtime.target import ModelSpec
@@ -242,7 +242,7 @@ def test_speculation_on_the_quantized_model_gives_its_plain_greedy_output(qwen_d
     prompt = [258, 10, 20, 30, 40, 50, 198]
     plain = [t for s in Engine(target).generate(prompt, settings) for t in s.tokens]
     head = random_head("eagle", target)  # drafts through the target's quantized LM head
-    proposer = HeadProposer.for_target(head.to(torch.bfloat16), target, DynamicTree(DynamicTreeParams(8, 4, 3)))
+    proposer = heads.for_target(head.to(torch.bfloat16), target, DynamicTree(DynamicTreeParams(8, 4, 3)))
     drafted = [t for s in Engine(target, proposer).generate(prompt, settings) for t in s.tokens]
     assert drafted == plain
 

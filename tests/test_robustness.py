@@ -272,16 +272,16 @@ def test_bench_refuses_an_output_folder_holding_an_input_or_refusing_writes(tmp_
 
 
 def test_bench_output_files_are_the_ones_checked(tmp_path):
-    from specchat import bench
-    from specchat.bench_run import OUTPUT_FILES
+    from specchat.bench import measure
+    from specchat.bench.run import OUTPUT_FILES
 
-    results = [bench.TurnResult(method=method, question=1, category="c", turn=0, repeat=0, response="r", new_tokens=4,
+    results = [measure.TurnResult(method=method, question=1, category="c", turn=0, repeat=0, response="r", new_tokens=4,
                                 seconds=1.0, target_forwards=2, draft_tokens=4, accepted_tokens=2,
                                 cycles=[{"depths": [1, 2], "parents": [-1, 0], "probs": [0.5, 0.4], "accepted": [0],
                                          "stop_depth": 2}])
                for method in ("vanilla", "eagle2")]
     folder = tmp_path / "out"
-    bench.write_outputs(folder, results, bench.summarize(results, greedy=True), {"vanilla": 1.0, "eagle2": 2.0}, {})
+    measure.write_outputs(folder, results, measure.summarize(results, greedy=True), {"vanilla": 1.0, "eagle2": 2.0}, {})
     assert {p.name for p in folder.iterdir()} <= set(OUTPUT_FILES)
 
 
@@ -417,7 +417,7 @@ def test_a_pickle_that_is_not_plain_tensors_is_one_line(tiny_target, tmp_path):
 
 def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir, layout):
     from specchat.decode.drafting.deagle import DeagleParams
-    from specchat.decode.drafting.heads import HeadProposer
+    from specchat.decode.drafting import heads
     from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams
 
     bigram = load_tiny_target(bigram_dir, layout=layout)
@@ -426,7 +426,7 @@ def test_deagle_with_a_head_that_outputs_nan_still_answers_exactly(bigram_dir, l
         head.fc.weight.fill_(float("nan"))
     settings = GenerationSettings(max_new_tokens=16)
     plain = [t for s in Engine(bigram).generate([258, 10, 20, 30], settings) for t in s.tokens]
-    proposer = HeadProposer.for_target(head, bigram, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
+    proposer = heads.for_target(head, bigram, DeagleTree(DynamicTreeParams(16, 5, 4), DeagleParams()))
     drafted = [t for s in Engine(bigram, proposer).generate([258, 10, 20, 30], settings) for t in s.tokens]
     assert drafted == plain
 

@@ -9,7 +9,7 @@ import torch
 from conftest import (assert_samples_follow_the_target, exact_two_token_distribution, load_tiny_target, oracle_head,
                       random_head)
 from specchat.chat import ChatFormat, Conversation
-from specchat.decode.drafting.heads import HeadProposer
+from specchat.decode.drafting import heads
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams, StaticTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.drafting.tree import MC_SIM_7B_63
@@ -23,8 +23,8 @@ def tokens_of(engine, prompt, settings, rng=None):
 
 def proposer(head, target, tree):
     if tree == "static":
-        return HeadProposer.for_target(head, target, StaticTree(MC_SIM_7B_63))
-    return HeadProposer.for_target(head, target, DynamicTree(DynamicTreeParams(total_tokens=16, depth=5, top_k=4)))
+        return heads.for_target(head, target, StaticTree(MC_SIM_7B_63))
+    return heads.for_target(head, target, DynamicTree(DynamicTreeParams(total_tokens=16, depth=5, top_k=4)))
 
 
 @pytest.fixture(scope="module")

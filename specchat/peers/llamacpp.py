@@ -1,11 +1,18 @@
-"""llama.cpp's own EAGLE-3 speculation with specchat's head: `llamacpp-eagle3`, and `export-head --format llamacpp`.
+"""llama.cpp as `specchat bench` peers: its binding's decoding, and its own EAGLE-3 speculation with specchat's head.
 
-llama.cpp speculates with EAGLE-3 heads itself (`--spec-type draft-eagle3`). Its Python binding
-(llama-cpp-python, the `llamacpp` peers of `specchat.peers`) does not expose that loop, so this
-peer runs llama.cpp's own server, `llama-server`, built from the llama.cpp that llama-cpp-python's
-source distribution vendors (the same llama.cpp as the binding's: BUILD), in a process of its own
-on the target's GGUF file, answering the bench's prompts as token ids over its HTTP API on
-localhost. It drafts with llama.cpp's defaults as a user gets them (a chain of up to 3 tokens).
+- `llamacpp`: llama.cpp (llama-cpp-python, the optional extra `peers`) decoding the very GGUF file
+  the target was loaded from, with the same threads; `llamacpp-lookup`: the same with its prompt
+  lookup decoding. This is what most CPU users run (ollama wraps it), so it is the number to beat.
+  Sampling is the plain distribution (temperature only: no top-k 40, min-p or repetition penalty
+  of its defaults).
+- `llamacpp-eagle3`: llama.cpp speculating with an EAGLE-3 head itself (`--spec-type draft-eagle3`),
+  and `export-head --format llamacpp`, the head as it reads it.
+
+The binding does not expose llama.cpp's EAGLE-3 loop, so `llamacpp-eagle3` runs llama.cpp's own
+server, `llama-server`, built from the llama.cpp that llama-cpp-python's source distribution
+vendors (the same llama.cpp as the binding's: BUILD), in a process of its own on the target's GGUF
+file, answering the bench's prompts as token ids over its HTTP API on localhost. It drafts with
+llama.cpp's defaults as a user gets them (a chain of up to 3 tokens).
 
 The head reaches llama.cpp as a GGUF written by llama.cpp's own converter (`convert_hf_to_gguf.py`
 and the `gguf` package of that source tree; PyPI's gguf 0.19.0 lacks the EAGLE-3 architecture) from
@@ -37,19 +44,25 @@ import torch
 import drafters
 from drafters import Verifier
 from specchat import exports, methods
-from specchat.chat import ChatFormat
+from specchat.chat import ChatFormat, Turn
 from specchat.decode import GenerationSettings, Target, cache_dir
 from specchat.errors import SpecchatError
-from specchat.peer_process import PeerFailed, PeerRunner, end, exported_once, last_line, run_tool
-from specchat.peer_worker import with_stop
-from specchat.peers import LLAMACPP_MAX_CONTEXT, PeerUnavailable
+from specchat.peers import ConversationRunner, PeerUnavailable
+from specchat.peers.process import PeerFailed, PeerRunner, end, exported_once, last_line, run_tool
+from specchat.peers.worker import with_stop
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder, source_gguf
 from specchat.stats import Stats
 
+MAX_CONTEXT = 4096  # allocated whole (with lookup, logits too: 2.5 GB); bench prompts and answers fit
+# llama-cpp-python's LlamaPromptLookupDecoding defaults (16-36 tok/s with 10 tokens here, measured 2026-11-22).
+LOOKUP_TOKENS, LOOKUP_NGRAM = 10, 2
 TOOLS_DIR = "SPECCHAT_LLAMACPP_DIR"
 VERSION = "0.3.36"  # llama-cpp-python's, as the `peers` extra pins it: the same llama.cpp as the `llamacpp` peers
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # built with GCC 12, ggml's AMX matmul segfaults at the first decode
+# The binding (the `llamacpp` peers), built as llama-server is (BUILD): native, without AMX.
+BINDING_BUILD = (f"CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'\" "
+                 "pip install 'specchat[peers]'")
 # Its EAGLE-3 path reads the target's layer inputs where a model's graph exposes them, which this llama.cpp's Qwen2
 # graph does not (its first request aborts: "layer input tensor is null"): one line, as its Llama graph has it.
 QWEN2_PATCH = ("sed -i 's|^    for (int il = 0; il < n_layer; ++il) {$|&\\n        res->t_layer_inp[il] = inpL;|' "
@@ -69,6 +82,85 @@ HEAD_FILE = "head.gguf"  # what `export-head --format llamacpp` writes into its 
 HEAD_TYPE = "q8_0"
 START_SECONDS = 300  # the server loads the target and the head, and warms up
 ANSWER_SECONDS = 3600
+
+
+# ---------------------------------------------------------------------------------------------
+# The binding: llamacpp, llamacpp-lookup
+
+
+class LlamaCppRunner(ConversationRunner):
+    """llama.cpp on the target's GGUF file: a conversation's turns through the high-level generator,
+    which reuses its cache for the shared prefix, as our engine does."""
+
+    def __init__(self, gguf, chat_format: ChatFormat, settings: GenerationSettings, seed: int | None, threads: int,
+                 context: int, lookup: bool):
+        # An optional extra (a native build): imported only when this peer runs.
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(LOOKUP_NGRAM, LOOKUP_TOKENS) if lookup else None
+        # With a draft model it keeps logits for every position, and 0.3.36 then fails on a prompt
+        # longer than one batch (its last, shorter batch is copied as a full one): one batch per prompt.
+        batch = context if lookup else 512
+        self.llm = Llama(model_path=str(gguf), n_ctx=context, n_batch=batch, n_ubatch=batch, n_threads=threads,
+                         n_threads_batch=threads, seed=seed if seed is not None else 0, draft_model=draft,
+                         verbose=False)
+        self.chat_format, self.settings = chat_format, settings
+        self.forwards = 0
+        evaluate = self.llm.eval
+
+        def counted(tokens):  # every forward of the model passes here (prefill, plain steps, lookup batches)
+            self.forwards += 1
+            return evaluate(tokens)
+
+        self.llm.eval = counted
+        super().__init__()
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def turn(self, prompt: str) -> Turn:
+        self.conversation.add_user(prompt)
+        ids = self.chat_format.prompt_ids(self.conversation)
+        sampling, budget = self.settings.sampling, self.settings.max_new_tokens
+        self.forwards = 0
+        new, first_token_seconds = [], 0.0
+        start = time.perf_counter()
+        for token in self.llm.generate(ids, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                       min_p=0.0, repeat_penalty=1.0):
+            if not new:
+                first_token_seconds = time.perf_counter() - start
+            new.append(token)
+            if token in self.settings.stop_ids or len(new) >= budget:
+                break
+        seconds = time.perf_counter() - start
+        return self.answered(new, Stats(new_tokens=len(new), seconds=seconds, prefill_seconds=first_token_seconds,
+                                        target_forwards=self.forwards))
+
+
+def _llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
+              lookup: bool) -> tuple[LlamaCppRunner, None]:
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise PeerUnavailable(f"needs llama-cpp-python; on x86 build it without AMX (GCC 12 segfaults there): {BINDING_BUILD}")
+    gguf = source_gguf(target.spec)
+    if gguf is None:
+        raise PeerUnavailable(f"{target.name} has no GGUF file for llama.cpp to read")
+    context = min(target.max_context, MAX_CONTEXT)
+    return LlamaCppRunner(gguf, chat_format, generation, settings.seed, torch.get_num_threads(), context, lookup), None
+
+
+def llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
+             load_model) -> tuple[LlamaCppRunner, None]:
+    return _llamacpp(settings, target, chat_format, generation, lookup=False)
+
+
+def llamacpp_lookup(settings: Settings, target: Target, chat_format: ChatFormat, generation: GenerationSettings,
+                    load_model) -> tuple[LlamaCppRunner, None]:
+    return _llamacpp(settings, target, chat_format, generation, lookup=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-server: llamacpp-eagle3, and the head as llama.cpp reads it
 
 
 def tools() -> Path:
@@ -220,10 +312,11 @@ def llamacpp_eagle3(settings: Settings, target: Target, chat_format: ChatFormat,
         source, output, exports.target_of(source), exports.feature_layers(source), folder, tree)) / HEAD_FILE
     threads = str(torch.get_num_threads())
     command = [str(tree / SERVER), "-m", str(gguf), "-md", str(head), "--spec-type", "draft-eagle3",
-               "-c", str(min(target.max_context, LLAMACPP_MAX_CONTEXT)), "-np", "1", "-t", threads, "-tb", threads,
+               "-c", str(min(target.max_context, MAX_CONTEXT)), "-np", "1", "-t", threads, "-tb", threads,
                "-td", threads, "-tbd", threads, "--no-webui"]
     return LlamaServerRunner(LlamaServer(command, settings.method), chat_format, generation, settings.seed), None
 
 
-# What runs each of its methods (all peers': `specchat.bench_run.RUNNERS`).
-RUNNERS = {methods.LLAMACPP_EAGLE3: llamacpp_eagle3}
+# What runs each of its methods (all peers': `specchat.bench.run.RUNNERS`).
+RUNNERS = {methods.LLAMACPP: llamacpp, methods.LLAMACPP_LOOKUP: llamacpp_lookup,
+           methods.LLAMACPP_EAGLE3: llamacpp_eagle3}

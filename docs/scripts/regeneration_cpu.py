@@ -1,11 +1,12 @@
 """Regeneration's throughput: the slot decoder (continuous batching, `specchat data regenerate`)
 against transformers' `generate` (the path it replaced, `regenerate._generated`), in one process
-on the same prompts, alternating (`--rounds` times over). Run from a checkout (it reads the prompts in docs/).
+on the same prompts, alternating (`--rounds` times over). A development script, not installed with
+the package: run it from a checkout (it reads the prompts in docs/).
 
     A: 8 prompts, batch 8, 64 new tokens each, no stop token: both decode the same tokens (cost per token)
     B: 16 prompts, batch 8, up to 128 new tokens, ending at the chat's stop tokens (useful tokens/s)
 
-    python -m specchat.train.regeneration_cpu [--dtype auto|float32|bfloat16] [--rounds N]
+    python docs/scripts/regeneration_cpu.py [--dtype auto|float32|bfloat16] [--rounds N]
 
 Each line gives wall time, CPU time and the cores kept busy: a run another job paused shows few.
 """

@@ -2,7 +2,7 @@
 
 Each pins its own torch, transformers and more, so it lives in a virtual environment beside
 specchat's; an environment variable names that environment's Python (`find_python`), and the
-peer runs there as a worker subprocess (`specchat.peer_worker`, whose docstring gives the
+peer runs there as a worker subprocess (`specchat.peers.worker`, whose docstring gives the
 JSON-lines protocol). Its log (the runtime's own output) goes to `<cache>/peers/<name>.log`.
 What a peer runs is exported once into specchat's cache (`exported_once`) and reused.
 
@@ -31,7 +31,9 @@ from specchat.errors import SpecchatError
 from specchat.peers import ConversationRunner, PeerUnavailable
 from specchat.stats import Stats
 
-WORKER = Path(__file__).with_name("peer_worker.py")
+# Run as a file, by the other environment's Python with -I: isolated, which also keeps the worker's own
+# folder off its path, where this package's vllm.py and openvino.py would shadow the runtimes it imports.
+WORKER = Path(__file__).with_name("worker.py")
 COMPLETE = "specchat-export.json"  # written last into an exported folder: its presence means "complete"
 
 
@@ -100,7 +102,7 @@ def end(process: subprocess.Popen, ask: Callable[[], None], seconds: float) -> N
 
 
 class Worker:
-    """A `specchat.peer_worker` process in another environment, loaded and answering requests."""
+    """A `specchat.peers.worker` process in another environment, loaded and answering requests."""
 
     def __init__(self, python: str, load: dict, name: str, env: dict[str, str]):
         self.name = name
@@ -136,7 +138,7 @@ class Worker:
 
 class PeerRunner(ConversationRunner):
     """A bench runner answering through a peer's own process (`peer`: a `Worker`, or
-    `specchat.peers_llamacpp.LlamaServer`), which ends with the runner."""
+    `specchat.peers.llamacpp.LlamaServer`), which ends with the runner."""
 
     def __init__(self, peer, chat_format: ChatFormat, settings: GenerationSettings, seed: int | None):
         super().__init__()

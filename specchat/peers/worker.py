@@ -1,8 +1,9 @@
 """A bench peer's worker: OpenVINO GenAI or vLLM decoding, in that runtime's own Python environment.
 
-`specchat.peer_process` starts it as `PYTHON -I peer_worker.py` (isolated: it imports nothing of
+`specchat.peers.process` starts it as `PYTHON -I worker.py` (isolated: it imports nothing of
 specchat, only the standard library, numpy and the runtime, whose pinned versions need a virtual
-environment of their own) and talks to it in JSON lines: one request per line on its standard
+environment of their own; its own folder, whose vllm.py and openvino.py are specchat's peers and not
+the runtimes, is not on its path) and talks to it in JSON lines: one request per line on its standard
 input, one reply per line on its standard output, in order.
 
     {"op": "load", "runtime": "OpenVINO GenAI" | "vLLM", "model": DIR, "draft": DIR | null,

@@ -1,7 +1,7 @@
 """Running `specchat bench`: load the target once, run each method in turn, report.
 
-Kept apart from `specchat.bench` (measurement, statistics, plots) so those stay free of I/O on
-models and terminals. A long run shows progress and can be interrupted with Ctrl-C: whatever
+Kept apart from `specchat.bench.measure` (measurement, statistics, plots) so those stay free of
+I/O on models and terminals. A long run shows progress and can be interrupted with Ctrl-C: whatever
 finished is summarised and written; SIGTERM (`Terminated`) likewise.
 """
 
@@ -20,19 +20,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from specchat import app, bench, peers, peers_llamacpp, peers_openvino, peers_vllm
-from specchat.bench import PeakMemory, SessionRunner
+from specchat import app
+from specchat.bench import measure
+from specchat.bench.measure import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError, Terminated
 from specchat.inputs import check_output_folder, read_prompts
 from specchat.decode import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, MissingDraft, checked_draft
+from specchat.peers import hf, llamacpp, openvino, vllm
 from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 
 
 # What runs each of the other tools' methods (specchat's own: `specchat.proposers.BUILDERS`).
-RUNNERS = {**peers.RUNNERS, **peers_llamacpp.RUNNERS, **peers_openvino.RUNNERS, **peers_vllm.RUNNERS}
+RUNNERS = {**hf.RUNNERS, **llamacpp.RUNNERS, **openvino.RUNNERS, **vllm.RUNNERS}
 
-# What `bench.write_outputs` writes into the output folder (checked before the model loads).
+# What `measure.write_outputs` writes into the output folder (checked before the model loads).
 OUTPUT_FILES = ("results.json", "results.csv", "speedup.png", "calibration.png", "acceptance_by_depth.png",
                 "memory.png", "breakdown.png")
 
@@ -47,7 +49,7 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     checked = app.check(settings)
     console = Console(stderr=True)
     target, chat_format = app.load_chat_model(settings, checked)
-    target.profiling = breakdown  # time each forward's products and attention (bench_breakdown)
+    target.profiling = breakdown  # time each forward's products and attention (specchat.bench.breakdown)
     generation = app.generation_settings(settings, checked, chat_format)
     for method, reason in skipped.items():
         console.print(f"skipping {method}: {reason}", style="yellow", markup=False, highlight=False, soft_wrap=True)
@@ -62,13 +64,13 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "specchat " + " ".join(sys.argv[1:]), "hardware": hardware(),
     }
-    measure = BenchRuns(runs, target, chat_format, generation, app.model_loader(settings), console, skipped)
-    results, memory, interrupted = measure.all(records, settings.system, repeat, warmup, interleave)
+    bench = BenchRuns(runs, target, chat_format, generation, app.model_loader(settings), console, skipped)
+    results, memory, interrupted = bench.all(records, settings.system, repeat, warmup, interleave)
     meta["interrupted"] = interrupted is not None
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     meta["capture_seconds"] = round(target.capture_seconds, 2)  # CUDA graphs, at each shape's first steps: not in tok/s
-    summary = bench.summarize(results, greedy=generation.sampling.greedy)
-    written = bench.write_outputs(Path(output_dir), results, summary, memory, meta)
+    summary = measure.summarize(results, greedy=generation.sampling.greedy)
+    written = measure.write_outputs(Path(output_dir), results, summary, memory, meta)
     about = f"{settings.model} · T={settings.temperature} · {generation.max_new_tokens} tokens"
     Console().print(result_tables(summary, about))
     console.print(f"wrote {output_dir}/results.json, results.csv and {', '.join(p.name for p in written)}")
@@ -128,7 +130,7 @@ class BenchRuns:
         opened = {label: self._open(label) for label in self.runs}
         runners = {label: pair[0] for label, pair in opened.items() if pair is not None}
         try:
-            results.extend(bench.run_interleaved(runners, records, system, repeat, warmup, self._on_turn))
+            results.extend(measure.run_interleaved(runners, records, system, repeat, warmup, self._on_turn))
         except (KeyboardInterrupt, Terminated) as stop:  # consumed one by one: what finished is kept
             interrupted = stop
         finally:
@@ -147,7 +149,7 @@ class BenchRuns:
             runner, owned = opened
             try:
                 with PeakMemory(self.target.device) as peak:
-                    results.extend(bench.run_method(label, runner, records, system, repeat, warmup, self._on_turn))
+                    results.extend(measure.run_method(label, runner, records, system, repeat, warmup, self._on_turn))
             except (KeyboardInterrupt, Terminated) as stop:  # consumed one by one: what finished is kept
                 interrupted = stop
             finally:
@@ -179,7 +181,7 @@ class BenchRuns:
                                f"{speed}, τ {result.tau:.2f}", highlight=False, soft_wrap=True)
 
 
-# Short headers for bench.TABLE_COLUMNS, so that a table fits an 80-column terminal or pipe; the
+# Short headers for measure.TABLE_COLUMNS, so that a table fits an 80-column terminal or pipe; the
 # legend under the tables explains them once.
 SHORT_HEADERS = {"speedup": "×", "decode tok/s": "dec\ntok/s", "decode speedup": "dec\n×", "acceptance": "acc",
                  "identical": "same", "near-tie divergences": "ties", "peak MiB": "MiB"}
@@ -196,14 +198,14 @@ def result_tables(summary: dict, about: str) -> Group:
     categories = sorted({c for m in summary.values() for c in m}, key=lambda c: (c == "overall", c))
     parts = []
     for category in categories:
-        parts += [ResultTable(f"{category} · {about}", bench.table_rows(summary, category)), ""]
+        parts += [ResultTable(f"{category} · {about}", measure.table_rows(summary, category)), ""]
     if parts:
         parts.append(Text(LEGEND, style="dim"))
     return Group(*parts)
 
 
 class ResultTable:
-    """One category's rows (bench.table_rows): one table where it fits the width, else two narrower
+    """One category's rows (measure.table_rows): one table where it fits the width, else two narrower
     ones with the method column in each. Method names are never cut: a name too long even for
     the narrow tables folds onto a second line."""
 
@@ -213,9 +215,9 @@ class ResultTable:
     def table(self, columns, title=None) -> Table:
         table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), pad_edge=False,
                       header_style="bold")
-        index = [0] + [bench.TABLE_COLUMNS.index(c) for c in columns]
+        index = [0] + [measure.TABLE_COLUMNS.index(c) for c in columns]
         for i in index:
-            name = bench.TABLE_COLUMNS[i]
+            name = measure.TABLE_COLUMNS[i]
             table.add_column(SHORT_HEADERS.get(name, name), justify="left" if i == 0 else "right",
                              no_wrap=name not in ("method", "near-tie divergences"), overflow="fold")
         for row in self.rows:
@@ -223,13 +225,13 @@ class ResultTable:
         return table
 
     def __rich_console__(self, console, options):
-        whole = self.table(bench.TABLE_COLUMNS[1:], self.title)
+        whole = self.table(measure.TABLE_COLUMNS[1:], self.title)
         if Measurement.get(console, options.update_width(10_000), whole).maximum <= options.max_width:
             yield whole
             return
-        yield self.table([c for c in bench.TABLE_COLUMNS[1:] if c in SPEED_COLUMNS], self.title)
+        yield self.table([c for c in measure.TABLE_COLUMNS[1:] if c in SPEED_COLUMNS], self.title)
         yield ""
-        yield self.table([c for c in bench.TABLE_COLUMNS[1:] if c not in SPEED_COLUMNS])
+        yield self.table([c for c in measure.TABLE_COLUMNS[1:] if c not in SPEED_COLUMNS])
 
 
 def parse_variant(label: str) -> tuple[str, dict]:
