@@ -4,6 +4,7 @@ import pytest
 
 from conftest import load_tiny_target
 from specchat.decode.runtime import calibrate
+from specchat.decode.drafting.selection import Candidates
 from specchat.decode.runtime.calibrate import Curve
 
 
@@ -170,3 +171,45 @@ def test_another_process_s_work_is_seen_as_the_machine_being_busy():
         subprocess.run([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1: pass"], check=True)
     assert busy.share > 0.5 / os.cpu_count() and 0.0 <= quiet.share <= 1.0
 
+
+def _copy_cycles(curve: Curve, live: dict[int, float], cycles: int) -> list[int]:
+    """`cycles` selections of a long, well-trusted lookup chain under `curve`, each verified at the
+    live cost of its size (interpolated between `live`'s sizes): the verified sizes, root included."""
+    true = Curve(dict(live))
+    sizes = []
+    for _ in range(cycles):
+        chain = Candidates([], [], [], [], [])
+        chain.add_chain(list(range(16)), [0.95] * 16, [20] * 16)
+        size = len(chain.select_for_rate(curve, 0.0, 16, kept=[0])) + 1
+        curve.observe(size, true.cost(size))
+        sizes.append(size)
+    return sizes
+
+
+def test_a_curve_too_dear_past_the_sizes_it_lets_be_verified_is_probed_and_heals_within_a_reply():
+    """A curve measured while another process started (2 tokens 27 ms, 3 tokens 68, the real cost 31:
+    a benchmark on a Zen 3) never lets 3 tokens be verified, so without probes no live forward
+    would ever contradict it. Probes verify the next size up now and then: within a reply's cycles
+    the tail heals and long copies are verified at their worth."""
+    live = {1: 20.0, 2: 25.0, 3: 31.0, 4: 40.0, 6: 56.0, 8: 66.0, 12: 93.0, 16: 117.0}
+    dear = Curve({1: 20.3, 2: 27.4, 3: 68.1, 4: 93.4, 6: 137.8, 8: 194.5, 12: 279.6, 16: 415.3})
+    without = Curve(dict(dear.milliseconds))
+    without.probe = lambda expected, drafting_ms, best: best  # what selection did before probes
+    assert max(_copy_cycles(without, live, 128)) == 2
+    sizes = _copy_cycles(dear, live, 128)
+    every = calibrate.PROBE_EVERY
+    assert sizes[:every] == [2] * (every - 1) + [3]  # the first probe
+    assert min(sizes[-16:]) >= 8  # healed: the copy is verified far, as the real costs make it pay
+    for n in (3, 4, 6, 8):  # each probed, each now within what a size's healing tolerates
+        assert calibrate.SIZE_AGREES[0] <= live[n] / dear.milliseconds[n] <= calibrate.SIZE_AGREES[1]
+
+
+def test_a_right_curve_costs_a_few_probes_of_the_sizes_just_past_its_best():
+    """On a right curve, probes check each size above those chosen as long as it could pay even at the
+    size below's cost, find each as the curve says (3 live forwards each), and stop."""
+    live = {1: 20.0, 2: 25.0, 3: 31.0, 4: 40.0, 6: 56.0, 8: 66.0, 12: 93.0, 16: 117.0}
+    steep = {n: ms * n for n, ms in live.items()}  # verifying more costs too much: one token a cycle
+    curve = Curve(dict(steep))
+    sizes = _copy_cycles(curve, steep, 20 * calibrate.PROBE_EVERY)
+    assert sizes.count(3) == sizes.count(4) == calibrate.LIVE_EVIDENCE and set(sizes) == {2, 3, 4}
+    assert curve.milliseconds == steep

@@ -150,11 +150,12 @@ class Candidates:
         return value
 
     def rate_choice(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
-                    head_trust: float = 1.0, lookup_trust: float = 1.0) -> RateChoice:
+                    head_trust: float = 1.0, lookup_trust: float = 1.0, probe: bool = False) -> RateChoice:
         """The `kept` nodes and as many of the best others as maximize expected tokens (1 + the sum
         of the nodes' values, `values`) per millisecond of the cycle (drafting so far + verifying them
         all). `kept` must be a connected tree; the others join in rank order, so every node's parent
-        is chosen before it."""
+        is chosen before it. `probe`: this is the cycle's verified set, which the curve may now and
+        then make larger to learn what a size it rules out costs (`Curve.probe`)."""
         value = self.values(head_trust, lookup_trust)
         kept = list(kept)[:max_nodes]
         taken = set(kept)
@@ -163,19 +164,20 @@ class Candidates:
         ranked = kept + [i for i in self._ranked(value) if i not in taken]
         ranked = ranked[: max(len(kept), min(max_nodes, curve.largest - 1))]
         expected = 1.0 + sum(value[node] for node in kept)
-        best, best_expected = len(kept), expected
-        best_rate = expected / (drafting_ms + curve.cost(len(kept) + 1))
+        expecteds = {len(kept) + 1: expected}  # by tokens verified, the root included
         for count in range(len(kept) + 1, len(ranked) + 1):
             expected += value[ranked[count - 1]]
-            rate = expected / (drafting_ms + curve.cost(count + 1))
-            if rate > best_rate:
-                best, best_rate, best_expected = count, rate, expected
-        return RateChoice(ranked[:best], best_expected, best_expected / best_rate, value)
+            expecteds[count + 1] = expected
+        rates = {n: tokens / (drafting_ms + curve.cost(n)) for n, tokens in expecteds.items()}
+        best = max(rates, key=lambda n: (rates[n], -n))  # ties: the smaller tree
+        if probe:
+            best = curve.probe(expecteds, drafting_ms, best)
+        return RateChoice(ranked[:best - 1], expecteds[best], expecteds[best] / rates[best], value)
 
     def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
                         head_trust: float = 1.0, lookup_trust: float = 1.0) -> DraftTree:
-        """The nodes `rate_choice` takes, as a tree."""
-        return self._tree(self.rate_choice(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust).nodes)
+        """The nodes `rate_choice` takes, as the cycle's tree."""
+        return self._tree(self.rate_choice(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust, probe=True).nodes)
 
     def _tree(self, chosen: list[int]) -> DraftTree:
         chosen = sorted(chosen, key=lambda i: (self.depths[i], -self.scores[i], i))  # parents first, siblings by score

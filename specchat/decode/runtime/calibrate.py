@@ -26,6 +26,13 @@ conditions, and otherwise never verified to be corrected: a size the curve makes
 As the whole curve's, a size's healing is kept only where it made the size cheaper (`Curve.kept`):
 live forwards at a long context take 1.2-1.4x the curve's at 256 tokens (4 rewrite prompts on a
 Zen 3), which is this session's cost, not the machine's.
+
+A size the curve makes too dear is never chosen, so no live forward would ever correct it: a curve
+measured while another process started (3 tokens 68 ms where 2 took 27, the real cost 31) kept a
+whole benchmark's trees to two nodes. So every PROBE_EVERY cycles the selection verifies the next
+measured size above those live forwards have confirmed, where the drafts at hand reach it and it
+would pay even at the cost of the size below it (`Curve.probe`): a wrong tail heals within a reply,
+and a right curve costs a few probes of the sizes just past its best, once a chat.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ BUSY_SHARE = 0.15  # other processes' share of the CPU while measuring above whi
 LIVE_WINDOW, LIVE_EVIDENCE = 5, 3
 TOO_CHEAP, TOO_DEAR = 0.6, 1.6
 SIZE_AGREES = (0.75, 1.33)  # a measured size's live median ratio outside these heals it (`Curve.observe`)
+PROBE_EVERY = 8  # cycles between probes of the size above those live forwards have confirmed (`Curve.probe`)
 
 
 @dataclass
@@ -81,6 +89,7 @@ class Curve:
     # What the cache should hold: only ever made cheaper by a size's healing (a size healed dearer, at a
     # long context or on a busy machine, stays so for this session only)
     kept: dict[int, float] = field(init=False, repr=False, compare=False)
+    cycles: int = field(default=0, repr=False, compare=False)  # selections seen (`probe`)
 
     def __post_init__(self):
         self.measured, self.kept = dict(self.milliseconds), dict(self.milliseconds)
@@ -121,10 +130,12 @@ class Curve:
         log.debug(f"live verify forwards of {n} tokens take {median:.2f}x the cost curve's: healed")
         self.healed[n] = self.milliseconds[n] * median / self.measured[n]
         factor, healed = 1.0, {}
-        for size in sorted(self.measured):  # a size's own factor, else (unseen) that of the largest healed below it
-            if size in self.healed:
+        for size in sorted(self.measured):  # a size's own factor; seen live unhealed, as live forwards found it; else
+            if size in self.healed:  # (unseen) that of the largest healed below it
                 factor = self.healed[size]
-            healed[size] = self.measured[size] * (self.healed.get(size, 1.0) if size in self.live_by_size else factor)
+                healed[size] = self.measured[size] * factor
+            else:
+                healed[size] = self.milliseconds[size] if size in self.live_by_size else self.measured[size] * factor
         ceiling = math.inf
         for size in sorted(healed, reverse=True):
             ceiling = healed[size] = round(min(healed[size], ceiling), 2)
@@ -134,6 +145,23 @@ class Curve:
             self.kept = {size: min(ms, self.milliseconds[size]) for size, ms in self.kept.items()}
             if self.on_rescaled is not None:
                 self.on_rescaled(self)
+
+    def probe(self, expected: dict[int, float], drafting_ms: float, best: int) -> int:
+        """The tokens to verify this cycle: `best`, the size the rate rule chose (`expected`: tokens by
+        tokens verified, the root included; `drafting_ms`: the cycle's drafting so far); or, every
+        PROBE_EVERY cycles, the smallest measured size above every size LIVE_EVIDENCE live forwards of
+        its own have confirmed, where the drafts at hand reach it and it would beat the best even at
+        the least it can cost (what the largest confirmed size costs: no forward costs less than a
+        smaller one's). See the module docstring."""
+        self.cycles += 1
+        if self.cycles % PROBE_EVERY:
+            return best
+        confirmed = max((n for n, recent in self.live_by_size.items() if len(recent) >= LIVE_EVIDENCE), default=1)
+        size = min((n for n in self.milliseconds if n > confirmed), default=None)
+        if size is None or size <= best or size not in expected:
+            return best
+        best_rate = expected[best] / (drafting_ms + self.cost(best))
+        return size if expected[size] / (drafting_ms + self.cost(confirmed)) > best_rate else best
 
     def expected_rate(self, n: int, trust: float = 1.0) -> float:
         """Modelled tokens per millisecond when n tokens are verified per cycle; `trust` scales the
