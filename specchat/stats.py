@@ -58,7 +58,7 @@ class Stats:
         self.products_seconds += step.forward.products_seconds
         self.attention_seconds += step.forward.attention_seconds
         tree = None if step.cycle is None else step.cycle.tree
-        arm = Arm.PLAIN if tree is None or not len(tree) else tree.arm or Arm.HEAD  # (a proposer naming none: a head)
+        arm = Arm.PLAIN if tree is None or not len(tree) else step.cycle.arm or Arm.HEAD  # (a proposer naming none: a head)
         self.arms[arm.value] = self.arms.get(arm.value, 0) + 1
         self.plain_seconds += step.seconds if arm is Arm.PLAIN else 0.0
         if tree is not None:
@@ -66,7 +66,7 @@ class Stats:
             if tree.sources:  # the accepted nodes this step kept (an end of turn or the budget may cut the path)
                 kept = step.cycle.accepted[: sum(step.drafted)]
                 self.accepted_from_lookup += sum(tree.sources[node] != Source.HEAD for node in kept)
-            self.lookup_seconds += tree.lookup_seconds
+            self.lookup_seconds += step.cycle.lookup_seconds
 
     def __iadd__(self, other: Stats) -> Stats:
         """Every counter of `Stats` summed (lists joined, arms by arm); the latest finish reason kept."""

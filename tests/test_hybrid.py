@@ -376,7 +376,7 @@ def test_every_arm_the_pace_takes_leaves_greedy_output_plain(bigram, kind):
     assert set(stats.arms) == {"head", "plain", "lookup"}
     if kind == "right":
         assert sum(step.drafted.count(True) for step in steps) >= 5
-        lookup_alone = [step for step in steps[1:] if step.cycle.tree.arm is Arm.LOOKUP]
+        lookup_alone = [step for step in steps[1:] if step.cycle.arm is Arm.LOOKUP]
         assert all(set(step.cycle.tree.sources) == {Source.LOOKUP} for step in lookup_alone)
         assert sum(len(step.tokens) for step in lookup_alone) > len(lookup_alone)  # lookup alone drafted tokens
 

@@ -148,7 +148,7 @@ def test_lookup_chains_merge_on_the_device_as_on_the_host(seed):
     # each token's own rate and evidence (`LookupRates.along`); past a chain's length the device form's rate 1
     accept = torch.rand(2, 8, generator=generator).clamp(min=0.05).masked_fill(torch.arange(8) >= lengths[:, None], 1.0)
     evidence = torch.randint(1, 12, (2, 8), generator=generator)
-    host = Candidates.from_table(table, None)
+    host = Candidates.from_table(table)
     for chain, length, rates, strengths in zip(chains.tolist(), lengths.tolist(), accept.tolist(), evidence.tolist()):
         host.add_chain(chain[:length], rates[:length], strengths[:length])
     keep = 12

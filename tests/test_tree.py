@@ -150,7 +150,7 @@ class _SeededSteps(HeadSteps):
 
 def _paths(table) -> dict[tuple[int, ...], float]:
     """Each drafted node's path of tokens from the root, with its score."""
-    candidates = Candidates.from_table(table, None)
+    candidates = Candidates.from_table(table)
     paths = []
     for node, parent in enumerate(candidates.parents):
         paths.append((paths[parent] if parent >= 0 else ()) + (candidates.tokens[node],))

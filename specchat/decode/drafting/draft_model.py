@@ -95,9 +95,7 @@ class DraftModelProposer:
             probs.append(torch.softmax(logits, -1)[0].gather(0, token))
             tokens.append(token)
             ids = token
-        tree = self.chain(torch.cat(tokens), torch.cat(probs), torch.stack(qs) if qs else None)
-        tree.arm = Arm.MODEL
-        return tree
+        return self.chain(torch.cat(tokens), torch.cat(probs), torch.stack(qs) if qs else None)
 
     def _vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits [1, V] over the target's vocabulary (a smaller embedding table's padding
@@ -110,6 +108,7 @@ class DraftModelProposer:
         pass
 
     def committed(self, tokens: list[int], cycle) -> None:
+        cycle.arm = Arm.MODEL
         drafted_at = len(self.context)
         self.context.extend(tokens)
         self.confirm(drafted_at, len(tokens))

@@ -77,14 +77,13 @@ class LookupProposer:
 
     def draft(self, root, length, span, sampling, rng) -> DraftTree:
         """The chain (lookup needs neither the sampling settings nor the random stream: it is deterministic)."""
-        tree = self.chain_tree()
-        tree.arm = Arm.LOOKUP
-        return tree
+        return self.chain_tree()
 
     def commit(self, tree, acceptance, root, features) -> None:
         pass
 
     def committed(self, tokens: list[int], cycle) -> None:
+        cycle.arm = Arm.LOOKUP
         self.source.observe(tokens)
         if self.curve is not None:
             self.rates.learn(cycle)

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.decode.runtime.calibrate import Curve
-from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.growth import CandidateTable, HostTable
 from specchat.decode.drafting.tree import DraftTree, Source
 
@@ -60,20 +59,19 @@ class Candidates:
     probs: list[float]  # given the parent
     scores: list[float]
     sources: list[Source] = field(default_factory=list)  # empty: all the head's
-    trace: DepthTrace | None = None  # for the trace (`DraftTree.trace`)
     evidence: list[int] = field(default_factory=list)  # per lookup node, its match's strength (else 0)
     shares: list[float] = field(default_factory=list)  # per lookup node, its continuation's share (else 1)
 
     @classmethod
-    def from_table(cls, table: CandidateTable | HostTable, trace: DepthTrace | None) -> Candidates:
+    def from_table(cls, table: CandidateTable | HostTable) -> Candidates:
         """The table's nodes as host lists (one read of each tensor, or copies of a host table's lists:
         the growing layout's drafter)."""
         if isinstance(table, HostTable):
             return cls(list(table.tokens), list(table.parents), list(table.depths),
-                       [math.exp(logp) for logp in table.logps], list(table.scores), trace=trace)
+                       [math.exp(logp) for logp in table.logps], list(table.scores))
         n = table.filled
         return cls(table.tokens[:n].tolist(), table.parents[:n].tolist(), table.depths[:n].tolist(),
-                   table.logps[:n].exp().tolist(), table.scores[:n].tolist(), trace=trace)
+                   table.logps[:n].exp().tolist(), table.scores[:n].tolist())
 
     def add_chain(self, tokens: list[int], accepts: list[float], evidences: list[int],
                   shares: list[float] | None = None) -> None:
@@ -187,7 +185,6 @@ class Candidates:
             parents=[slot[self.parents[i]] if self.parents[i] >= 0 else -1 for i in chosen],
             depths=[self.depths[i] for i in chosen],
             probs=[float(self.probs[i]) for i in chosen],
-            trace=self.trace,
             sources=[self.sources[i] for i in chosen] if self.sources else [],
             evidence=[self.evidence[i] for i in chosen] if self.evidence else [],
             shares=[self.shares[i] for i in chosen] if self.shares else [],

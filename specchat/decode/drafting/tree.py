@@ -97,26 +97,21 @@ class DraftTree:
             occurrences that went on with it (`lookup.paths`; 1 for the head's own nodes); empty: 1 each.
         valid: the fixed layout's [n] bool (None: every node is real).
         depth: the fixed layout's bound on the depths (0: not bounded).
-        trace: what the trace should know beyond the nodes (DEAGLE's votes: `deagle.DepthTrace`), or None.
-        lookup_seconds: the cycle's time spent finding lookup continuations.
-        head_trust: the hybrid drafter's trust in the head this cycle (`selection.HeadTrust`), if any.
-        arm: what drafted it (`pace.Arm`: the head's tree, lookup continuations alone, a draft model).
+
+    How the tree came to be (what drafted it, the time lookup took, DEAGLE's votes) is the cycle's
+    record, not the tree's: `Cycle`.
     """
 
-    tokens: list[int]
-    parents: list[int]
-    depths: list[int]
-    probs: list[float]
+    tokens: list[int] | torch.Tensor
+    parents: list[int] | torch.Tensor
+    depths: list[int] | torch.Tensor
+    probs: list[float] | torch.Tensor
     q: torch.Tensor | None = None
-    sources: list[Source] = field(default_factory=list)
-    evidence: list[int] = field(default_factory=list)
+    sources: list[Source] | torch.Tensor | None = field(default_factory=list)
+    evidence: list[int] | torch.Tensor | None = field(default_factory=list)
     shares: list[float] = field(default_factory=list)
     valid: torch.Tensor | None = None
     depth: int = 0
-    trace: DepthTrace | None = None
-    lookup_seconds: float = 0.0
-    head_trust: float | None = None
-    arm: Arm | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -158,13 +153,18 @@ class DraftTree:
 
 @dataclass
 class Cycle:
-    """One draft → verify cycle, as written to the trace and drawn by /tree (the tree's arrays are lists)."""
+    """One draft → verify cycle, as written to the trace and drawn by /tree (the tree's arrays are lists).
+    The proposer says how it drafted the tree when the cycle is committed (`Proposer.committed`)."""
 
     root: int
     tree: DraftTree
     accepted: list[int]  # indices into tree.tokens, root to leaf
     bonus: int
     forward_seconds: float = 0.0  # the verify forward's wall time (what the cost curve learns from)
+    arm: Arm | None = None  # what drafted the tree (`pace.Arm`: the head's tree, lookup alone, a draft model)
+    lookup_seconds: float = 0.0  # the cycle's time spent finding lookup continuations
+    head_trust: float | None = None  # the hybrid drafter's trust in the head this cycle (`trust.HeadTrust`), if any
+    trace: DepthTrace | None = None  # what the trace should know beyond the nodes (DEAGLE's votes), if anything
 
     def record(self) -> dict:
         tree = self.tree
@@ -177,13 +177,13 @@ class Cycle:
                 record["lookup_evidence"] = tree.evidence
             if tree.shares:
                 record["lookup_shares"] = [round(share, 3) for share in tree.shares]
-        if tree.lookup_seconds:
-            record["lookup_seconds"] = round(tree.lookup_seconds, 6)
-        if tree.head_trust is not None:
-            record["head_trust"] = round(tree.head_trust, 3)
-        if tree.arm is not None:
-            record["arm"] = tree.arm.value
-        return record | (tree.trace.record() if tree.trace is not None else {})
+        if self.lookup_seconds:
+            record["lookup_seconds"] = round(self.lookup_seconds, 6)
+        if self.head_trust is not None:
+            record["head_trust"] = round(self.head_trust, 3)
+        if self.arm is not None:
+            record["arm"] = self.arm.value
+        return record | (self.trace.record() if self.trace is not None else {})
 
 
 def parse_static_tree(spec: str) -> tuple[tuple[int, ...], ...]:

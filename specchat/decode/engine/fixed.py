@@ -104,7 +104,6 @@ class FixedLayout:
         record = self._record(nodes, tree.depth).read()  # the cycle's one read
         draft_seconds, verify_seconds = self._clock.intervals()  # the one place a verify step is timed, nodes + 1 rows
         cycle, margins = read_cycle(record, root, nodes)
-        cycle.tree.arm = tree.arm  # what drafted it: the captured step's proposer's
         self.cache.extend(len(cycle.accepted) + 1)
         return cycle, margins, draft_seconds, verify_seconds, ForwardTimes()
 

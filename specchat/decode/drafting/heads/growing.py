@@ -157,14 +157,14 @@ class GrowingHead(HeadProposer):
         the best `keep` nodes."""
         self.level_started = None
         candidates, self.last_read = self.read(table), None
-        candidates.trace = self.shape.trace(table)
+        self.trace = self.shape.trace(table)
         if self.curve is None:
             tree = candidates.select(self.keep)
         else:
             drafting_ms = 1000 * (time.perf_counter() - self.started)
             tree = candidates.select_for_rate(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
                                               head_trust=self.head_trust, lookup_trust=self.lookup_trust)
-        tree.head_trust = self.head_trust
+        self.drafted_trust = self.head_trust
         return tree
 
     def level_inputs(self, tokens, level: int, first_entry: int, entries: torch.Tensor):

@@ -20,6 +20,7 @@ import torch
 
 from drafters import DraftHead
 from specchat.decode.runtime.calibrate import Curve
+from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
 from specchat.decode.drafting.pace import Arm, Found, Pace
 from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates
@@ -81,6 +82,8 @@ class HeadProposer(HeadSteps):
         self.arm, self.found = Arm.HEAD, Found.NOTHING  # this cycle's (`Pace`)
         self.lookup_tree: DraftTree | None = None  # the LOOKUP arm's tree, chosen in `prepare`
         self.started = self.lookup_seconds = 0.0
+        self.trace: DepthTrace | None = None  # this cycle's DEAGLE votes, for the record (`Cycle.trace`)
+        self.drafted_trust: float | None = None  # the trust in the head this cycle's tree was selected with
         self.fused = fused
 
     def describe(self) -> str:
@@ -110,6 +113,7 @@ class HeadProposer(HeadSteps):
     @torch.inference_mode()
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         self.started = time.perf_counter()
+        self.trace = self.drafted_trust = None
         nodes = self.budget(max_depth, max_nodes)
         self.matches, self.along = [], []
         if nodes and self.lookup is not None:
@@ -135,13 +139,11 @@ class HeadProposer(HeadSteps):
         if self.arm is Arm.LOOKUP:
             tree, self.lookup_tree = self.lookup_tree, None
             return tree
-        tree = self.select(self.grow(self.context_pass(root, span)))
-        tree.arm = Arm.HEAD
-        return tree
+        return self.select(self.grow(self.context_pass(root, span)))
 
-    def candidates(self, table: CandidateTable | None = None, trace=None) -> Candidates:
+    def candidates(self, table: CandidateTable | None = None) -> Candidates:
         """The table (none: no head nodes) read once, joined by this cycle's lookup chains (host lists)."""
-        candidates = Candidates([], [], [], [], []) if table is None else Candidates.from_table(table, trace)
+        candidates = Candidates([], [], [], [], []) if table is None else Candidates.from_table(table)
         for match, along in zip(self.matches, self.along):
             candidates.add_chain(match.tokens, *along)
         return candidates
@@ -150,18 +152,17 @@ class HeadProposer(HeadSteps):
         """The lookup continuations as a tree of as many nodes as pay at this machine's verify cost (the
         first always: so that their acceptance rate keeps learning)."""
         drafting_ms = 1000 * (time.perf_counter() - self.started)
-        tree = self.candidates().select_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
-        tree.arm = Arm.LOOKUP
-        return tree
+        return self.candidates().select_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
 
     def committed(self, tokens: list[int], cycle: Cycle) -> None:
+        cycle.arm, cycle.trace, cycle.head_trust = self.arm, self.trace, self.drafted_trust
         self.confirm(tokens)
         self.trust.learn(cycle)
         if self.lookup is not None:
             self.lookup.observe(tokens)
             self.rates.learn(cycle)
             self.contradicted.learn(cycle)
-            cycle.tree.lookup_seconds = self.lookup_seconds
+            cycle.lookup_seconds = self.lookup_seconds
         # Live verify forwards heal the cost curve; only the growing layout has one (and times its
         # verify forward apart: `Cycle.forward_seconds`), the fixed one verifies its whole bucket.
         if self.curve is not None and cycle.forward_seconds:
