@@ -181,7 +181,7 @@ class Cycle:
             record["lookup_seconds"] = round(self.lookup_seconds, 6)
         if self.head_trust is not None:
             record["head_trust"] = round(self.head_trust, 3)
-        if self.arm is not None:
+        if self.arm is not None and len(tree):  # a plain step's empty tree: drafted by nothing (as stats reads it)
             record["arm"] = self.arm.value
         return record | (self.trace.record() if self.trace is not None else {})
 
