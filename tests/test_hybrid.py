@@ -5,7 +5,7 @@ chat's earlier text."""
 import pytest
 import torch
 
-from conftest import assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
+from conftest import GivenCurve, assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting import heads
 from specchat.decode.drafting.pace import Arm, Found, Pace
@@ -20,7 +20,7 @@ from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 from specchat.stats import Stats
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]
-FLAT = Curve({1: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 14.0})  # verifying more costs little: chains are kept
+FLAT = {1: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 14.0}  # ms by tokens: verifying more costs little, chains are kept
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +46,12 @@ class ScriptedLookup(LookupSource):
 
 
 def hybrid(target, lookup, curve=FLAT, pace=False):
-    """A hybrid drafter (the cost curve is the growing layout's: the fixed one verifies its whole budget)."""
+    """A hybrid drafter on a fresh curve of these costs, as given (the growing layout's: the fixed one
+    verifies its whole budget)."""
     head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
-    return heads.for_target(head, target, shape, lookup=lookup, curve=curve if target.envelope is None else None,
+    return heads.for_target(head, target, shape, lookup=lookup,
+                            curve=GivenCurve(dict(curve)) if curve and target.envelope is None else None,
                             pace=pace)
 
 
@@ -387,7 +389,7 @@ def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(big
     if bigram.envelope is not None:
         pytest.skip("the rate rules are the growing layout's (the fixed one drafts its whole shape)")
     probs = torch.tensor([0.9, 0.05, 0.05])
-    steep = Curve({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0})
+    steep = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}
     for curve, expanded in ((FLAT, [0]), (steep, [])):
         proposer = hybrid(bigram, None, curve)
         proposer.prepare(root=5, max_depth=6, max_nodes=30)

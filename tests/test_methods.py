@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
+from conftest import GivenCurve, assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
 from specchat.decode.drafting.deagle import DeagleParams, DepthVote
 from specchat.decode.drafting import draft_model, heads, prompt_lookup
 from specchat.decode.drafting.draft_model import TokenizerMismatch, check_tokenizers
@@ -239,10 +239,8 @@ def test_pld_verifies_the_part_of_a_chain_worth_its_cost_on_this_machine(qwen_di
     lookup tokens accepted half the time is cut to one, where verifying is nearly free it is verified
     whole, and a chat that quotes its own text verifies longer chains on the dear machine too; the
     output stays plain decoding's either way."""
-    from specchat.decode.runtime.calibrate import Curve
-
-    flat = Curve({1: 20.0, 2: 20.5, 4: 21.0, 8: 22.0, 16: 24.0})
-    dear = Curve({1: 20.0, 2: 25.0, 4: 35.0, 8: 55.0, 16: 95.0})  # docs/bench-cpu-peers: ~5 ms a row
+    flat = GivenCurve({1: 20.0, 2: 20.5, 4: 21.0, 8: 22.0, 16: 24.0})
+    dear = GivenCurve({1: 20.0, 2: 25.0, 4: 35.0, 8: 55.0, 16: 95.0})  # docs/bench-cpu-peers: ~5 ms a row
     copying = [258] + list(range(60, 90)) * 3  # the answer repeats the prompt: lookup tokens are accepted
     target = load_tiny_target(qwen_dir)
     settings = GenerationSettings(max_new_tokens=30)
