@@ -98,10 +98,15 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
             if ui is not None:
                 ui.end_answer()
             return failed(chat, record, turns, f"{record.where}: turn {turn_index + 1}: {reason}")
-        comparison = chat.compare_last_turn() if settings.compare else None
         stats = chat.last_turn.stats
         turn = {"prompt": prompt, "response": chat.last_turn.text, **stats.record()}
-        turns.append({**turn, **comparison.record()} if comparison else turn)
+        comparison = None
+        if settings.compare:  # the estimate the chat shows beside the measured speedup, so that one can check the other
+            estimate = chat.report().estimated_speedup
+            comparison = chat.compare_last_turn()
+            turn |= {"estimated_speedup": None if estimate is None else round(estimate, 4),
+                     **(comparison.record() if comparison else {})}
+        turns.append(turn)
         if ui is not None:
             ui.end_answer()
             ui.note(stats_line(stats, comparison=comparison))

@@ -307,11 +307,14 @@ def test_run_text_format_prints_only_the_answers(qwen_dir, tmp_path, capsys, mon
     assert err.count("tok/s") == 3
 
 
-def test_run_compare_adds_the_measured_speedup(qwen_dir, capsys, monkeypatch):
+def test_run_compare_adds_the_measured_speedup_beside_the_estimate(qwen_dir, capsys, monkeypatch):
     code, out, _ = invoke(["run", "-", "--compare", *tiny(qwen_dir, "--method", "pld")], capsys, monkeypatch,
                           stdin="x y x y\n")
     turn = json.loads(out)["turns"][0]
     assert code == 0 and turn["identical"] is True and turn["speedup"] > 0 and turn["plain_seconds"] > 0
+    assert turn["estimated_speedup"] > 0  # what the chat shows as "~Nx est.", to be checked against the speedup
+    code, out, _ = invoke(["run", "-", *tiny(qwen_dir, "--method", "pld")], capsys, monkeypatch, stdin="x y x y\n")
+    assert code == 0 and "estimated_speedup" not in json.loads(out)["turns"][0]  # no plain steps timed unasked
 
 
 def test_ctrl_c_during_run_exits_130_and_keeps_finished_records(qwen_dir, tmp_path, capsys, monkeypatch):
