@@ -34,7 +34,7 @@ from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
 from specchat.logs import show_core_messages
-from specchat.methods import METHODS, plain_unless_drafted
+from specchat.methods import METHODS, lookup_unless_drafted
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI
 
@@ -86,11 +86,11 @@ def resolve_settings(options: dict) -> tuple[Settings, str]:
 
 def command_settings(options: dict, verbose: bool) -> tuple[Settings, str, str | None]:
     """What a command that answers prompts (chat, run, serve) runs with: the resolved settings, the
-    profile, and the note `plain_unless_drafted` has for them; the core's messages shown from here
+    profile, and the note `lookup_unless_drafted` has for them; the core's messages shown from here
     on (with `verbose`, the start's phases)."""
     show_core_messages(verbose)
     settings, profile = resolve_settings(options)
-    settings, note = plain_unless_drafted(settings, options)
+    settings, note = lookup_unless_drafted(settings, options)
     return settings, profile, note
 
 

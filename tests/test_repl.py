@@ -20,7 +20,7 @@ from rich.console import Console
 
 from conftest import interrupt_the_prompt_with, invoke, load_tiny_target, oracle_head, random_head, tiny
 from specchat.cli import open_chat, resolve_settings
-from specchat.methods import plain_unless_drafted
+from specchat.methods import lookup_unless_drafted
 from specchat.settings import LiveChatError, parse_value
 from specchat.speedup import OWN_PLAIN_STEPS
 from specchat.repl import PROMPT, block_is_open, history_path, run_repl, unwrap_block
@@ -32,7 +32,7 @@ ESC_ENTER, CTRL_C, CTRL_D = "\x1b\r", "\x03", "\x04"
 def new_chat(model_dir, **overrides):
     options = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_new_tokens": 8, **overrides}
     settings, profile = resolve_settings(options)
-    settings, note = plain_unless_drafted(settings, options)  # as `specchat chat` does
+    settings, note = lookup_unless_drafted(settings, options)  # as `specchat chat` does
     return open_chat(settings, profile, note)
 
 
@@ -82,11 +82,11 @@ def test_commands_answer_in_one_line_and_never_a_traceback(qwen_dir):
         assert sum(expected in line for line in lines) == 1, expected
     assert "Traceback" not in out
     assert chat.settings.top_k == 5 and chat.session.settings.sampling.top_k == 5
-    assert chat.settings.temperature == 0.0 and chat.settings.method == "vanilla"
+    assert chat.settings.temperature == 0.0 and chat.settings.method == "pld"  # no head for this model: lookup alone
 
 
 def test_answers_stream_with_a_statistics_line_and_history_is_kept(qwen_dir):
-    chat = new_chat(qwen_dir)
+    chat = new_chat(qwen_dir, method="vanilla")
     out = drive(chat, "hello there\n/stats\n")
     answer = chat.session.conversation.messages[-1]["content"]
     assert answer and answer in out
@@ -179,8 +179,8 @@ def test_load_keeps_the_method_when_its_draft_is_missing(qwen_dir, tmp_path):
     document["settings"].update(method="eagle2", draft=str(tmp_path / "gone"), model="org/other")
     transcript.write_text(json.dumps(document))
     out = drive(chat, f"/load {transcript}\n")
-    assert "kept method vanilla" in out and "saved with model org/other" in out
-    assert chat.settings.method == "vanilla"
+    assert "kept method pld" in out and "saved with model org/other" in out
+    assert chat.settings.method == "pld"
 
 
 def test_method_switch_tree_compare_and_stats(bigram_dir, head_dirs):
