@@ -34,7 +34,7 @@ from specchat import settings as settings_mod
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
 from specchat.logs import show_core_messages
-from specchat.methods import METHODS, lookup_unless_drafted
+from specchat.methods import METHODS, bench_methods, lookup_unless_drafted
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI
 
@@ -290,9 +290,9 @@ def profiles_show(name, **options):
 
 @cli.command(name="bench")
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--methods", default="vanilla,eagle2,pld", show_default=True,
+@click.option("--methods", default=None,
               help=f"Comma-separated methods: {', '.join(METHODS)}; METHOD+KEY=VALUE gives one a method setting of "
-                   "its own (deagle+lookup=off).")
+                   "its own (deagle+lookup=off). [default: vanilla, the profile's method, pld]")
 @click.option("--draft-for", "draft_for", multiple=True, metavar="METHOD=PATH",
               help="Draft head or model for one method (repeatable); sps and hf-assisted take a small model.")
 @click.option("--limit", type=int, default=None, help="Use the first N questions (a 2-turn MT-bench question is 2 turns).")
@@ -311,7 +311,7 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
     from specchat.bench import run_bench  # torch and transformers load here
 
     settings, profile = resolve_settings(options)
-    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods is not None else bench_methods(settings)
     run_bench(list(inputs), chosen, dict(item.split("=", 1) for item in draft_for if "=" in item), settings,
               profile, limit, repeat, warmup, output_dir, interleave, breakdown)
 

@@ -136,6 +136,13 @@ def checked_draft(settings) -> str | None:
     return draft
 
 
+def bench_methods(settings) -> list[str]:
+    """What `specchat bench` measures unless told: plain decoding (the baseline), the profile's method
+    (what chat would run: the default profile's deagle with lookup and the pace) and prompt lookup
+    alone (what needs no draft), each once."""
+    return list(dict.fromkeys([PLAIN, settings.method, PLD.name]))
+
+
 def lookup_unless_drafted(settings, given: dict) -> tuple[object, str | None]:
     """A profile's method comes with a draft for the profile's model. With another --model that has
     none, and no --method or --draft given, chat and run draft by prompt lookup alone (`pld`: it

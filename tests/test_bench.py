@@ -7,12 +7,20 @@ import re
 import pytest
 
 from conftest import invoke, load_tiny_target, random_head
+from specchat.cli import resolve_settings
+from specchat.methods import bench_methods
 from specchat.bench.measure import TurnResult, calibration, summarize
 
 
 def turn(method, question, turn_index, new_tokens, seconds, forwards, response="same", category="writing", **extra):
     return TurnResult(method=method, question=question, category=category, turn=turn_index, repeat=0,
                       response=response, new_tokens=new_tokens, seconds=seconds, target_forwards=forwards, **extra)
+
+
+def test_bench_measures_plain_the_profiles_method_and_lookup_unless_told():
+    assert bench_methods(resolve_settings({})[0]) == ["vanilla", "deagle", "pld"]  # the default profile
+    assert bench_methods(resolve_settings({"method": "pld"})[0]) == ["vanilla", "pld"]  # each once
+    assert bench_methods(resolve_settings({"profile": "qwen2.5-coder-1.5b-sps"})[0]) == ["vanilla", "sps", "pld"]
 
 
 def test_speedup_is_the_ratio_of_mean_per_question_speeds():
