@@ -5,7 +5,8 @@ chat's earlier text."""
 import pytest
 import torch
 
-from conftest import GivenCurve, assert_samples_follow_the_target, load_tiny_target, random_head, tokens_of
+from conftest import (FLAT_COSTS, GivenCurve, assert_samples_follow_the_target, load_tiny_target, random_head,
+                      tokens_of)
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting import heads
 from specchat.decode.drafting.pace import Arm, Found, Pace
@@ -20,7 +21,6 @@ from specchat.decode.drafting.tree import Cycle, DraftTree, Source
 from specchat.stats import Stats
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]
-FLAT = {1: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 14.0}  # ms by tokens: verifying more costs little, chains are kept
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ class ScriptedLookup(LookupSource):
         return [Match(right, evidence=4)] if right else []
 
 
-def hybrid(target, lookup, curve=FLAT, pace=False):
+def hybrid(target, lookup, curve=FLAT_COSTS, pace=False):
     """A hybrid drafter on a fresh curve of these costs, as given (the growing layout's: the fixed one
     verifies its whole budget)."""
     head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
@@ -56,7 +56,7 @@ def hybrid(target, lookup, curve=FLAT, pace=False):
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong", "half"])
-@pytest.mark.parametrize("curve", [FLAT, None])
+@pytest.mark.parametrize("curve", [FLAT_COSTS, None])
 def test_greedy_output_is_plain_whatever_the_lookup_proposes(bigram, kind, curve):
     settings = GenerationSettings(max_new_tokens=30)
     plain = tokens_of(Engine(bigram), PROMPT, settings)
@@ -390,7 +390,7 @@ def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(big
         pytest.skip("the rate rules are the growing layout's (the fixed one drafts its whole shape)")
     probs = torch.tensor([0.9, 0.05, 0.05])
     steep = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}
-    for curve, expanded in ((FLAT, [0]), (steep, [])):
+    for curve, expanded in ((FLAT_COSTS, [0]), (steep, [])):
         proposer = hybrid(bigram, None, curve)
         proposer.prepare(root=5, max_depth=6, max_nodes=30)
         table = CandidateTable.allocate(3, "cpu")

@@ -5,7 +5,7 @@ as OpenAI counts it."""
 import pytest
 import torch
 
-from conftest import GivenCurve, load_tiny_target, random_head
+from conftest import FLAT_COSTS, GivenCurve, load_tiny_target, random_head
 from specchat.chat import ChatFormat, prediction_usage
 from specchat.decode.drafting import heads, prompt_lookup
 from specchat.decode.drafting.lookup import LookupSource
@@ -14,7 +14,6 @@ from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.engine.engine import Engine, GenerationSettings
 
 PROMPT = [258, 10, 20, 30, 40, 50, 198]
-FLAT = {1: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 14.0}  # ms by tokens: verifying more costs little (test_hybrid's)
 
 
 # -- the lookup source -------------------------------------------------------------------------
@@ -77,7 +76,7 @@ def hybrid(target):
     head = random_head("eagle3", target)
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
     growing = target.envelope is None
-    curve = GivenCurve(dict(FLAT)) if growing else None
+    curve = GivenCurve(dict(FLAT_COSTS)) if growing else None
     return heads.for_target(head, target, shape, lookup=LookupSource(), curve=curve,
                             pace=growing)
 
