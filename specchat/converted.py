@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import io
 import json
@@ -156,13 +157,16 @@ def _gguf_parsed_once():
 
     The shared reader reads its file through a plain array over gguf-py's map: gguf-py's `np.memmap`
     slices through Python-level methods, and reading the 455k metadata parts of Qwen2.5's
-    vocabulary that way took 17 s on a Zen 3 core (of a first start's 90 s)."""
+    vocabulary that way took 17 s on a Zen 3 core (of a first start's 90 s). And gguf-py's map of
+    tensor names, which transformers builds again for every module of the model (~2.3 s of a
+    0.5B's conversion on a Xeon core), is built once per architecture and depth."""
     import gguf  # the GGUF library loads where a file is converted: a start from a converted folder needs none
     import numpy
     from transformers import modeling_gguf_pytorch_utils as gguf_loading  # (loaded already: converting)
 
     original, readers = gguf.GGUFReader, {}
     parse, parsed = gguf_loading.load_gguf_checkpoint, {}
+    name_map = gguf.get_tensor_name_map  # (transformers imports it from gguf at each call: patched there)
 
     class PlainReader(original):
         @property
@@ -187,10 +191,12 @@ def _gguf_parsed_once():
         return copy.deepcopy(parsed[os.fspath(path)])  # (its callers may change what they get)
 
     gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
+    gguf.get_tensor_name_map = functools.cache(name_map)  # (transformers only reads the map)
     try:
         yield
     finally:
         gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = original, parse
+        gguf.get_tensor_name_map = name_map
 
 
 def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
