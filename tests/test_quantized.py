@@ -19,6 +19,17 @@ needs_kernel = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
 RUNNABLE = woq_kernel.runnable_isas()  # every path this machine runs (avx-vnni only without AVX-512)
 
 
+def test_the_compiled_unit_includes_every_kernel_source_and_the_hash_covers_every_file():
+    """The extension is compiled as one translation unit (`woq_kernel.UNIT`): a source it does not
+    include would be left out of the build, a file the hash misses would leave packed models made
+    by another build looking current."""
+    text = woq_kernel.UNIT.read_text()
+    for source in woq_kernel.SOURCES:
+        assert f'#include "{source.name}"' in text
+    kernel_files = {path.name for path in woq_kernel.KERNELS.iterdir() if path.suffix in (".cpp", ".h")}
+    assert {path.name for path in woq_kernel.FILES} == kernel_files
+
+
 @pytest.fixture
 def force_isa(monkeypatch):
     """Run the kernel on a given path, as SPECCHAT_CPU_ISA does (the choice is made again after the test)."""

@@ -35,6 +35,8 @@ KERNELS = Path(__file__).parent / "kernels"
 SOURCE = KERNELS / "woq_linear.cpp"  # the products; decoder.cpp, the layers around them (one call per forward)
 SOURCES = (SOURCE, KERNELS / "decoder.cpp")
 HEADERS = (KERNELS / "woq_linear.h",)
+UNIT = KERNELS / "extension.cpp"  # what is compiled: SOURCES as one translation unit (it says why)
+FILES = (UNIT, *SOURCES, *HEADERS)  # everything the build reads (what `source_hash` covers)
 EXTENSION = "specchat_woq_isa"  # torch's build folder; the single-ISA kernel was "specchat_woq"
 ISA_VARIABLE = "SPECCHAT_CPU_ISA"
 # The kernel's paths, best first, and the CPU flags (as /proc/cpuinfo spells them) each needs.
@@ -148,12 +150,13 @@ def _built_kernel():
             (build / "lock").unlink(missing_ok=True)
             # Loaded as a library of torch operators and classes (torch.ops.specchat, torch.classes.specchat),
             # not a Python module: its sources then need no pybind11 (kernels/woq_linear.h says why).
-            cpp_extension.load(name=EXTENSION, sources=[str(source) for source in SOURCES],
+            # (ninja rebuilds it when an included source changes: torch's build asks the compiler for its dependencies)
+            cpp_extension.load(name=EXTENSION, sources=[str(UNIT)],
                                extra_include_paths=[str(KERNELS)], extra_cflags=COMPILE_FLAGS, is_python_module=False,
                                verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
         first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
-        raise KernelUnavailable(f"cannot compile {SOURCE.name} ({first_line}; SPECCHAT_DEBUG_BUILD=1 shows the "
+        raise KernelUnavailable(f"cannot compile {UNIT.name} ({first_line}; SPECCHAT_DEBUG_BUILD=1 shows the "
                                 f"compiler's output)") from error
     # Loading the module defined torch.ops.specchat.woq_linear; torch.compile traces it by its shape.
     torch.library.register_fake("specchat::woq_linear")(_woq_linear_shape)
@@ -220,7 +223,7 @@ def kernel_version() -> str:
 def source_hash() -> str:
     """A short hash of the kernel's sources and headers (what a packed model is checked against)."""
     digest = hashlib.sha1()
-    for path in (*SOURCES, *HEADERS):
+    for path in FILES:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
 
