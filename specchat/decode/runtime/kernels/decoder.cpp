@@ -212,6 +212,21 @@ void attend_group(const T* q, int64_t G, const T* keys, const T* values, const S
 }
 
 // The quantized linear layers' packed weights (specchat/decode/runtime/quantized.py's QuantizedLinear).
+// `attend_group` with the head size as its template argument, where only the attention's loops
+// need it (they unroll over a head's 8-float vectors): the layer around it is compiled once per
+// dtype, not once per dtype and head size (a third of the extension's compile, which a user's
+// first start pays).
+template <typename T, typename... Args>
+void attend_heads(int64_t head_dim, Args&&... args) {
+  switch (head_dim) {
+    case 16: return attend_group<T, 16>(std::forward<Args>(args)...);
+    case 32: return attend_group<T, 32>(std::forward<Args>(args)...);
+    case 64: return attend_group<T, 64>(std::forward<Args>(args)...);
+    case 128: return attend_group<T, 128>(std::forward<Args>(args)...);
+  }
+  TORCH_CHECK(false, "head sizes 16, 32, 64 and 128 only, not ", head_dim);
+}
+
 struct Linear : torch::CustomClassHolder {
   at::Tensor low, high, scale, offset;
   c10::optional<at::Tensor> bias;
@@ -265,12 +280,14 @@ struct Layer : torch::CustomClassHolder {
   // New keys and values go to positions prefix + width - n .. prefix + width of keys/values [kv_heads, capacity, d].
   // With `outputs` < n, only the last `outputs` rows go on past their keys and values (a one-layer
   // draft head's context pass: the rows before its last are needed only as cache entries): [outputs, H].
-  template <typename T, int D>
+  template <typename T>
   at::Tensor step(const Shape& shape, const at::Tensor& attention_input, const at::Tensor& residual,
                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                      const at::Tensor& values, const Span& span, Timings* timings, int64_t outputs = -1) const {
     double* products = timings ? &timings->products : nullptr;
     const int64_t n = attention_input.size(0), heads = shape.heads, kv_heads = shape.kv_heads, G = heads / kv_heads;
+    const int64_t D = shape.head_dim;
+    TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, "head sizes 16, 32, 64 and 128 only, not ", D);
     const int64_t skipped = outputs < 0 ? 0 : n - outputs;  // rows that stop at their keys and values
     TORCH_CHECK(skipped >= 0 && skipped < n, "outputs: 1 to the rows given");
     const int64_t width = (heads + 2 * kv_heads) * D, capacity = keys.size(1), first = span.prefix + span.width - n;
@@ -303,9 +320,9 @@ struct Layer : torch::CustomClassHolder {
         std::vector<float> scores;
         for (int64_t task = begin; task < end; ++task) {
           const int64_t r = task / kv_heads, i = skipped + r, g = task % kv_heads;
-          attend_group<T, D>(rows + i * width + g * G * D, G, key_ptr + g * capacity * D,
-                             value_ptr + g * capacity * D, span, i, n, shape.scaling,
-                             attended_ptr + (r * heads + g * G) * D, marked, scores);
+          attend_heads<T>(D, rows + i * width + g * G * D, G, key_ptr + g * capacity * D,
+                          value_ptr + g * capacity * D, span, i, n, shape.scaling,
+                          attended_ptr + (r * heads + g * G) * D, marked, scores);
         }
       });
       return 0;
@@ -356,24 +373,12 @@ struct Layer : torch::CustomClassHolder {
   }
 };
 
-// The activations' dtype and the head size as template arguments: the attention loops unroll over
-// a head's 8-float vectors.
-template <typename T, typename F>
-auto dispatch_head_size(int64_t head_dim, const F& body) {
-  switch (head_dim) {
-    case 16: return body(T{}, std::integral_constant<int, 16>{});
-    case 32: return body(T{}, std::integral_constant<int, 32>{});
-    case 64: return body(T{}, std::integral_constant<int, 64>{});
-    case 128: return body(T{}, std::integral_constant<int, 128>{});
-  }
-  TORCH_CHECK(false, "head sizes 16, 32, 64 and 128 only, not ", head_dim);
-}
-
+// The activations' dtype as a template argument.
 template <typename F>
-auto dispatch(const at::Tensor& x, int64_t head_dim, const F& body) {
+auto dispatch(const at::Tensor& x, const F& body) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "activations: float32 or bf16");
-  if (x.scalar_type() == at::kFloat) return dispatch_head_size<float>(head_dim, body);
-  return dispatch_head_size<c10::BFloat16>(head_dim, body);
+  if (x.scalar_type() == at::kFloat) return body(float{});
+  return body(c10::BFloat16{});
 }
 
 Span span_of(int64_t prefix, int64_t width, const c10::optional<at::Tensor>& block, int64_t n) {
@@ -422,16 +427,15 @@ struct Decoder : torch::CustomClassHolder {
     const Span span = span_of(prefix, n, block, n);
     x = x.contiguous();
     std::vector<at::Tensor> hidden(count + 1);
-    dispatch(x, shape.head_dim, [&](auto zero, auto dim) {
+    dispatch(x, [&](auto zero) {
       using T = decltype(zero);
-      constexpr int D = decltype(dim)::value;
       const at::Tensor cosines = cos.contiguous(), sines = sin.contiguous();
       at::Tensor normed = at::empty_like(x);
       for (int64_t l = 0; l < count; ++l) {
         hidden[l] = x;  // (each step returns a new tensor: this one stays layer l's input)
         rms_norm(x.data_ptr<T>(), input_norms[l].data_ptr<T>(), normed.data_ptr<T>(), n, x.size(1), shape.eps);
-        x = layers[l]->step<T, D>(shape, normed, x, cosines, sines, keys[l], values[l], span,
-                                  profiling ? &timings : nullptr);
+        x = layers[l]->step<T>(shape, normed, x, cosines, sines, keys[l], values[l], span,
+                               profiling ? &timings : nullptr);
       }
       hidden[count] = at::empty_like(x);
       rms_norm(x.data_ptr<T>(), final_norm.data_ptr<T>(), hidden[count].data_ptr<T>(), n, x.size(1), shape.eps);
@@ -462,10 +466,10 @@ struct Block : torch::CustomClassHolder {
     TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() &&
                 keys.scalar_type() == attention_input.scalar_type(), "keys, values: [kv_heads, capacity, d]");
     const Span span = span_of(prefix, width, block, m);
-    return dispatch(attention_input, shape.head_dim, [&](auto zero, auto dim) {
+    return dispatch(attention_input, [&](auto zero) {
       using T = decltype(zero);
-      return layer->step<T, decltype(dim)::value>(shape, attention_input.contiguous(), residual.contiguous(),
-                                                   cos.contiguous(), sin.contiguous(), keys, values, span, nullptr);
+      return layer->step<T>(shape, attention_input.contiguous(), residual.contiguous(), cos.contiguous(),
+                            sin.contiguous(), keys, values, span, nullptr);
     });
   }
 };
@@ -528,7 +532,7 @@ struct Eagle3Step : torch::CustomClassHolder {
                 keys.scalar_type() == hidden.scalar_type(), "keys, values: [kv_heads, capacity, d]");
     const at::Tensor h = hidden.size(1) == H ? hidden.contiguous() : (*fc)(hidden.contiguous(), shape.isa);
     const Span span = span_of(prefix, width, block, m);
-    return dispatch(h, D, [&](auto zero, auto dim) {
+    return dispatch(h, [&](auto zero) {
       using T = decltype(zero);
       const at::Tensor tokens = embedded.contiguous();
       at::Tensor x = at::empty({m, 2 * H}, h.options()), normed = at::empty_like(h);
@@ -550,8 +554,8 @@ struct Eagle3Step : torch::CustomClassHolder {
           sines[r * D + j] = sines[r * D + j + D / 2] = narrow<T>(std::sin(angle));
         }
       }
-      return layer->step<T, decltype(dim)::value>(shape, x, norm_before_residual ? normed : h, cos, sin, keys,
-                                                   values, span, nullptr, outputs);
+      return layer->step<T>(shape, x, norm_before_residual ? normed : h, cos, sin, keys, values, span, nullptr,
+                            outputs);
     });
   }
 
@@ -562,7 +566,7 @@ struct Eagle3Step : torch::CustomClassHolder {
     const int64_t r = outputs.size(0), H = outputs.size(1);
     const at::Tensor x = outputs.contiguous();
     at::Tensor normed = at::empty_like(x);
-    at::Tensor logits = dispatch(x, shape.head_dim, [&](auto zero, auto) {
+    at::Tensor logits = dispatch(x, [&](auto zero) {
       using T = decltype(zero);
       rms_norm(x.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), r, H, shape.eps);
       return (*lm_head)(normed, shape.isa).to(at::kFloat).contiguous();
