@@ -138,7 +138,12 @@ class GivenCurve(Curve):
     """A verify-cost curve as given, which live forwards leave alone. A tiny model's forward takes a
     fraction of a millisecond, as noisy as the machine running the tests: observed, it would rescale
     and heal the curve (`Curve.observe`) so that what a test's drafter selects hung on timing (a
-    lookup chain the test needed verified went unverified on one CI machine)."""
+    lookup chain the test needed verified went unverified on one CI machine). It holds its own copy of
+    the costs it is given, so a table the tests share stays as written."""
+
+    def __post_init__(self):
+        self.milliseconds = dict(self.milliseconds)
+        super().__post_init__()
 
     def observe(self, n: int, milliseconds: float) -> None:
         pass

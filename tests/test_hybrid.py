@@ -51,7 +51,7 @@ def hybrid(target, lookup, curve=FLAT_COSTS, pace=False):
     head = random_head("eagle3", target)  # a poor head: whatever is accepted beyond it came from the lookup
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
     return heads.for_target(head, target, shape, lookup=lookup,
-                            curve=GivenCurve(dict(curve)) if curve and target.envelope is None else None,
+                            curve=GivenCurve(curve) if curve and target.envelope is None else None,
                             pace=pace)
 
 

@@ -76,9 +76,8 @@ def hybrid(target):
     head = random_head("eagle3", target)
     shape = DeagleTree(DynamicTreeParams(total_tokens=8, depth=3, top_k=3), DeagleParams())
     growing = target.envelope is None
-    curve = GivenCurve(dict(FLAT_COSTS)) if growing else None
-    return heads.for_target(head, target, shape, lookup=LookupSource(), curve=curve,
-                            pace=growing)
+    return heads.for_target(head, target, shape, lookup=LookupSource(),
+                            curve=GivenCurve(FLAT_COSTS) if growing else None, pace=growing)
 
 
 def reply(engine, prediction=None):
