@@ -32,8 +32,8 @@ from specchat.decode.runtime import machine
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCE = KERNELS / "woq_linear.cpp"  # the products; decoder.cpp, the layers around them (one call per forward)
-SOURCES = (SOURCE, KERNELS / "decoder.cpp")
+# the products; the layers around them (one call per forward)
+SOURCES = (KERNELS / "woq_linear.cpp", KERNELS / "decoder.cpp")
 HEADERS = (KERNELS / "woq_linear.h",)
 UNIT = KERNELS / "extension.cpp"  # what is compiled: SOURCES as one translation unit (it says why)
 FILES = (UNIT, *SOURCES, *HEADERS)  # everything the build reads (what `source_hash` covers)
