@@ -1,11 +1,13 @@
 """The quantized CPU runtime (--quantize int4/int5): the kernel's arithmetic, the quantizer's grids,
 the cache of packed layers, and lossless speculation on the quantized model."""
 
+import re
+
 import pytest
 import torch
 
 from conftest import TINY_VOCAB, load_tiny_target, random_head
-from specchat.decode.runtime import quantized
+from specchat.decode.runtime import cpu_decoder, quantized
 from specchat.decode.runtime import woq_kernel
 from specchat.decode.drafting import heads
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
@@ -28,6 +30,21 @@ def test_the_compiled_unit_includes_every_kernel_source_and_the_hash_covers_ever
         assert f'#include "{source.name}"' in text
     kernel_files = {path.name for path in woq_kernel.KERNELS.iterdir() if path.suffix in (".cpp", ".h")}
     assert {path.name for path in woq_kernel.FILES} == kernel_files
+
+
+
+def test_the_head_sizes_python_takes_are_those_the_attention_is_compiled_for():
+    """`cpu_decoder.HEAD_SIZES` decides which models take the fused forward; decoder.cpp's
+    `attend_heads` compiles one attention loop per size, and its layer checks the size early. A
+    size in one list only would fail at the first forward, or send a model the kernel takes to
+    the slower path."""
+    source = (woq_kernel.KERNELS / "decoder.cpp").read_text()
+    switch = source[source.index("void attend_heads("):]
+    switch = switch[: switch.index("\n}\n")]
+    compiled = tuple(int(size) for size in re.findall(r"case (\d+): return attend_group", switch))
+    checked = re.search(r"TORCH_CHECK\(((?:D == \d+(?: \|\| )?)+), \"head sizes", source).group(1)
+    assert compiled == cpu_decoder.HEAD_SIZES
+    assert tuple(int(size) for size in re.findall(r"D == (\d+)", checked)) == cpu_decoder.HEAD_SIZES
 
 
 @pytest.fixture
