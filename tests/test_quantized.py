@@ -32,7 +32,6 @@ def test_the_compiled_unit_includes_every_kernel_source_and_the_hash_covers_ever
     assert {path.name for path in woq_kernel.FILES} == kernel_files
 
 
-
 def test_the_head_sizes_python_takes_are_those_the_attention_is_compiled_for():
     """`cpu_decoder.HEAD_SIZES` decides which models take the fused forward; decoder.cpp's
     `attend_heads` compiles one attention loop per size, and its layer checks the size early. A
