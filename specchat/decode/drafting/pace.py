@@ -20,10 +20,11 @@ to LONGEST_WAIT, at once after a try that finds it FAR_BEHIND the best: such a t
 cycle's worth and says little more than the last), after EXPLORE again when the try's own cycle
 beat the best; every arm is tried afresh at the start of each reply (its text may draft otherwise),
 its waits starting over and its record carrying CARRY of its weight into the reply, and a likely
-continuation is never passed over for a plain step. The text changing kind (prose turning into code that quotes the prompt) shows as
-the split and in the decayed records. The records describe this machine, model and head, not the
-text, so they outlast a conversation (`specchat bench` answers each question on its own and keeps
-them, as a chat does across /clear), though weighed less in each new reply.
+continuation is never passed over for a plain step. The text changing kind (prose turning into
+code that quotes the prompt) shows as the split and in the decayed records. The records describe
+this machine, model and head, not the text, so they outlast a conversation (`specchat bench`
+answers each question on its own and keeps them, as a chat does across /clear), though weighed
+less in each new reply.
 
 Every arm is exact, so output is unchanged: only the pace follows the measurements. Nothing here
 imports torch.
