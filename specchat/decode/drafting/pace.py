@@ -16,15 +16,13 @@ plain step costs the same in each (its cost is the machine's), so the plain arm 
 next cycle takes the arm with the best rate among those it can take, and each other arm is tried
 again after EXPLORE steps of its context (a context that comes back now and then would otherwise
 retry a slower arm nearly every time), twice as many after each try that finds it still slower (up
-to LONGEST_WAIT, at once after a try that finds it FAR_BEHIND the best: such a try costs most of a
-cycle's worth and says little more than the last), after EXPLORE again when the try's own cycle
-beat the best; every arm is tried afresh at the start of each reply (its text may draft otherwise),
-its waits starting over and its record carrying CARRY of its weight into the reply, and a likely
-continuation is never passed over for a plain step. The text changing kind (prose turning into
-code that quotes the prompt) shows as the split and in the decayed records. The records describe
-this machine, model and head, not the text, so they outlast a conversation (`specchat bench`
-answers each question on its own and keeps them, as a chat does across /clear), though weighed
-less in each new reply.
+to LONGEST_WAIT), after EXPLORE again when the try's own cycle beat the best; every arm is tried
+afresh at the start of each reply (its text may draft otherwise), its waits starting over and its
+record carrying CARRY of its weight into the reply, and a likely continuation is never passed over
+for a plain step. The text changing kind (prose turning into code that quotes the prompt) shows as
+the split and in the decayed records. The records describe this machine, model and head, not the
+text, so they outlast a conversation (`specchat bench` answers each question on its own and keeps
+them, as a chat does across /clear), though weighed less in each new reply.
 
 Every arm is exact, so output is unchanged: only the pace follows the measurements. Nothing here
 imports torch.
@@ -79,9 +77,6 @@ class Pace:
     DECAY = 0.9  # per step of each arm: recent text counts most
     CARRY = 0.3  # of its weight, what a record carries into a new reply (its rate stays)
     EXPLORE, LONGEST_WAIT = 4, 32  # steps before another arm is tried again, doubling up to the longest
-    # An arm whose rate is below this share of the best's waits the longest at once (rewrite10 on two Xeon
-    # cores, three pairs alternated: 1.085-1.092x `pld` against 1.054-1.086x; cpu10 alike, 1.83x plain)
-    FAR_BEHIND = 0.5
     PROMISING = 0.6  # a lookup continuation accepted at least this often is never passed over for a plain step
     # (`Found.LIKELY`)
 
@@ -138,8 +133,6 @@ class Pace:
             record.wait = self.EXPLORE
         elif tokens / milliseconds >= rival:  # this step beat the best: try again soon (not at once: one
             record.wait = self.EXPLORE  # cycle's rate is a lucky acceptance as often as a change of text)
-        elif record.rate < self.FAR_BEHIND * rival:  # far behind: a try costs much, and one more says little
-            record.wait = self.LONGEST_WAIT
         else:
             record.wait = min(2 * max(record.wait, self.EXPLORE // 2), self.LONGEST_WAIT)
 
