@@ -2,6 +2,7 @@
 of its files is missing, cut short or garbled; what a killed conversion left behind is removed;
 a full disk and a pickled model give one-line errors."""
 
+import inspect
 import json
 import os
 import shutil
@@ -13,8 +14,10 @@ import threading
 import time
 from types import SimpleNamespace
 
+import gguf as gguf_package
 import pytest
 import torch
+from transformers import modeling_gguf_pytorch_utils
 
 from conftest import load_tiny_target
 from specchat import converted as conversion
@@ -171,11 +174,6 @@ def test_a_pickled_model_folder_gets_specchats_message(qwen_dir, tmp_path):
 def test_a_gguf_is_parsed_once_while_converting(tmp_path, monkeypatch):
     """transformers builds a `gguf.GGUFReader` for the tokenizer, the config and the weights (a
     ~6 s parse each for a 150k-token vocabulary); while converting, one reader serves all three."""
-    import inspect
-
-    import gguf as gguf_package
-    from transformers import modeling_gguf_pytorch_utils
-
     # the sharing relies on transformers importing the name when it reads a file
     assert "from gguf import GGUFReader" in inspect.getsource(modeling_gguf_pytorch_utils.load_gguf_checkpoint)
     made = []
@@ -196,11 +194,6 @@ def test_a_gguf_is_parsed_once_while_converting(tmp_path, monkeypatch):
 def test_gguf_pys_tensor_name_map_is_built_once_per_architecture_while_converting(monkeypatch):
     """transformers asks gguf-py for its tensor-name map again for every module of the model (~2.3 s
     of a 0.5B's conversion); while converting, one map per architecture and depth serves them all."""
-    import inspect
-
-    import gguf as gguf_package
-    from transformers import modeling_gguf_pytorch_utils
-
     # the sharing relies on transformers importing the name when it maps a model's tensors
     assert "get_tensor_name_map" in inspect.getsource(modeling_gguf_pytorch_utils.get_gguf_hf_weights_map)
     built = []
