@@ -44,10 +44,7 @@ def test_pieces_fill_each_call_and_are_reassembled_checked(tmp_path, there):
     with data.writer() as shard:
         shard.write(record("k1", 1))
     (here / "data" / "prompts.jsonl").write_text('{"key": "k1", "source": "t", "turns": ["q0"]}\n')
-    with tarfile.open(here / "data.tgz", "w:gz") as tar:
-        for path in sorted((here / "data").rglob("*")):
-            if path.is_file():
-                tar.add(path, arcname=str(path.relative_to(here / "data")))
+    staging.data_tarball(here / "data", here / "data.tgz")
     (here / "config.json").write_text('{"kind": "eagle3"}')
     (here / "part01.bin").write_bytes(os.urandom(2500))
     files = [("data.tgz", here / "data.tgz"), ("heads/some-head/config.json", here / "config.json"),
@@ -114,6 +111,38 @@ def test_the_head_and_the_new_answers_come_back_in_pieces_and_into_place(tmp_pat
     with tarfile.open(fileobj=open(out / "answers.tgz.00", "rb")) as tar:
         shards = [m for m in tar.getmembers() if m.name.endswith(".jsonl")]
         assert [json.loads(line)["key"] for line in tar.extractfile(shards[0]).read().splitlines()] == ["k3"]
+
+
+def test_a_blocks_answers_are_kept_and_every_later_block_trains_on_them(tmp_path, there, monkeypatch):
+    """`collect --keep` writes the returned answers compressed into the block's record folder (which is
+    committed: the data folder here does not outlive the session); a later session's `pack` sends
+    them with its own data folder, and there they are read as answers already given."""
+    monkeypatch.setattr(plan, "SHARD_RECORDS", 2)
+    with DataFolder(there / "data").writer() as shard:
+        for item in (record("k1", 1), record("k2", 1), record("k3", 1, 1.0)):
+            shard.write(item)
+    out = tmp_path / "out"
+    out.mkdir()
+    way_back.back(out)
+    kept = Path("docs/bench-gpu/block9/answers")  # the checkout's
+    runner = CliRunner()
+    assert runner.invoke(agenda.cli, ["collect", str(out), "--keep", str(kept)]).exit_code == 2  # needs --data
+    result = runner.invoke(agenda.cli, ["collect", str(out), "--data", str(tmp_path / "session1"), "--keep", str(kept)])
+    assert result.exit_code == 0, result.output
+    assert len(list(kept.glob("*.jsonl.xz"))) == 2 and len(list(kept.glob("*.jsonl.sha256"))) == 2  # 2 + 1 answers
+    # the next session: its own data folder holds the prompts and one answer of its own
+    data = DataFolder(tmp_path / "session2")
+    with data.writer() as shard:
+        shard.write(record("k4", 1))
+    (data.path / "prompts.jsonl").write_text("")
+    staging.data_tarball(data.path, tmp_path / "data.tgz")
+    with tarfile.open(tmp_path / "data.tgz") as tar:
+        tar.extractall(tmp_path / "next-block", filter="data")
+    answers = DataFolder(tmp_path / "next-block").scan().answers
+    assert set(answers) == {("k1", 0.0), ("k2", 0.0), ("k3", 1.0), ("k4", 0.0)}
+    # a session that still holds a block's returned shards sends them once
+    assert staging.kept_answers(tmp_path / "session1") == []
+    assert len(staging.kept_answers(data.path)) == 4
 
 
 def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):

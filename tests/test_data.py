@@ -5,6 +5,7 @@ split across machines and merge, and read back by `train --data`."""
 from __future__ import annotations
 
 import json
+import lzma
 import shutil
 import sys
 from collections import deque
@@ -16,7 +17,7 @@ from conftest import TINY_VOCAB, assert_follows, invoke, load_tiny_target
 from specchat.chat import ChatFormat
 from specchat.train.data import read_conversations
 from specchat.train.batched import Request, SlotDecoder
-from specchat.train.datafolder import DataFolder
+from specchat.train.datafolder import DataFolder, keep, kept_shards
 from specchat.train.prompts import collect, prompt_record, read_prompts, record_key, write_prompts
 from specchat.train.regenerate import RegenerateOptions, import_answers, regenerate
 
@@ -97,6 +98,36 @@ def test_shards_are_closed_with_a_checksum_and_checked(tmp_path):
     scan = folder.scan()
     assert ("k1", 0.0) not in scan.answers
     assert any(s["file"] == damaged.name and "mismatch" in s["status"] for s in scan.shards)
+
+
+def test_kept_shards_are_read_checked_and_counted_once(tmp_path):
+    """A shard kept xz-compressed (a GPU block's answers, committed) reads as its plain self, is checked
+    against the plain text's checksum, and beside its plain twin counts once."""
+    folder = DataFolder(tmp_path / "data")
+    with folder.writer() as shard:
+        for key in ("k1", "k2"):
+            shard.write({"key": key, "turn": 1, "temperature": 0.0, "messages": [{"role": "assistant", "content": key}]})
+    plain = next(folder.shards.glob("*.jsonl"))
+    kept = keep(plain, tmp_path / "record" / "answers")
+    assert kept.name == plain.name + ".xz" and kept.stat().st_size > 0
+    assert sorted(p.name for p in kept_shards(kept.parent)) == [plain.name + ".sha256", kept.name]
+    for path in kept_shards(kept.parent):  # beside its twin: the plain one is read, the kept one not
+        shutil.copy(path, folder.shards / path.name)
+    scan = folder.scan()
+    assert set(scan.answers) == {("k1", 0.0), ("k2", 0.0)} and scan.duplicates == 0 and len(scan.shards) == 1
+    other = DataFolder(tmp_path / "other")  # alone, as the next block's data folder receives it
+    other.shards.mkdir(parents=True)
+    for path in kept_shards(kept.parent):
+        shutil.copy(path, other.shards / path.name)
+    scan = other.scan()
+    assert set(scan.answers) == {("k1", 0.0), ("k2", 0.0)} and [s["status"] for s in scan.shards] == ["ok"]
+    # damaged: a kept file that is no xz, or whose text no longer matches its checksum, is left out
+    (other.shards / kept.name).write_bytes(b"not xz")
+    assert other.scan().answers == {} and "not xz" in other.scan().shards[0]["status"]
+    (other.shards / kept.name).write_bytes(lzma.compress(plain.read_bytes().replace(b'"k1"', b'"k9"')))
+    assert other.scan().answers == {} and "mismatch" in other.scan().shards[0]["status"]
+    with pytest.raises(ValueError, match="not a closed shard"):  # nor is a damaged shard kept again
+        keep(other.shards / kept.name, tmp_path / "again")
 
 
 def test_a_scan_leaves_a_shard_that_is_being_written_alone(tmp_path):

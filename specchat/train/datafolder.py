@@ -3,6 +3,8 @@
     DATA/prompts.jsonl             the prompts (`specchat.train.prompts`)
     DATA/shards/NAME.jsonl         answers, one JSON record per line; NAME = host, process, start time, random
     DATA/shards/NAME.jsonl.sha256  written when a shard is closed: its sha256 and record count
+    DATA/shards/NAME.jsonl.xz      a closed shard kept compressed (`keep`: a GPU block's answers,
+                                   committed beside its record); its checksum is the plain text's
     DATA/shards/NAME.partial       a shard being written (its writer holds a lock on it), or cut off
                                    (no one does: a scan keeps its whole lines and closes it)
     DATA/manifest.json             rebuilt from the shards at every scan: which answers are done
@@ -15,6 +17,10 @@ Several machines fill one folder by each writing its own shards (`--part i/n` sp
 between them) and copying them together; a scan then checks every closed shard against its
 checksum (a shard that fails is reported and left out, so its answers are done again), keeps the
 whole lines of a cut-off one (and closes it), and counts an answer given twice once.
+
+A GPU block's answers outlive the machine that collects them only in the repository: `keep` writes
+closed shards xz-compressed (a fifth of their size) with their checksums, into the block's record
+folder, and the agenda's `pack` puts every kept shard into the data the next block trains on.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import lzma
 import os
 import socket
 import time
@@ -32,6 +39,7 @@ from pathlib import Path
 from specchat.inputs import atomic_output, file_lines
 
 MANIFEST, PROMPTS, SHARDS = "manifest.json", "prompts.jsonl", "shards"
+KEPT = ".xz"  # the suffix of a shard kept compressed
 GREEDY = 0.0
 
 
@@ -68,8 +76,14 @@ class DataFolder:
             if not _written_now(partial):
                 _close(partial)
         scan = Scan()
-        for shard in sorted(self.shards.glob("*.jsonl")):
-            text = shard.read_bytes()
+        plain = sorted(self.shards.glob("*.jsonl"))
+        kept = [shard for shard in sorted(self.shards.glob(f"*.jsonl{KEPT}")) if shard.with_suffix("") not in plain]
+        for shard in plain + kept:
+            try:
+                text = _shard_bytes(shard)
+            except lzma.LZMAError:
+                scan.shards.append({"file": shard.name, "status": "not xz: left out"})
+                continue
             entry = {"file": shard.name, "sha256": hashlib.sha256(text).hexdigest()}
             expected = _read_checksum(shard)
             scan.shards.append(entry)
@@ -184,8 +198,37 @@ def _close(partial: Path) -> Path | None:
     return shard
 
 
+def keep(shard: Path, folder: Path) -> Path:
+    """A closed shard, xz-compressed, into `folder` with its checksum file (the plain text's); the kept file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = _shard_bytes(shard)
+    if _read_checksum(shard) != hashlib.sha256(text).hexdigest():
+        raise ValueError(f"{shard.name} is not a closed shard that matches its checksum: not kept")
+    plain = shard.with_suffix("") if shard.suffix == KEPT else shard
+    kept = folder / f"{plain.name}{KEPT}"
+    kept.write_bytes(lzma.compress(text, preset=9))
+    Path(f"{folder / plain.name}.sha256").write_bytes(_checksum_path(shard).read_bytes())
+    return kept
+
+
+def kept_shards(folder: Path) -> list[Path]:
+    """The kept shards in `folder` and their checksum files."""
+    kept = sorted(folder.glob(f"*.jsonl{KEPT}"))
+    return kept + [_checksum_path(shard) for shard in kept]
+
+
+def _shard_bytes(shard: Path) -> bytes:
+    text = shard.read_bytes()
+    return lzma.decompress(text) if shard.suffix == KEPT else text
+
+
+def _checksum_path(shard: Path) -> Path:
+    """NAME.jsonl.sha256, for NAME.jsonl and for its kept NAME.jsonl.xz alike."""
+    return Path(f"{shard.with_suffix('') if shard.suffix == KEPT else shard}.sha256")
+
+
 def _read_checksum(shard: Path) -> str | None:
     try:
-        return json.loads(Path(f"{shard}.sha256").read_text())["sha256"]
+        return json.loads(_checksum_path(shard).read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -1,5 +1,7 @@
 """The way back: there, the head and the answers not brought back yet in pieces within what a
-call brings back (`back`); here, the returned pieces joined and unpacked into place (`collect`)."""
+call brings back (`back`); here, the returned pieces joined and unpacked into place (`collect`),
+the answers also kept compressed in the block's record folder, which is committed: the development
+machine's data folder does not outlive its session, and the next block trains on every answer kept."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import click
 
 from specchat.inputs import file_lines
 from specchat.train.agenda import plan
-from specchat.train.datafolder import DataFolder
+from specchat.train.datafolder import SHARDS, DataFolder, keep
 
 def back(out: Path) -> None:
     """The head (without its checkpoint), then the answers not brought back yet (each prompt's deepest
@@ -34,9 +36,11 @@ def back(out: Path) -> None:
                     deepest[slot] = record
         compact = plan.THERE / "answers"
         shutil.rmtree(compact, ignore_errors=True)
-        with DataFolder(compact).writer() as writer:
-            for record in deepest.values():
-                writer.write(record)
+        records = list(deepest.values())
+        for start in range(0, len(records), plan.SHARD_RECORDS):  # each kept shard well under a committed file's limit
+            with DataFolder(compact).writer() as writer:
+                for record in records[start : start + plan.SHARD_RECORDS]:
+                    writer.write(record)
         with tarfile.open(plan.THERE / "answers.tgz", "w:gz") as tar:
             tar.add(compact / "shards", arcname="shards")
         bundles.append((plan.THERE / "answers.tgz", [p.name for p in new]))
@@ -71,8 +75,13 @@ def shards_here(shards: list[str] = ()) -> set[str]:
               help="Unpack the returned head into this folder.")
 @click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Add the returned answers to this data folder's shards.")
-def collect(returned, head_folder, data):
+@click.option("--keep", "kept", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also keep the returned answers' shards, xz-compressed, in this folder (the block's record: "
+                   "docs/bench-gpu/BLOCK/answers), for every later block to train on; needs --data.")
+def collect(returned, head_folder, data, kept):
     """Join the pieces in RETURNED (a call's files) and unpack the head and the answers."""
+    if kept is not None and data is None:
+        raise click.UsageError("--keep keeps the answers --data unpacks: give both")
     for name, target in (("head.tgz", head_folder), ("answers.tgz", data)):
         pieces = sorted(returned.glob(f"{name}.*"))
         if not pieces or target is None:
@@ -84,8 +93,13 @@ def collect(returned, head_folder, data):
         target.mkdir(parents=True, exist_ok=True)
         with tarfile.open(joined) as tar:
             tar.extractall(target, filter="data")
+            shards = [Path(member.name).name for member in tar.getmembers() if member.name.endswith(".jsonl")]
         joined.unlink()
         click.echo(f"{name}: {len(pieces)} pieces into {target}")
+        if name == "answers.tgz" and kept is not None:
+            for shard in shards:
+                size = keep(target / SHARDS / shard, kept).stat().st_size
+                click.echo(f"kept {shard} in {kept} ({size / 2**20:.1f} MiB): commit it")
     if data is not None:
         scan = DataFolder(data).scan()
         bad = [s["file"] for s in scan.shards if s["status"] != "ok"]

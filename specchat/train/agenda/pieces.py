@@ -17,6 +17,7 @@ import click
 
 from specchat.train.agenda import plan
 from specchat.train.agenda.back import shards_here
+from specchat.train.datafolder import KEPT, SHARDS, kept_shards
 
 def travelling_tree_bytes() -> int:
     """The working tree a call sends once `gpu-stage hide` has moved the heads' weights and docs/
@@ -37,10 +38,7 @@ def payload(data: Path, wheels: tuple[str, ...]) -> list[tuple[str, Path]]:
                     "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                     "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "-d",
                     str(folder / "whl"), *wheels], check=True)
-    with tarfile.open(folder / "data.tgz", "w:gz") as tar:  # the prompts and the answers so far
-        for path in sorted(data.rglob("*")):
-            if path.is_file() and path.name != "manifest.json":
-                tar.add(path, arcname=str(path.relative_to(data)))
+    data_tarball(data, folder / "data.tgz")
     files = [(f"whl/{p.name}", p) for p in sorted((folder / "whl").iterdir())] + [("data.tgz", folder / "data.tgz")]
     for head in plan.HEADS:
         files += [(f"heads/{head}/{p.name}", p) for p in sorted(Path("specchat/heads", head).iterdir())]
@@ -56,12 +54,31 @@ def payload(data: Path, wheels: tuple[str, ...]) -> list[tuple[str, Path]]:
     return files
 
 
+def data_tarball(data: Path, tarball: Path) -> None:
+    """The prompts and the answers so far: the data folder's, and those the repository keeps."""
+    with tarfile.open(tarball, "w:gz") as tar:
+        for path in sorted(data.rglob("*")):
+            if path.is_file() and path.name != "manifest.json":
+                tar.add(path, arcname=str(path.relative_to(data)))
+        for path in kept_answers(data):
+            tar.add(path, arcname=f"{SHARDS}/{path.name}")
+
+
+def kept_answers(data: Path) -> list[Path]:
+    """The answers earlier blocks brought back and the repository keeps (`collect --keep`), but those
+    whose shard the data folder `data` holds already."""
+    there = {path.name for path in (data / SHARDS).glob("*.jsonl")}
+    return [path for folder in sorted(Path().glob(plan.KEPT_ANSWERS)) for path in kept_shards(folder)
+            if path.name.removesuffix(KEPT).removesuffix(".sha256") not in there]
+
+
 @click.command()
 @click.argument("data", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--wheel", "wheels", multiple=True, default=plan.WHEELS, show_default=True,
               help="A wheel the machine needs (pip download's NAME==VERSION); repeat for several.")
 def pack(data, wheels):
-    """Split the wheels, DATA (a `specchat data` folder), the bench's heads and the embedded 0.5B into
+    """Split the wheels, DATA (a `specchat data` folder) with the answers earlier blocks brought back
+    (kept under docs/bench-gpu/BLOCK/answers), the bench's heads and the embedded 0.5B into
     .gpu/pieces/NN, one per call, each filling what a call carries beside the working tree."""
     budget = plan.CALL_BYTES - travelling_tree_bytes() - plan.SPARE_BYTES
     files = payload(data, wheels)

