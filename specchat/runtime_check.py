@@ -32,12 +32,10 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from drafters.eagle3 import Eagle3Config, Eagle3Head
@@ -45,9 +43,10 @@ from specchat.decode.drafting import heads
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams
 from specchat.decode.drafting.tree import DraftTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
-from specchat.decode.runtime.machine import hardware, synchronize
+from specchat.decode.runtime.machine import hardware
 from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import UsageError
+from specchat.tracing import write_trace
 from specchat.train.batched import SlotDecoder, SlotTimes
 
 # The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct, whose
@@ -280,18 +279,6 @@ def trace(args, target: Target, prompt: list[int], plain: list[int], runtime: st
     engine.reset()
     write_trace(args.trace, f"{runtime}-cycles.json", f"{runtime}-summary.txt", target.device,
                 lambda: run(engine, prompt, min(args.tokens, 4 * (max(args.depths) + 1))))
-
-
-def write_trace(folder: str, trace_name: str, summary_name: str, device: torch.device, work: Callable[[], object]) -> None:
-    """A torch profiler trace of `work` (CUDA kernels too on CUDA) and its summary table, into `folder`."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
-        work()
-        synchronize(device)
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(str(Path(folder) / trace_name))
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    (Path(folder) / summary_name).write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
 
 
 def table(results: dict) -> str:

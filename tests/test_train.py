@@ -533,6 +533,34 @@ def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, cap
     assert load_head(str(out), load_tiny_target(qwen_dir)).kind == "eagle3"
 
 
+def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys):
+    """`train --trace DIR`: a profiler trace of TRACE_STEPS optimizer steps after the first
+    TRACE_AFTER, its summary table, and training.json's step_phases (each phase's seconds, their
+    shares, tokens per second); a run that ends first writes what it traced."""
+    from conftest import invoke
+    from specchat.train.trainer import TRACE_AFTER, TRACE_STEPS, StepTrace
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                      {"role": "assistant", "content": "answer " + "xyz" * (3 + i % 5)}]})
+             for i in range(10)]
+    data = write(tmp_path, "chat.jsonl", "\n".join(lines))
+    common = ["train", "--kind", "eagle3", "--data", data, "--model", str(qwen_dir), "--dtype", "float32",
+              "--device", "cpu", "--work-dir", str(tmp_path / "work"), "--batch-tokens", "120", "--ttt-steps", "2",
+              "--draft-vocab", "40", "--held-out", "0.2", "--eval-every", "100", "--warmup", "1"]
+    for steps, traced in ((TRACE_AFTER + TRACE_STEPS + 1, TRACE_STEPS), (TRACE_AFTER + 1, 1)):
+        out, trace = tmp_path / f"head{steps}", tmp_path / f"trace{steps}"
+        code, _, err = invoke(common + ["-o", str(out), "--max-steps", str(steps), "--trace", str(trace)], capsys)
+        assert code == 0, err
+        assert sorted(p.name for p in trace.iterdir()) == ["train-steps.json", "train-summary.txt"]
+        assert "Self CPU" in (trace / "train-summary.txt").read_text()
+        phases = json.loads((out / "training.json").read_text())["step_phases"]
+        assert phases["steps"] == traced and phases["after_steps"] == TRACE_AFTER and phases["tokens"] > 0
+        assert set(phases["seconds"]) == set(StepTrace.PHASES) and all(s > 0 for s in phases["seconds"].values())
+        assert abs(sum(phases["shares"].values()) - 1) < 0.01 and phases["tokens_per_second"] > 0
+    code, _, err = invoke(common + ["-o", str(tmp_path / "untraced"), "--max-steps", "2"], capsys)
+    assert code == 0 and json.loads((tmp_path / "untraced" / "training.json").read_text())["step_phases"] is None
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])  # an EAGLE head shares the target's LM head too
 def test_training_can_start_from_a_head(kind, qwen_dir, tmp_path, capsys):
     """--init HEAD: its weights and draft vocabulary are where training starts (at a learning rate

@@ -60,6 +60,7 @@ class TrainOptions:
     max_minutes: float | None = None  # stop (with a checkpoint) after this much training time
     resume: bool = False
     seed: int = 0
+    trace: str | None = None  # a folder for a profiler trace of a few optimizer steps, timed by phase
     # The result.
     max_shard_mb: float | None = None
     exports: tuple[str, ...] = ()  # layouts to export the finished head in (specchat.exports)

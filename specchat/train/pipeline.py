@@ -118,7 +118,7 @@ def train_config(options: TrainOptions) -> TrainConfig:
                        ttt_steps=options.ttt_steps, draft_vocab=options.draft_vocab,
                        intermediate_size=options.intermediate_size, eval_every=options.eval_every,
                        checkpoint_every=options.checkpoint_every, checkpoint_precision=options.checkpoint_precision,
-                       max_minutes=options.max_minutes, seed=options.seed)
+                       max_minutes=options.max_minutes, seed=options.seed, trace=options.trace)
 
 
 def outcome(record: dict, output: str) -> str:
@@ -300,6 +300,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
             "selected": selected,
             "best": state.best,
             "train_seconds": round(state.seconds, 1),
+            "step_phases": state.phases,  # --trace: where a step's time went
             "hardware": hardware(),
         }
 

@@ -29,6 +29,8 @@ from drafters import FORMATS, DraftHead
 from specchat.train import checkpoint as ckpt
 from specchat.train.batches import epoch_plan, host_batch, to_device
 from specchat.train.losses import autocast, batch_loss, evaluate, training_attention
+from specchat.decode.runtime.machine import synchronize
+from specchat.tracing import Profiler
 from specchat.train.options import TrainOptions
 
 # EAGLE-3 uses a 32k draft vocabulary for Llama-3's 128k.
@@ -38,6 +40,9 @@ ADAM_BETAS, GRAD_CLIP_VALUE = (0.9, 0.95), 0.5
 # Sequences per forward pass unless --batch-size says otherwise: a CPU gains nothing from padding
 # rows together, a GPU needs them to be busy.
 CPU_BATCH_SIZE, GPU_BATCH_SIZE = 1, 8
+# `--trace`: the optimizer steps profiled and timed by phase, after the run's first few (memory
+# allocation, cuBLAS's choices and the reader's first batches are behind by then).
+TRACE_AFTER, TRACE_STEPS = 5, 3
 
 
 @dataclass
@@ -62,6 +67,7 @@ class TrainConfig:
     max_minutes: float | None = None
     seed: int = TrainOptions.seed
     weight_decay: float = 0.0
+    trace: str | None = None  # a folder for a profiler trace of a few steps (`StepTrace`)
 
     def steps_unrolled(self) -> int:
         return self.ttt_steps or head_class(self.kind).paper_unrolled_steps
@@ -139,6 +145,7 @@ class TrainState:
     step_in_epoch: int = 0  # optimizer steps of the current epoch done
     best: dict | None = None  # the evaluation with the highest simulated tau so far
     stopped: str | None = None  # why training stopped before its last step (the time limit)
+    phases: dict | None = None  # with --trace: where the traced steps' time went (`StepTrace.record`)
 
 
 def learning_rate(config: TrainConfig, step: int, total: int) -> float:
@@ -159,6 +166,70 @@ def fingerprint(vocab: torch.Tensor | None, head, store, train_ids, config: Trai
             "train_sequences": _digest(train_ids), "positions": int(store.lengths().sum()),
             "batch_size": rows, "batch_tokens": config.batch_tokens, "batches": "packed", "seed": config.seed,
             "ttt_steps": config.steps_unrolled()}
+
+
+class StepTrace:
+    """Where an optimizer step's time goes: a profiler trace of TRACE_STEPS steps after the run's
+    first TRACE_AFTER, and those steps' wall time by phase, into `folder`. A phase is timed up to
+    its `mark`, which synchronizes the device: only while the steps are traced, so the other steps
+    keep the device's queue full.
+
+    The phases: `features` (the reader thread's batch, moved to the device, and with live features
+    the target's forward), `forward` (the head's unrolled steps and the loss), `backward`, and
+    `optimizer` (the learning rate, clipping and AdamW)."""
+
+    PHASES = ("features", "forward", "backward", "optimizer")
+
+    def __init__(self, folder: str | None, device: torch.device):
+        self.folder, self.device = folder, device
+        self.profiler: Profiler | None = None
+        self.seconds, self.tokens, self.steps, self.since = Counter(), 0, 0, 0.0
+
+    def before(self, run_step: int) -> None:
+        """Before the run's step `run_step` (0 = its first): start tracing at TRACE_AFTER."""
+        if self.folder is not None and run_step == TRACE_AFTER:
+            self.profiler = Profiler(self.device)
+            self.profiler.start()
+
+    def start(self) -> None:
+        """A traced step begins."""
+        if self.profiler is not None:
+            synchronize(self.device)
+            self.since = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """A traced step's `phase` ends here."""
+        if self.profiler is not None:
+            synchronize(self.device)
+            now = time.perf_counter()
+            self.seconds[phase] += now - self.since
+            self.since = now
+
+    def after(self, tokens: int) -> dict | None:
+        """After a step of `tokens` tokens; once the last traced step is done, the trace is written
+        and the record returned."""
+        if self.profiler is None:
+            return None
+        self.steps, self.tokens = self.steps + 1, self.tokens + tokens
+        return self.finish() if self.steps == TRACE_STEPS else None
+
+    def finish(self) -> dict | None:
+        """Stop and write the trace (early, if the run ended before its last traced step); the record."""
+        if self.profiler is None:
+            return None
+        self.profiler.stop()
+        self.profiler.write(self.folder, "train-steps.json", "train-summary.txt")
+        self.profiler = None
+        return self.record() if self.steps else None
+
+    def record(self) -> dict:
+        """The traced steps' seconds by phase, their shares and tokens per second (timed synchronously:
+        a little slower than the untraced steps)."""
+        total = sum(self.seconds.values())
+        return {"steps": self.steps, "after_steps": TRACE_AFTER, "tokens": self.tokens,
+                "seconds": {phase: round(self.seconds[phase], 4) for phase in self.PHASES},
+                "shares": {phase: round(self.seconds[phase] / total, 3) for phase in self.PHASES},
+                "tokens_per_second": round(self.tokens / total) if total else None}
 
 
 class Trainer:
@@ -193,6 +264,7 @@ class Trainer:
         self.identity = fingerprint(draft_vocab, head, store, train_ids, config, self.rows)
         self.folder = output / "checkpoint" if output is not None else None
         self.state = TrainState()
+        self.trace = StepTrace(config.trace, self.device)
 
     def _place_vocabulary(self, target, draft_vocab: torch.Tensor | None) -> torch.Tensor | None:
         """Put the draft vocabulary and the target's LM-head rows for it on the device, and mark its
@@ -242,9 +314,13 @@ class Trainer:
         source = self.passes()
         try:
             with training_attention(self.device):
+                run_step = 0
                 while self.state.step < self.total_steps and not self.state.stopped:
+                    self.trace.before(run_step)
                     self.step(*next(source))
+                    run_step += 1
         finally:
+            self.state.phases = self.trace.finish() or self.state.phases
             source.close()
         self.head.eval()
         return self.state
@@ -254,6 +330,7 @@ class Trainer:
         state, config = self.state, self.config
         state.epoch, state.step_in_epoch = epoch, index
         tokens, loss, hits, counts = self.optimizer_step(group, batches)
+        state.phases = self.trace.after(tokens) or state.phases
         state.step += 1
         state.step_in_epoch += 1
         state.tokens_seen += tokens
@@ -275,15 +352,20 @@ class Trainer:
 
     def optimizer_step(self, group: list[list[list[int]]], batches) -> tuple[int, torch.Tensor, torch.Tensor, int]:
         """One AdamW step over the group's forward passes: (tokens, loss, step-0 hits, their count)."""
+        trace = self.trace
+        trace.start()
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = learning_rate(self.config, self.state.step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         tokens = int(sum(self.lengths[i] for packed in group for ids in packed for i in ids))
         loss = torch.zeros((), device=self.device)
         hits, counts = torch.zeros((), dtype=torch.long, device=self.device), 0
+        trace.mark("optimizer")
         for batch in batches:
+            trace.mark("features")
             with autocast(self.device):
                 result = batch_loss(self.head, batch, self.lm_rows, self.vocab)
+            trace.mark("forward")
             if result.loss is None:
                 continue
             share = batch.real_tokens / tokens  # each pass's loss is a mean over its tokens
@@ -291,8 +373,10 @@ class Trainer:
             loss = loss + result.loss.detach() * share
             hits = hits + result.hits[0]
             counts += result.counts[0]
+            trace.mark("backward")
         torch.nn.utils.clip_grad_value_(self.parameters, GRAD_CLIP_VALUE)
         self.optimizer.step()
+        trace.mark("optimizer")
         return tokens, loss, hits, counts
 
     def passes(self):

@@ -172,9 +172,15 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
         finished("answer")
     if train_minutes:
         minutes = _train_minutes(train_minutes) if chain else train_minutes
+        # --trace: where a step's time goes (issue 49: twice today's tokens a second, said where before
+        # choosing how); the summary comes back with the logs, the phases in the head's training.json.
+        traced = plan.THERE / "trace" / "train"
         stages.specchat("train", "train", *plan.TRAIN_ARGS, *target, "--data", str(plan.THERE / "data"),
                         "--work-dir", str(plan.THERE / "work"), "-o", str(plan.THERE / "head"), "--max-minutes", f"{minutes:g}",
-                        "--max-steps", str(max(1, int(60 * minutes * train_rate / plan.TRAIN_BATCH_TOKENS))))
+                        "--max-steps", str(max(1, int(60 * minutes * train_rate / plan.TRAIN_BATCH_TOKENS))),
+                        "--trace", str(traced))
+        if (traced / "train-summary.txt").is_file():
+            shutil.copy(traced / "train-summary.txt", out / "trace-train-summary.txt")
         if tests is not None:
             tests()
         if bring_back:
