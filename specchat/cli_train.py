@@ -264,8 +264,8 @@ def train_option(*decls, **attrs):
               help="Split the weights into indexed shards of at most this many MB (default: one file).")
 @train_option("--seed", type=int, show_default=True, help="Seed for shuffling, splitting and initialisation.")
 @train_option("--trace", type=click.Path(file_okay=False),
-              help="Write a profiler trace of a few optimizer steps (after the first five) and their summary "
-                   "into this folder; training.json then says where a step's time went (step_phases).")
+              help="Profile three optimizer steps (after the first five) and write the profiler's summary into "
+                   "this folder; training.json then says where a step's time went (step_phases).")
 @train_option("--export", "exports", multiple=True, type=click.Choice(HEAD_LAYOUTS),
               help="Also write the finished head in this layout into OUTPUT/LAYOUT "
                    "(repeat for several; see export-head).")

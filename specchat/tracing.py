@@ -37,10 +37,12 @@ class Profiler:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def write(self, folder: str | Path, trace_name: str, summary_name: str) -> None:
-        """The chrome trace and the summary table (the most expensive operators and kernels first) into `folder`."""
+    def write(self, folder: str | Path, summary_name: str, trace_name: str | None = None) -> None:
+        """The summary table (the most expensive operators and kernels first) and, given its name, the
+        chrome trace into `folder` (a few training steps make a trace of hundreds of MB: that one is left out)."""
         Path(folder).mkdir(parents=True, exist_ok=True)
-        self.profile.export_chrome_trace(str(Path(folder) / trace_name))
+        if trace_name is not None:
+            self.profile.export_chrome_trace(str(Path(folder) / trace_name))
         sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
         (Path(folder) / summary_name).write_text(self.profile.key_averages().table(sort_by=sort, row_limit=SUMMARY_ROWS))
 
@@ -50,4 +52,4 @@ def write_trace(folder: str | Path, trace_name: str, summary_name: str, device: 
     """A trace of `work` and its summary table, into `folder`."""
     with Profiler(device) as profiler:
         work()
-    profiler.write(folder, trace_name, summary_name)
+    profiler.write(folder, summary_name, trace_name)

@@ -534,8 +534,8 @@ def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, cap
 
 
 def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys):
-    """`train --trace DIR`: a profiler trace of TRACE_STEPS optimizer steps after the first
-    TRACE_AFTER, its summary table, and training.json's step_phases (each phase's seconds, their
+    """`train --trace DIR`: the profiler's summary table of TRACE_STEPS optimizer steps after the
+    first TRACE_AFTER, and training.json's step_phases (each phase's seconds, their
     shares, tokens per second); a run that ends first writes what it traced."""
     from conftest import invoke
     from specchat.train.trainer import TRACE_AFTER, TRACE_STEPS, StepTrace
@@ -551,7 +551,7 @@ def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys):
         out, trace = tmp_path / f"head{steps}", tmp_path / f"trace{steps}"
         code, _, err = invoke(common + ["-o", str(out), "--max-steps", str(steps), "--trace", str(trace)], capsys)
         assert code == 0, err
-        assert sorted(p.name for p in trace.iterdir()) == ["train-steps.json", "train-summary.txt"]
+        assert sorted(p.name for p in trace.iterdir()) == ["train-summary.txt"]
         assert "Self CPU" in (trace / "train-summary.txt").read_text()
         phases = json.loads((out / "training.json").read_text())["step_phases"]
         assert phases["steps"] == traced and phases["after_steps"] == TRACE_AFTER and phases["tokens"] > 0

@@ -67,7 +67,7 @@ class TrainConfig:
     max_minutes: float | None = None
     seed: int = TrainOptions.seed
     weight_decay: float = 0.0
-    trace: str | None = None  # a folder for a profiler trace of a few steps (`StepTrace`)
+    trace: str | None = None  # a folder for the profiler's summary of a few steps (`StepTrace`)
 
     def steps_unrolled(self) -> int:
         return self.ttt_steps or head_class(self.kind).paper_unrolled_steps
@@ -169,8 +169,8 @@ def fingerprint(vocab: torch.Tensor | None, head, store, train_ids, config: Trai
 
 
 class StepTrace:
-    """Where an optimizer step's time goes: a profiler trace of TRACE_STEPS steps after the run's
-    first TRACE_AFTER, and those steps' wall time by phase, into `folder`. A phase is timed up to
+    """Where an optimizer step's time goes: the profiler's summary of TRACE_STEPS steps after the
+    run's first TRACE_AFTER, and those steps' wall time by phase, into `folder`. A phase is timed up to
     its `mark`, which synchronizes the device: only while the steps are traced, so the other steps
     keep the device's queue full.
 
@@ -218,7 +218,7 @@ class StepTrace:
         if self.profiler is None:
             return None
         self.profiler.stop()
-        self.profiler.write(self.folder, "train-steps.json", "train-summary.txt")
+        self.profiler.write(self.folder, "train-summary.txt")  # no chrome trace: 215 MB for three steps on a CPU
         self.profiler = None
         return self.record() if self.steps else None
 
