@@ -174,7 +174,8 @@ def answer_once(chat, prompt: str) -> None:
               help="jsonl: one JSON record per prompt, with statistics; text: only the answers, one per turn, "
                    "with a statistics line per answer on stderr.")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None,
-              help="Write one JSON line per draft-verify cycle (the tree and what was accepted) to this file.")
+              help="Write one JSON line per draft-verify cycle (the tree, what was accepted and the candidates the "
+                   "tree was chosen from) to this file.")
 @click.option("--atomic/--no-atomic", default=False,
               help="Write --output to a temporary file and put it in place when the run ends: an interrupted "
                    "run then leaves the old file untouched instead of the records finished so far.")

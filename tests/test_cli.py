@@ -142,3 +142,13 @@ def test_speculative_run_records_and_trace(qwen_dir, tmp_path, capsys):
     assert (first["id"], first["turn"], first["cycle"]) == (7, 0, 0) and "context_ids" in first
     assert "context_ids" not in lines[1]
     assert set(first) >= {"root", "tokens", "parents", "probs", "depths", "accepted", "bonus"}
+    # each drafted cycle says what its tree was chosen from: the tree is the candidates it names, in its order
+    offered = [line for line in lines if line["tokens"]]
+    assert offered and all("candidates" in line for line in offered)
+    for line in offered:
+        candidates = line["candidates"]
+        verified = candidates["verified"]
+        assert [candidates["tokens"][i] for i in verified] == line["tokens"]
+        assert [candidates["parents"][i] for i in verified] == [-1 if p < 0 else verified[p] for p in line["parents"]]
+        assert len(candidates["tokens"]) >= len(verified) and len(candidates.get("values", verified)) == len(candidates["tokens"])
+    assert all("values" in line["candidates"] for line in offered)  # chosen at this machine's verify cost

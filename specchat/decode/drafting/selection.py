@@ -48,6 +48,31 @@ class RateChoice:
     values: list[float]  # every candidate's expected acceptance (`Candidates.values`)
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What a cycle's tree was chosen from (`Cycle.offer`, for the trace): every candidate, the
+    acceptance the selection expected of each (`Candidates.values`; None where it ranked by score
+    alone), and which of them the tree holds, in the tree's order. At temperature 0 the answer says
+    which candidates the target would have accepted, so a trace of offers shows how well the
+    selection chose, which the verified tree alone cannot."""
+
+    candidates: Candidates
+    values: list[float] | None
+    chosen: list[int]  # candidate indices, in the tree's node order
+
+    def tree(self) -> DraftTree:
+        return self.candidates.tree_of(self.chosen)
+
+    def record(self) -> dict:
+        offered = self.candidates
+        record = {"tokens": offered.tokens, "parents": offered.parents, "verified": self.chosen}
+        if self.values is not None:
+            record["values"] = [round(value, 6) for value in self.values]
+        if offered.sources:
+            record["sources"] = [source.name.lower() for source in offered.sources]
+        return {"candidates": record}
+
+
 @dataclass
 class Candidates:
     """Nodes a cycle could verify, parents before children, each scored by the log-probability that
@@ -115,7 +140,11 @@ class Candidates:
 
     def select(self, keep: int) -> DraftTree:
         """The `keep` best nodes, as a tree."""
-        return self._tree(self.best(keep))
+        return self.offer(keep).tree()
+
+    def offer(self, keep: int) -> Offer:
+        """`select`'s choice, as an offer."""
+        return Offer(self, None, self._tree_order(self.best(keep)))
 
     def values(self, head_trust: float = 1.0, lookup_trust: float = 1.0) -> list[float]:
         """Each node's expected acceptance: its path probability, the head's alone scaled by
@@ -175,10 +204,21 @@ class Candidates:
     def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
                         head_trust: float = 1.0, lookup_trust: float = 1.0) -> DraftTree:
         """The nodes `rate_choice` takes, as the cycle's tree."""
-        return self._tree(self.rate_choice(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust, probe=True).nodes)
+        return self.offer_for_rate(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust).tree()
 
-    def _tree(self, chosen: list[int]) -> DraftTree:
-        chosen = sorted(chosen, key=lambda i: (self.depths[i], -self.scores[i], i))  # parents first, siblings by score
+    def offer_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
+                       head_trust: float = 1.0, lookup_trust: float = 1.0) -> Offer:
+        """`select_for_rate`'s choice, as an offer."""
+        choice = self.rate_choice(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust, probe=True)
+        return Offer(self, choice.values, self._tree_order(choice.nodes))
+
+    def _tree_order(self, chosen: list[int]) -> list[int]:
+        """Parents first, siblings by score (the order verification tries them in)."""
+        return sorted(chosen, key=lambda i: (self.depths[i], -self.scores[i], i))
+
+    def tree_of(self, chosen: list[int]) -> DraftTree:
+        """The nodes `chosen`, as a tree."""
+        chosen = self._tree_order(chosen)
         slot = {node: position for position, node in enumerate(chosen)}
         return DraftTree(
             tokens=[int(self.tokens[i]) for i in chosen],

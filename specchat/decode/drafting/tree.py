@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 
 from specchat.decode.drafting.pace import Arm
 
-if TYPE_CHECKING:  # only for annotations: the fixed layout's arrays, a sampled draft's q, DEAGLE's trace
+if TYPE_CHECKING:  # only for annotations: the fixed layout's arrays, a sampled draft's q, DEAGLE's trace, the offer
     import torch
 
     from specchat.decode.drafting.deagle import DepthTrace
+    from specchat.decode.drafting.selection import Offer
 
 # The EAGLE-1 static tree `mc_sim_7b_63` (also Medusa's): each path lists child ranks from the
 # root, e.g. (0, 1) = the second most likely child of the most likely first token. 25 nodes
@@ -165,6 +166,7 @@ class Cycle:
     lookup_seconds: float = 0.0  # the cycle's time spent finding lookup continuations
     head_trust: float | None = None  # the hybrid drafter's trust in the head this cycle (`trust.HeadTrust`), if any
     trace: DepthTrace | None = None  # what the trace should know beyond the nodes (DEAGLE's votes), if anything
+    offer: Offer | None = None  # the candidates the tree was chosen from (the growing layout's hybrid drafter)
 
     def record(self) -> dict:
         tree = self.tree
@@ -183,7 +185,8 @@ class Cycle:
             record["head_trust"] = round(self.head_trust, 3)
         if self.arm is not None and len(tree):  # a plain step's empty tree: drafted by nothing (as stats reads it)
             record["arm"] = self.arm.value
-        return record | (self.trace.record() if self.trace is not None else {})
+        return (record | (self.trace.record() if self.trace is not None else {})
+                | (self.offer.record() if self.offer is not None else {}))
 
 
 def parse_static_tree(spec: str) -> tuple[tuple[int, ...], ...]:

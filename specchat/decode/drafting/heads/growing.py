@@ -159,13 +159,13 @@ class GrowingHead(HeadProposer):
         candidates, self.last_read = self.read(table), None
         self.trace = self.shape.trace(table)
         if self.curve is None:
-            tree = candidates.select(self.keep)
+            self.offer = candidates.offer(self.keep)
         else:
             drafting_ms = 1000 * (time.perf_counter() - self.started)
-            tree = candidates.select_for_rate(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
-                                              head_trust=self.head_trust, lookup_trust=self.lookup_trust)
+            self.offer = candidates.offer_for_rate(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
+                                                   head_trust=self.head_trust, lookup_trust=self.lookup_trust)
         self.drafted_trust = self.head_trust
-        return tree
+        return self.offer.tree()
 
     def level_inputs(self, tokens, level: int, first_entry: int, entries: torch.Tensor):
         """A tree level's positions and, of this cycle's entries, those its nodes attend to."""

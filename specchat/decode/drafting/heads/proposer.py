@@ -23,7 +23,7 @@ from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
 from specchat.decode.drafting.pace import Arm, Found, Pace
-from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates
+from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, Offer
 from specchat.decode.drafting.growth import CandidateTable, HeadSteps
 from specchat.decode.drafting.shapes import DynamicTree, StaticTree
 from specchat.decode.drafting.tree import Cycle, DraftTree
@@ -83,6 +83,7 @@ class HeadProposer(HeadSteps):
         self.lookup_tree: DraftTree | None = None  # the LOOKUP arm's tree, chosen in `prepare`
         self.started = self.lookup_seconds = 0.0
         self.trace: DepthTrace | None = None  # this cycle's DEAGLE votes, for the record (`Cycle.trace`)
+        self.offer: Offer | None = None  # what this cycle's tree was chosen from, for the record (`Cycle.offer`)
         self.drafted_trust: float | None = None  # the trust in the head this cycle's tree was selected with
         self.fused = fused
 
@@ -113,7 +114,7 @@ class HeadProposer(HeadSteps):
     @torch.inference_mode()
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         self.started = time.perf_counter()
-        self.trace = self.drafted_trust = None
+        self.trace = self.drafted_trust = self.offer = None
         nodes = self.budget(max_depth, max_nodes)
         self.matches, self.along = [], []
         if nodes and self.lookup is not None:
@@ -152,10 +153,11 @@ class HeadProposer(HeadSteps):
         """The lookup continuations as a tree of as many nodes as pay at this machine's verify cost (the
         first always: so that their acceptance rate keeps learning)."""
         drafting_ms = 1000 * (time.perf_counter() - self.started)
-        return self.candidates().select_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
+        self.offer = self.candidates().offer_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
+        return self.offer.tree()
 
     def committed(self, tokens: list[int], cycle: Cycle) -> None:
-        cycle.arm, cycle.trace, cycle.head_trust = self.arm, self.trace, self.drafted_trust
+        cycle.arm, cycle.trace, cycle.head_trust, cycle.offer = self.arm, self.trace, self.drafted_trust, self.offer
         self.confirm(tokens)
         self.trust.learn(cycle)
         if self.lookup is not None:
