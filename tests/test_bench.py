@@ -77,6 +77,30 @@ def test_calibration_counts_only_reachable_nodes():
     assert high[1] == 1.0  # the 0.9 node was accepted
 
 
+def test_the_selection_is_judged_on_every_candidate_the_answer_shows_accepted():
+    """At temperature 0 the answer says which of a cycle's candidates the target would have accepted,
+    verified or not: per source, their expected against realized acceptance, and the accepted tokens
+    an oracle choosing among the same candidates would have gained beyond the verified tree's."""
+    answer = [10, 11, 12, 13, 14, 15]
+    # cycle 1 (root 10): candidates 11 (head, verified), 12 under it (lookup, left out: would have been
+    # accepted), 99 (head, verified, rejected); accepted [11], bonus 12 -> the next root is 12
+    first = {"root": 10, "tokens": [11, 99], "parents": [-1, -1], "accepted": [0],
+             "candidates": {"tokens": [11, 99, 12], "parents": [-1, -1, 0], "verified": [0, 1],
+                            "values": [0.8, 0.1, 0.5], "sources": ["head", "head", "lookup"]}}
+    plain = {"root": 12, "tokens": [], "parents": [], "accepted": []}  # a plain step: no offer; next root 13
+    # cycle 3 (root 13): a chain 14, 15, 16 proposed; the answer ends at 15: undetermined, left out
+    last = {"root": 13, "tokens": [14], "parents": [-1], "accepted": [0],
+            "candidates": {"tokens": [14, 15, 16], "parents": [-1, 0, 1], "verified": [0], "values": [0.9, 0.8, 0.7]}}
+    rows = [turn("deagle", 1, 0, 6, 1.0, 3, tokens=answer, cycles=[first, plain, last])]
+    selection = summarize(rows, greedy=True)["deagle"]["overall"]["selection"]
+    assert selection == {"cycles": 1, "missed_per_cycle": 1.0,
+                         "by_source": {"head": {"candidates": 2, "expected": 0.45, "accepted": 0.5},
+                                       "lookup": {"candidates": 1, "expected": 0.5, "accepted": 1.0}}}
+    assert "selection" not in summarize(rows, greedy=False)["deagle"]["overall"]  # sampled: the answer cannot say
+    assert "selection" not in summarize([turn("pld", 1, 0, 6, 1.0, 3, tokens=answer, cycles=[plain])],
+                                        greedy=True)["pld"]["overall"]
+
+
 def test_bench_end_to_end_writes_tables_json_csv_and_plots(qwen_dir, tmp_path, capsys):
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": ["hi", "more"]})

@@ -193,6 +193,8 @@ def summarize(results: list[TurnResult], greedy: bool) -> dict:
         for category in ["overall"] + (categories if len(categories) > 1 else []):
             chosen = [r for r in rows if category == "overall" or (r.category or "all") == category]
             summary[method][category] = _aggregate(chosen, compared=greedy and plain_of(method) in by_method)
+            if greedy and (selection := selection_record(chosen)) is not None:
+                summary[method][category]["selection"] = selection
     vanilla = summary.get(PLAIN, {})
     for method, categories in summary.items():
         for category, numbers in categories.items():
@@ -262,6 +264,51 @@ def _aggregate(rows: list[TurnResult], compared: bool) -> dict:
         if with_margin:
             out["near_tie_share"] = round(sum(r.divergence.near_tie for r in with_margin) / len(with_margin), 4)
     return out
+
+
+def selection_record(rows: list[TurnResult]) -> dict | None:
+    """At temperature 0, how well a hybrid drafter's selection chose, from the cycles that say what
+    their tree was chosen from (`selection.Offer`): the answer says which of all the candidates the
+    target would have accepted, verified or not. Per source (head, lookup, both), the candidates'
+    mean expected acceptance (what the selection valued them at) against how often they would have
+    been accepted; and per cycle, the accepted tokens an oracle verifying just the accepted path among
+    the same candidates would have gained beyond the tree's (`missed_per_cycle`). None: no such cycles."""
+    sources = defaultdict(lambda: [0, 0.0, 0])  # candidates, their expected acceptance, accepted
+    cycles = missed = 0
+    for row in rows:
+        root = 0  # the answer's index of the cycle's root: the prefill gave the first token
+        for cycle in row.cycles:
+            offer = cycle.get("candidates")
+            if root >= len(row.tokens) or row.tokens[root] != cycle["root"]:
+                break  # the answer does not hold this turn's cycles as drafted (never expected): skip the rest
+            if offer is not None and "values" in offer:
+                accepted, depths = _would_accept(offer["tokens"], offer["parents"], row.tokens, root)
+                if all(a is not None for a in accepted):  # not where the answer ends before a candidate does
+                    cycles += 1
+                    missed += max((d for d, hit in zip(depths, accepted) if hit), default=0) - len(cycle["accepted"])
+                    for node, (value, hit) in enumerate(zip(offer["values"], accepted)):
+                        slot = sources[offer["sources"][node] if "sources" in offer else "head"]
+                        slot[0], slot[1], slot[2] = slot[0] + 1, slot[1] + value, slot[2] + hit
+            root += len(cycle["accepted"]) + 1
+    if not cycles:
+        return None
+    return {"cycles": cycles, "missed_per_cycle": round(missed / cycles, 3),
+            "by_source": {source: {"candidates": n, "expected": round(expected / n, 4), "accepted": round(hits / n, 4)}
+                          for source, (n, expected, hits) in sorted(sources.items())}}
+
+
+def _would_accept(tokens: list[int], parents: list[int], answer: list[int],
+                  root: int) -> tuple[list[bool | None], list[int]]:
+    """Per candidate (parents before children), whether greedy verification would accept its path
+    after the answer's token `root` (None where the answer ends before the candidate's position),
+    and its depth."""
+    depths, accepted = [], []
+    for token, parent in zip(tokens, parents):
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        above = True if parent < 0 else accepted[parent]
+        at = root + depths[-1]
+        accepted.append(None if above is None or at >= len(answer) else above and answer[at] == token)
+    return accepted, depths
 
 
 def _mean(values: list[float]) -> float | None:
