@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specchat.decode.runtime.machine import synchronize
+from specchat.decode import synchronize
 
 SUMMARY_ROWS = 40
 

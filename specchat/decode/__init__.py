@@ -69,7 +69,7 @@ EXPORTS = {
     "acceptance.sampling": ("SamplingParams", "make_generator", "sample_rows"),
     # the target and the machine
     "runtime.target": ("ModelSpec", "Target"),
-    "runtime.machine": ("cache_dir", "hardware"),
+    "runtime.machine": ("cache_dir", "hardware", "synchronize"),
     # what a cycle records (statistics and transcripts read it)
     "drafting.tree": ("Cycle", "Source"),
     "drafting.pace": ("Arm",),

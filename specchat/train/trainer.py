@@ -29,7 +29,7 @@ from drafters import FORMATS, DraftHead
 from specchat.train import checkpoint as ckpt
 from specchat.train.batches import epoch_plan, host_batch, to_device
 from specchat.train.losses import autocast, batch_loss, evaluate, training_attention
-from specchat.decode.runtime.machine import synchronize
+from specchat.decode import synchronize
 from specchat.tracing import Profiler
 from specchat.train.options import TrainOptions
 

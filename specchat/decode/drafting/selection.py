@@ -31,7 +31,7 @@ import torch
 
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.growth import CandidateTable, HostTable
-from specchat.decode.drafting.tree import DraftTree, Source
+from specchat.decode.drafting.tree import DraftTree, Offer, Source
 
 LOOKUP_BRANCHES = 2  # distinct lookup continuations attached per cycle on the fixed layout
 LOOKUP_TOKENS = 16  # the longest lookup chain (the verify budget decides how much of it is verified)
@@ -46,31 +46,6 @@ class RateChoice:
     expected: float
     milliseconds: float
     values: list[float]  # every candidate's expected acceptance (`Candidates.values`)
-
-
-@dataclass(frozen=True)
-class Offer:
-    """What a cycle's tree was chosen from (`Cycle.offer`, for the trace): every candidate, the
-    acceptance the selection expected of each (`Candidates.values`; None where it ranked by score
-    alone), and which of them the tree holds, in the tree's order. At temperature 0 the answer says
-    which candidates the target would have accepted, so a trace of offers shows how well the
-    selection chose, which the verified tree alone cannot."""
-
-    candidates: Candidates
-    values: list[float] | None
-    chosen: list[int]  # candidate indices, in the tree's node order
-
-    def tree(self) -> DraftTree:
-        return self.candidates.tree_of(self.chosen)
-
-    def record(self) -> dict:
-        offered = self.candidates
-        record = {"tokens": offered.tokens, "parents": offered.parents, "verified": self.chosen}
-        if self.values is not None:
-            record["values"] = [round(value, 6) for value in self.values]
-        if offered.sources:
-            record["sources"] = [source.name.lower() for source in offered.sources]
-        return {"candidates": record}
 
 
 @dataclass
@@ -140,11 +115,11 @@ class Candidates:
 
     def select(self, keep: int) -> DraftTree:
         """The `keep` best nodes, as a tree."""
-        return self.offer(keep).tree()
+        return self.tree_of(self.best(keep))
 
     def offer(self, keep: int) -> Offer:
-        """`select`'s choice, as an offer."""
-        return Offer(self, None, self._tree_order(self.best(keep)))
+        """`select`'s choice, as what the trace records (`tree_of` its chosen nodes is the tree)."""
+        return self._offer(None, self.best(keep))
 
     def values(self, head_trust: float = 1.0, lookup_trust: float = 1.0) -> list[float]:
         """Each node's expected acceptance: its path probability, the head's alone scaled by
@@ -204,13 +179,16 @@ class Candidates:
     def select_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
                         head_trust: float = 1.0, lookup_trust: float = 1.0) -> DraftTree:
         """The nodes `rate_choice` takes, as the cycle's tree."""
-        return self.offer_for_rate(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust).tree()
+        return self.tree_of(self.offer_for_rate(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust).chosen)
 
     def offer_for_rate(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),
                        head_trust: float = 1.0, lookup_trust: float = 1.0) -> Offer:
-        """`select_for_rate`'s choice, as an offer."""
+        """`select_for_rate`'s choice, as what the trace records (`tree_of` its chosen nodes is the tree)."""
         choice = self.rate_choice(curve, drafting_ms, max_nodes, kept, head_trust, lookup_trust, probe=True)
-        return Offer(self, choice.values, self._tree_order(choice.nodes))
+        return self._offer(choice.values, choice.nodes)
+
+    def _offer(self, values: list[float] | None, chosen: list[int]) -> Offer:
+        return Offer(self.tokens, self.parents, self.sources, values, self._tree_order(chosen))
 
     def _tree_order(self, chosen: list[int]) -> list[int]:
         """Parents first, siblings by score (the order verification tries them in)."""

@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING
 
 from specchat.decode.drafting.pace import Arm
 
-if TYPE_CHECKING:  # only for annotations: the fixed layout's arrays, a sampled draft's q, DEAGLE's trace, the offer
+if TYPE_CHECKING:  # only for annotations: the fixed layout's arrays, a sampled draft's q, DEAGLE's trace
     import torch
 
     from specchat.decode.drafting.deagle import DepthTrace
-    from specchat.decode.drafting.selection import Offer
 
 # The EAGLE-1 static tree `mc_sim_7b_63` (also Medusa's): each path lists child ranks from the
 # root, e.g. (0, 1) = the second most likely child of the most likely first token. 25 nodes
@@ -150,6 +149,29 @@ class DraftTree:
             assert parent < node, "tree nodes must come after their parents"
             lines.append((lines[parent] if parent >= 0 else []) + [node])
         return lines
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a cycle's tree was chosen from (`Cycle.offer`, for the trace): every candidate
+    (`selection.Candidates`' lists), the acceptance the selection expected of each (its path's;
+    None where it ranked by score alone), and which of them the tree holds, in the tree's order. At
+    temperature 0 the answer says which candidates the target would have accepted, so a trace of
+    offers shows how well the selection chose, which the verified tree alone cannot."""
+
+    tokens: list[int]
+    parents: list[int]
+    sources: list[Source]  # empty: all the head's
+    values: list[float] | None
+    chosen: list[int]  # candidate indices, in the tree's node order
+
+    def record(self) -> dict:
+        record = {"tokens": self.tokens, "parents": self.parents, "verified": self.chosen}
+        if self.values is not None:
+            record["values"] = [round(value, 6) for value in self.values]
+        if self.sources:
+            record["sources"] = [source.name.lower() for source in self.sources]
+        return {"candidates": record}
 
 
 @dataclass

@@ -165,7 +165,7 @@ class GrowingHead(HeadProposer):
             self.offer = candidates.offer_for_rate(self.curve, drafting_ms, self.max_nodes, kept=candidates.best(1),
                                                    head_trust=self.head_trust, lookup_trust=self.lookup_trust)
         self.drafted_trust = self.head_trust
-        return self.offer.tree()
+        return candidates.tree_of(self.offer.chosen)
 
     def level_inputs(self, tokens, level: int, first_entry: int, entries: torch.Tensor):
         """A tree level's positions and, of this cycle's entries, those its nodes attend to."""

@@ -23,10 +23,10 @@ from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
 from specchat.decode.drafting.pace import Arm, Found, Pace
-from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates, Offer
+from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates
 from specchat.decode.drafting.growth import CandidateTable, HeadSteps
 from specchat.decode.drafting.shapes import DynamicTree, StaticTree
-from specchat.decode.drafting.tree import Cycle, DraftTree
+from specchat.decode.drafting.tree import Cycle, DraftTree, Offer
 from specchat.decode.drafting.trust import ContradictedLookups, HeadTrust, LookupRates
 from specchat.decode.runtime.target import Target
 
@@ -153,8 +153,9 @@ class HeadProposer(HeadSteps):
         """The lookup continuations as a tree of as many nodes as pay at this machine's verify cost (the
         first always: so that their acceptance rate keeps learning)."""
         drafting_ms = 1000 * (time.perf_counter() - self.started)
-        self.offer = self.candidates().offer_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
-        return self.offer.tree()
+        candidates = self.candidates()
+        self.offer = candidates.offer_for_rate(self.curve, drafting_ms, max_nodes, kept=[0])
+        return candidates.tree_of(self.offer.chosen)
 
     def committed(self, tokens: list[int], cycle: Cycle) -> None:
         cycle.arm, cycle.trace, cycle.head_trust, cycle.offer = self.arm, self.trace, self.drafted_trust, self.offer
