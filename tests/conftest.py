@@ -231,14 +231,23 @@ class ScriptedProposer:
     feature_layers = None
     reach = 0
 
+    CAPACITY = 64  # the most nodes a device tree holds
+
     def __init__(self, prompt: list[int], continuation: list[int], depth: int = 5, siblings: int = 2, seed: int = 0,
                  device=None):
-        """`device`: where the fixed layout wants its trees (None: the growing layout's lists)."""
+        """`device`: where the fixed layout wants its trees (None: the growing layout's lists). There a
+        cycle's tree is written to device buffers before its draft step (`prepare`, on the host) and
+        the step reads them (`draft`), as the real proposers' steps do: a step captured as a CUDA graph
+        may not copy from the host, and its replays read what the buffers hold then."""
+        from specchat.decode.runtime.envelope import HostInputs
+
         self.script = list(prompt) + list(continuation)
         self.depth, self.siblings, self.device = depth, siblings, device
         self.context: list[int] = []
         self.rng = torch.Generator().manual_seed(seed)
         self.tree = None
+        self.inputs = None if device is None else HostInputs(torch.device(device), tokens=self.CAPACITY,
+                                                             parents=self.CAPACITY, depths=self.CAPACITY)
 
     def rewind(self, length: int) -> int:
         del self.context[length:]
@@ -282,6 +291,9 @@ class ScriptedProposer:
         self.tree = DraftTree(tokens=[tokens[i] for i in keep], probs=[0.5] * len(keep),
                               parents=[keep.index(parents[i]) if parents[i] >= 0 else -1 for i in keep],
                               depths=[depths[i] for i in keep])
+        if self.inputs is not None:
+            assert len(self.tree) <= self.CAPACITY
+            self.inputs.write(tokens=self.tree.tokens, parents=self.tree.parents, depths=self.tree.depths)
         return len(self.tree)
 
     def draft(self, root, length, span, sampling, rng):
@@ -289,11 +301,9 @@ class ScriptedProposer:
             return self.tree
         from specchat.decode.drafting.tree import DraftTree
 
-        tree, device = self.tree, self.device
-        return DraftTree(*(torch.tensor(values, device=device) for values in (tree.tokens, tree.parents, tree.depths)),
-                         torch.tensor(tree.probs, device=device), valid=torch.ones(len(tree), dtype=torch.bool,
-                                                                                     device=device),
-                         depth=max(tree.depths), sources=None, evidence=None)
+        n, tokens = len(self.tree), self.inputs.tokens  # n is the step's shape: the layout keys its steps by it
+        return DraftTree(tokens[:n], self.inputs.parents[:n], self.inputs.depths[:n], torch.full((n,), 0.5, device=tokens.device),
+                         valid=tokens.new_ones(n, dtype=torch.bool), depth=self.depth + 1, sources=None, evidence=None)
 
 
 def _topological_prefix(parents, limit):
