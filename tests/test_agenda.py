@@ -29,6 +29,17 @@ def record(key, turn, temperature=0.0):
     return {"key": key, "turn": turn, "temperature": temperature, "messages": messages, "finish": "stop", "source": "t"}
 
 
+def answered_and_brought_back(there: Path, tmp_path: Path, *records: dict) -> Path:
+    """`records` answered there (one shard), then `back` into a fresh folder, which is returned."""
+    with DataFolder(there / "data").writer() as shard:
+        for item in records:
+            shard.write(item)
+    out = tmp_path / "out"
+    out.mkdir()
+    way_back.back(out)
+    return out
+
+
 @pytest.fixture
 def there(tmp_path, monkeypatch):
     """The GPU machine's side: its /tmp/agenda, and a fresh checkout as the working directory."""
@@ -81,12 +92,7 @@ def test_the_head_and_the_new_answers_come_back_in_pieces_and_into_place(tmp_pat
     with DataFolder(there / "data").writer() as shard:  # brought in: not brought back
         shard.write(record("old", 1))
     way_back.shards_here([p.name for p in (there / "data" / "shards").glob("*.jsonl")])
-    with DataFolder(there / "data").writer() as shard:
-        for item in (record("k1", 1), record("k1", 2), record("k2", 1, 1.0)):
-            shard.write(item)
-    out = tmp_path / "out"
-    out.mkdir()
-    way_back.back(out)
+    out = answered_and_brought_back(there, tmp_path, record("k1", 1), record("k1", 2), record("k2", 1, 1.0))
     names = sorted(p.name for p in out.iterdir())
     assert names[:3] == ["answers.tgz.00", "head.tgz.00", "head.tgz.01"] and len(names) <= plan.BACK_FILES
     here = tmp_path / "here"
@@ -118,12 +124,7 @@ def test_a_blocks_answers_are_kept_and_every_later_block_trains_on_them(tmp_path
     committed: the data folder here does not outlive the session); a later session's `pack` sends
     them with its own data folder, and there they are read as answers already given."""
     monkeypatch.setattr(plan, "SHARD_RECORDS", 2)
-    with DataFolder(there / "data").writer() as shard:
-        for item in (record("k1", 1), record("k2", 1), record("k3", 1, 1.0)):
-            shard.write(item)
-    out = tmp_path / "out"
-    out.mkdir()
-    way_back.back(out)
+    out = answered_and_brought_back(there, tmp_path, record("k1", 1), record("k2", 1), record("k3", 1, 1.0))
     kept = Path("docs/bench-gpu/block9/answers")  # the checkout's
     runner = CliRunner()
     assert runner.invoke(agenda.cli, ["collect", str(out), "--keep", str(kept)]).exit_code == 2  # needs --data
