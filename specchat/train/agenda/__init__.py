@@ -4,7 +4,8 @@ the real 0.5B, answer the prompts at both temperatures, train the EAGLE-3 head a
 
     python -m specchat.train.agenda pack DATA          here: what the GPU machine needs, one piece per call
     python3 -m specchat.train.agenda device [PIECE] …  there: take a piece in, then run the stages asked for
-    python -m specchat.train.agenda collect FILES …    here: the returned files into place
+    python -m specchat.train.agenda collect FILES …    here: the returned files into place, the answers
+                                                       also kept in the block's record (--keep), committed
 
 The GPU machine has torch (CUDA), transformers and click, but no gguf, no prompt_toolkit and no
 network; a call carries at most 64 MiB (the working tree included), runs at most 10 minutes and
