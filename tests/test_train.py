@@ -555,6 +555,7 @@ def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys):
         assert "Self CPU" in (trace / "train-summary.txt").read_text()
         phases = json.loads((out / "training.json").read_text())["step_phases"]
         assert phases["steps"] == traced and phases["after_steps"] == TRACE_AFTER and phases["tokens"] > 0
+        assert phases["passes"] >= traced and 0 <= phases["padding"] < 1
         assert set(phases["seconds"]) == set(StepTrace.PHASES) and all(s > 0 for s in phases["seconds"].values())
         assert abs(sum(phases["shares"].values()) - 1) < 0.01 and phases["tokens_per_second"] > 0
     code, _, err = invoke(common + ["-o", str(tmp_path / "untraced"), "--max-steps", "2"], capsys)

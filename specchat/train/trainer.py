@@ -184,6 +184,7 @@ class StepTrace:
         self.folder, self.device = folder, device
         self.profiler: Profiler | None = None
         self.seconds, self.tokens, self.steps, self.since = Counter(), 0, 0, 0.0
+        self.passes = self.positions = 0  # the traced steps' forward passes and their padded positions
 
     def before(self, run_step: int) -> None:
         """Before the run's step `run_step` (0 = its first): start tracing at TRACE_AFTER."""
@@ -205,6 +206,11 @@ class StepTrace:
             self.seconds[phase] += now - self.since
             self.since = now
 
+    def count(self, rows: int, width: int) -> None:
+        """A traced step's forward pass of `rows` rows of `width` positions (padding included)."""
+        if self.profiler is not None:
+            self.passes, self.positions = self.passes + 1, self.positions + rows * width
+
     def after(self, tokens: int) -> dict | None:
         """After a step of `tokens` tokens; once the last traced step is done, the trace is written
         and the record returned."""
@@ -223,10 +229,12 @@ class StepTrace:
         return self.record() if self.steps else None
 
     def record(self) -> dict:
-        """The traced steps' seconds by phase, their shares and tokens per second (timed synchronously:
-        a little slower than the untraced steps)."""
+        """The traced steps' seconds by phase, their shares, their forward passes and the share of those
+        passes' positions that were padding, and tokens per second (timed synchronously: a little slower
+        than the untraced steps)."""
         total = sum(self.seconds.values())
-        return {"steps": self.steps, "after_steps": TRACE_AFTER, "tokens": self.tokens,
+        return {"steps": self.steps, "after_steps": TRACE_AFTER, "tokens": self.tokens, "passes": self.passes,
+                "padding": round(1 - self.tokens / self.positions, 3) if self.positions else None,
                 "seconds": {phase: round(self.seconds[phase], 4) for phase in self.PHASES},
                 "shares": {phase: round(self.seconds[phase] / total, 3) for phase in self.PHASES},
                 "tokens_per_second": round(self.tokens / total) if total else None}
@@ -363,6 +371,7 @@ class Trainer:
         trace.mark("optimizer")
         for batch in batches:
             trace.mark("features")
+            trace.count(batch.rows, batch.width)
             with autocast(self.device):
                 result = batch_loss(self.head, batch, self.lm_rows, self.vocab)
             trace.mark("forward")
