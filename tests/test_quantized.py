@@ -275,41 +275,6 @@ def test_speculation_on_the_quantized_model_gives_its_plain_greedy_output(qwen_d
 
 
 @needs_kernel
-def test_a_verify_forwards_logits_come_by_row_as_the_walk_reaches_them_and_stay_plain_decodings(qwen_dir, monkeypatch):
-    """On the kernel's LM head a verify forward's rows get their logits in parts (`growing.RowLogits`):
-    the rows the draft thinks likely reached in one pass, the others in a second pass only if the walk
-    reaches one; each row's logits, argmax and margin are those of the whole pass, and answers stay
-    plain decoding's when the walk goes where the draft thought unlikely."""
-    from conftest import ScriptedProposer
-    from specchat.decode.drafting.tree import DraftTree
-    from specchat.decode.engine import growing
-
-    target = load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cpu", quantize="int5"))
-    assert target.lm_head_rowwise and not load_tiny_target(qwen_dir).lm_head_rowwise
-    final = torch.randn(6, target.hidden_size).bfloat16()
-    whole = target.lm_head(final)
-    logits = growing.RowLogits(target.lm_head, final, [0, 2])
-    assert logits.passes == 1 and torch.equal(logits[2], whole[2]) and logits.passes == 1
-    assert logits.choice(5) == int(whole[5].float().argmax()) and logits.passes == 2  # the rest, at once
-    assert all(torch.equal(logits[row], whole[row]) for row in range(6)) and logits.passes == 2
-    # root -> a (0.9) -> b (0.3: path 0.27), root -> c (0.1): rows 0, 1 and 2 likely, c's not
-    tree = DraftTree(tokens=[5, 6, 7], parents=[-1, 0, -1], depths=[1, 2, 1], probs=[0.9, 0.3, 0.1])
-    assert growing.likely_reached(tree) == [0, 1, 2]
-    # A scripted draft of the true continuation with every node at probability 0.5: its third level (0.125)
-    # is never thought likely, yet it is what the target accepts
-    passes = []
-    original = growing.RowLogits._pass
-    monkeypatch.setattr(growing.RowLogits, "_pass", lambda self, rows: (passes.append(len(rows)), original(self, rows)))
-    settings = GenerationSettings(max_new_tokens=24)
-    prompt = [258, 10, 20, 30, 40, 50, 198]
-    plain = [t for s in Engine(target).generate(prompt, settings) for t in s.tokens]
-    steps = list(Engine(target, ScriptedProposer(prompt, plain, depth=4)).generate(prompt, settings))
-    assert [t for s in steps for t in s.tokens] == plain
-    assert max(len(s.tokens) for s in steps) == 5  # four drafts and the bonus: rows outside the first pass
-    assert len(passes) > sum(s.draft_tokens > 0 for s in steps)  # second passes happened
-
-
-@needs_kernel
 @pytest.mark.parametrize("method", ["eagle", "eagle2", "deagle", "jakiro", "sps", "pld", "deagle+lookup"])
 def test_every_method_on_the_quantized_runtime_gives_its_plain_greedy_output(qwen_dir, tmp_path, method):
     """Every method is lossless on the quantized model too, the head quantized with it: the fused

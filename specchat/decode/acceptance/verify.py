@@ -33,7 +33,6 @@ the same draws, the two forms accept the same path and bonus (tests/test_verify.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,18 +52,18 @@ def _uniform(rng: torch.Generator | None) -> float:
     return float(torch.rand((), generator=rng))
 
 
-def accept(tree: DraftTree, logits, sampling: SamplingParams, rng: torch.Generator | None,
-           choose: Callable[[int], int] | None = None) -> Acceptance:
+def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator | None,
+           choices: list[int] | None = None) -> Acceptance:
     """Walk the tree (host lists) with the target's logits; row 0 belongs to the root, row i + 1 to node i.
-    `logits` is [n, vocab], or anything that gives a row's logits by its index (`growing.RowLogits`,
-    which computes a row's when the walk first reaches it). Greedy, `choose(row)` is the row's argmax
-    if the caller has it already."""
+    Greedy, `choices` are the rows' argmaxes if the caller has them already."""
     if tree.q is not None:
         return accept_sampled_chain(tree, logits, sampling, rng)
     if sampling.greedy:
         # Every row's choice in one read, not one device-to-host wait per row on a GPU (on a CPU the
         # rows the walk never reaches cost little: one pass each over the vocabulary).
-        return follow(tree, choose or argmax(logits).__getitem__)
+        choices = argmax(logits) if choices is None else choices
+        return follow(tree, choices.__getitem__)
+    logits = logits.float()  # once for all rows the walk samples from
     return follow(tree, lambda row: sample(target_probs(logits[row], sampling), rng))  # y ~ p, at rows visited
 
 

@@ -24,59 +24,6 @@ from specchat.decode.runtime.machine import synchronize
 from specchat.decode.runtime.target import ForwardTimes, Target, TargetOutput
 
 
-# A verify forward's LM head costs every row its arithmetic (the 0.5B's 152k rows on two cores, bf16: 8
-# rows 4.3 ms, 2 rows 2.4 on AVX-512; 9.4 and 3.6 on the AVX2 path), yet acceptance reads only the rows
-# it reaches: the root's and the accepted nodes'. So the rows likely reached get their logits in one
-# pass over the LM head (its weights cross the memory bus once), the others only if the walk reaches one
-# of them (one more pass). A node counts as likely reached where its path's draft probability is at
-# least this: a row costs a fifth to a quarter of a pass's weights (the figures above).
-LIKELY_REACHED = 0.2
-
-
-class RowLogits:
-    """A verify forward's logits by row, computed when first asked for: the `likely` rows in one pass
-    of the LM head over the final states [n, hidden], every other row in a second pass if the walk
-    reaches one of them. Lossless where the LM head's rows do not interact (`Target.lm_head_rowwise`):
-    a row's logits are the same in any pass."""
-
-    def __init__(self, lm_head, final: torch.Tensor, likely: list[int]):
-        self.lm_head, self.final = lm_head, final
-        self.rows: dict[int, tuple[torch.Tensor, int, float]] = {}  # row -> its logits, argmax and margin
-        self.passes, self.seconds = 0, 0.0
-        self._pass(likely)
-
-    def _pass(self, rows: list[int]) -> None:
-        started = time.perf_counter()
-        logits = self.lm_head(self.final[rows])
-        choices, margins = choices_and_margins(logits)
-        for row, row_logits, choice, margin in zip(rows, logits, choices, margins):
-            self.rows[row] = (row_logits, choice, margin)
-        self.passes, self.seconds = self.passes + 1, self.seconds + time.perf_counter() - started
-
-    def _row(self, row: int) -> tuple[torch.Tensor, int, float]:
-        if row not in self.rows:  # a row the draft thought unlikely: every row still without logits, at once
-            self._pass([r for r in range(len(self.final)) if r not in self.rows])
-        return self.rows[row]
-
-    def __getitem__(self, row: int) -> torch.Tensor:
-        return self._row(row)[0]
-
-    def choice(self, row: int) -> int:
-        return self._row(row)[1]
-
-    def margin(self, row: int) -> float:
-        return self._row(row)[2]
-
-
-def likely_reached(tree: DraftTree) -> list[int]:
-    """The verify forward's rows (0: the root, i + 1: node i) whose node's path has a draft probability
-    of at least LIKELY_REACHED (the root's always)."""
-    path: list[float] = []
-    for parent, prob in zip(tree.parents, tree.probs):
-        path.append(prob * (path[parent] if parent >= 0 else 1.0))
-    return [0] + [node + 1 for node, p in enumerate(path) if p >= LIKELY_REACHED]
-
-
 class GrowingLayout:
     """The target's cache and a cycle's steps at exact sizes (see the module docstring)."""
 
@@ -124,21 +71,13 @@ class GrowingLayout:
         drafted = time.perf_counter()
         ids, positions, mask = verify_inputs(tree, root, length, self.target.device)
         forward_started = time.perf_counter()
-        by_row = self.target.lm_head_rowwise and tree.q is None  # (a sampled chain's rule reads every row)
-        out = self.target.forward(ids, self.cache, positions=positions, mask=mask,
-                                  logits_for="none" if by_row else "all", feature_layers=proposer.feature_layers)
-        if by_row:
-            logits = RowLogits(self.target.lm_head, out.final, likely_reached(tree))
-            acceptance = accept(tree, logits, sampling, rng, logits.choice)
-            margin = logits.margin
-        else:
-            choices, row_margins = choices_and_margins(out.logits)  # every row's: one pass over each
-            acceptance = accept(tree, out.logits, sampling, rng, choices.__getitem__)
-            margin = row_margins.__getitem__
+        out = self.target.forward(ids, self.cache, positions=positions, mask=mask, logits_for="all",
+                                  feature_layers=proposer.feature_layers)
         synchronize(self.target.device)
-        # The one place a cycle's verify is timed (its forward and the LM head's rows), with len(tree) rows + 1
-        verified = time.perf_counter()
-        forward = ForwardTimes.of(out, verified - forward_started, logits.seconds if by_row else 0.0)
+        verified = time.perf_counter()  # the one place a cycle's verify forward is timed, with len(tree) rows + 1
+        forward = ForwardTimes.of(out, verified - forward_started)
+        choices, row_margins = choices_and_margins(out.logits)  # every row's: one pass over each
+        acceptance = accept(tree, out.logits, sampling, rng, choices)
         tree.q = None  # verified: the reply's record of this cycle need not hold [n, vocab] distributions
         # Compact: the root's and the accepted nodes' entries move down next to the committed prefix.
         keep = [0] + [node + 1 for node in acceptance.path]
@@ -146,7 +85,7 @@ class GrowingLayout:
         proposer.commit(tree, acceptance, root, None if out.features is None else out.features[keep])
         cycle = Cycle(root, tree, acceptance.path, acceptance.bonus, forward_seconds=forward.forward_seconds)
         # row 0 chose the first token, node i's row the token after it
-        return cycle, [margin(row) for row in keep], drafted - start, verified - drafted, forward
+        return cycle, [row_margins[row] for row in keep], drafted - start, verified - drafted, forward
 
     def plain_step_seconds(self, steps: int, context_ids: list[int]) -> list[float]:
         """Plain steps on top of the cache (the forward and the greedy choice, as a plain step takes

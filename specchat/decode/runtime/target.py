@@ -21,7 +21,6 @@ from specchat.decode.runtime.envelope import Envelope
 from specchat.decode.runtime.forward import DecoderForward, LayerKV, unsupported_reason
 from specchat.decode.runtime.graphs import capture_failure
 from specchat.decode.runtime.machine import cpu_has_bf16, synchronize
-from specchat.decode.runtime.quantized import QuantizedLinear
 from specchat.decode.options import AUTO, BITSANDBYTES, COMPILE, CUDA_GRAPHS, KERNEL_BITS, QUANTIZE
 from specchat.errors import ModelLoadError
 
@@ -156,7 +155,6 @@ def note_forced_isa(target: Target) -> None:
 class TargetOutput:
     logits: torch.Tensor | None  # [n, vocab] for the positions asked for
     features: torch.Tensor | None  # [n_tokens, feature_size] for every input position
-    final: torch.Tensor | None = None  # [n_tokens, hidden] the final normed states, whose rows the LM head reads
     # Where the forward's time went, when the target is `profiling` (products: the kernel's, the LM head's included)
     products_seconds: float = 0.0
     attention_seconds: float = 0.0
@@ -172,11 +170,8 @@ class ForwardTimes:
     attention_seconds: float = 0.0
 
     @staticmethod
-    def of(out: TargetOutput, seconds: float, lm_head_seconds: float = 0.0) -> ForwardTimes:
-        """`lm_head_seconds`: the LM head's, where its rows ran apart from the forward (`growing.RowLogits`);
-        products, where the forward's are timed."""
-        products = out.products_seconds + (lm_head_seconds if out.products_seconds else 0.0)
-        return ForwardTimes(seconds, products, out.attention_seconds)
+    def of(out: TargetOutput, seconds: float) -> ForwardTimes:
+        return ForwardTimes(seconds, out.products_seconds, out.attention_seconds)
 
 
 class Target:
@@ -205,9 +200,6 @@ class Target:
         self.num_layers = text_config.num_hidden_layers
         self.hidden_size = text_config.hidden_size
         self.vocab_size = self.lm_head.out_features
-        # The kernel's rows do not interact: a row's logits are the same whichever rows share the LM head's
-        # call, so a verify forward's rows may get theirs in parts (`growing.RowLogits`).
-        self.lm_head_rowwise = isinstance(self.lm_head, QuantizedLinear)
         self.max_context = getattr(text_config, "max_position_embeddings", None) or 4096
         fixed = fixed_steps(self.spec.cuda_graphs, self.device) and not unsupported_reason(model)
         self.own_forward = None if unsupported_reason(model) else DecoderForward(
@@ -338,7 +330,7 @@ class Target:
             logits = self.lm_head(final[-1:])
         elif isinstance(logits_for, int):
             logits = self.lm_head(final[logits_for : logits_for + 1])
-        return TargetOutput(logits=logits, features=features, final=final)
+        return TargetOutput(logits=logits, features=features)
 
     def _transformers_forward(self, input_ids, cache, positions, mask, feature_layers):
         select = [i for i in (feature_layers or ()) if i != self.num_layers]
