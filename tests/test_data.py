@@ -171,6 +171,7 @@ def test_each_greedy_answer_is_the_prompts_own(target):
     # The accounting: every prompt token prefilled once, every later token drawn by a step of a busy slot.
     times = decoder.times
     assert times.prefill_tokens == sum(map(len, prompts)) and times.prefills >= len(prompts) // 2
+    assert times.prefill_positions >= times.prefill_tokens and f"{times.padding():.0%} of their positions padding" in times.summary(1.0)
     assert times.busy_rows == sum(len(a.tokens) + (a.finish == "stop") - 1 for a in answers.values())
     assert times.steps <= times.busy_rows <= 3 * times.steps and times.span_positions >= times.steps
     assert f"{times.steps:,} steps" in times.summary(60.0)

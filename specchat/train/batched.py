@@ -176,8 +176,13 @@ class SlotTimes:
     span_positions: int = 0  # summed over the steps: the positions each slot attended over
     prefills: int = 0  # prefill forwards (each a chunk of several prompts)
     prefill_tokens: int = 0  # prompt tokens run, padding left out
+    prefill_positions: int = 0  # the positions the prefill forwards ran, padding included
     prefill_seconds: float = 0.0
     capture_seconds: float = 0.0
+
+    def padding(self) -> float:
+        """The share of the prefill forwards' positions that were padding (rows run past a prompt's end)."""
+        return 1 - self.prefill_tokens / self.prefill_positions if self.prefill_positions else 0.0
 
     def summary(self, seconds: float) -> str:
         """One line; `seconds`: the whole run's, whose rest (tokenizing, writing answers) is said too."""
@@ -186,7 +191,8 @@ class SlotTimes:
         rest = seconds - self.step_seconds - self.prefill_seconds - self.capture_seconds
         return (f"decoding {self.step_seconds:.0f} s ({self.steps:,} steps of {1000 * self.step_seconds / self.steps:.1f} ms, "
                 f"{self.busy_rows / self.steps:.0f} of {self.slots} slots busy, span {self.span_positions / self.steps:,.0f}), "
-                f"prefill {self.prefill_seconds:.0f} s ({self.prefills:,} forwards, {self.prefill_tokens:,} prompt tokens), "
+                f"prefill {self.prefill_seconds:.0f} s ({self.prefills:,} forwards, {self.prefill_tokens:,} prompt tokens, "
+                f"{self.padding():.0%} of their positions padding), "
                 f"capturing {self.capture_seconds:.0f} s, the rest (tokenizing, writing) {rest:.0f} s")
 
 
@@ -274,6 +280,7 @@ class SlotDecoder:
                                     SlotAttention(self.cache, slots, positions, start + width, self.forward.scaling))
             self.times.prefills += 1
             self.times.prefill_tokens += sum(min(width, lengths[i] - start) for i in rows)
+            self.times.prefill_positions += len(rows) * width
             ending = [(row, i) for row, i in enumerate(rows) if lengths[i] <= start + width]
             if ending:
                 last = final[[row for row, _ in ending], [lengths[i] - 1 - start for _, i in ending]]
