@@ -177,6 +177,18 @@ def test_each_greedy_answer_is_the_prompts_own(target):
     assert f"{times.steps:,} steps" in times.summary(60.0)
 
 
+def test_a_prefill_takes_the_oldest_prompt_and_those_nearest_its_length(target):
+    """A prefill's rows run to its longest prompt: the oldest pending prompt goes first, with those of
+    the nearest lengths among the next few, so that few of the forward's positions are padding."""
+    lengths = [100, 5, 98, 6, 97, 4, 99, 3]
+    pending = deque(Request([7] * n, 0.0, tag) for tag, n in enumerate(lengths))
+    decoder = SlotDecoder(target, slots=4, max_prompt_tokens=200, max_new_tokens=2, stop_ids=set())
+    decoder._admit(pending, [0, 1, 2, 3])
+    assert sorted(request.tag for request in decoder.requests) == [0, 2, 4, 6]  # 100, then 99, 98, 97
+    assert [request.tag for request in pending] == [1, 3, 5, 7]  # the rest keep their order
+    assert decoder.times.prefill_positions == 4 * 100 and decoder.times.padding() == 1 - 394 / 400
+
+
 def test_sampled_answers_follow_the_targets_distribution(target):
     """The first two tokens of a prompt's answers at temperature 1 (the first drawn after the prefill,
     the second by a decoding step), answered among other prompts, greedy and sampled, in 8 slots."""

@@ -42,6 +42,11 @@ PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
 # step is one launch: so freed slots are refilled together once this share of them is free (at
 # most that share idles meanwhile); a CPU pays for tokens, not launches, and refills at once.
 REFILL_SHARE = {"cpu": 0.0, "cuda": 1 / 16}
+# A prefill's rows run to its longest prompt's chunk, so it takes the oldest pending prompt and those
+# nearest its length among the next LOOKAHEAD per free slot: 32 prompts in queue order (the training
+# prompts: 75 tokens on average, the longest of 32 some 400) left ~80% of the positions padding, these
+# ~30% (a simulation of the admission over 4,000 of them); the oldest always goes, so none waits for long.
+LOOKAHEAD = 8
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -242,16 +247,22 @@ class SlotDecoder:
             yield from self.step()
 
     def _admit(self, pending: deque, free: list[int]) -> list[Answer]:
-        """Prefill as many pending prompts into free slots as one prefill's budget takes."""
-        chosen, tokens = [], 0
-        while pending and len(chosen) < len(free):
-            size = min(len(pending[0].ids), self.chunk)
+        """Prefill as many pending prompts into free slots as one prefill's budget takes: the oldest and
+        those nearest its length (`LOOKAHEAD`)."""
+        window = [pending[i] for i in range(min(len(pending), LOOKAHEAD * len(free)))]
+        anchor = len(window[0].ids)
+        nearest = sorted(range(len(window)), key=lambda i: (i > 0, abs(len(window[i].ids) - anchor), i))
+        chosen, taken, tokens = [], [], 0
+        for i in nearest[: len(free)]:
+            request, size = window[i], min(len(window[i].ids), self.chunk)
             if chosen and tokens + size > self.prefill_tokens:
                 break
-            request = pending.popleft()
             assert len(request.ids) + self.max_new_tokens < self.cache.capacity, "a prompt longer than the slots hold"
             chosen.append((free[len(chosen)], request))
+            taken.append(i)
             tokens += size
+        for i in sorted(taken, reverse=True):
+            del pending[i]
         started = time.perf_counter()
         first = self._prefill(chosen)
         self.times.prefill_seconds += time.perf_counter() - started
