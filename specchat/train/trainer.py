@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from drafters import FORMATS, DraftHead
+from specchat.decode import synchronize
+from specchat.tracing import Profiler
 from specchat.train import checkpoint as ckpt
 from specchat.train.batches import epoch_plan, host_batch, to_device
 from specchat.train.losses import autocast, batch_loss, evaluate, training_attention
-from specchat.decode import synchronize
-from specchat.tracing import Profiler
 from specchat.train.options import TrainOptions
 
 # EAGLE-3 uses a 32k draft vocabulary for Llama-3's 128k.
