@@ -130,7 +130,7 @@ def test_a_blocks_answers_are_kept_and_every_later_block_trains_on_them(tmp_path
     assert runner.invoke(agenda.cli, ["collect", str(out), "--keep", str(kept)]).exit_code == 2  # needs --data
     result = runner.invoke(agenda.cli, ["collect", str(out), "--data", str(tmp_path / "session1"), "--keep", str(kept)])
     assert result.exit_code == 0, result.output
-    assert len(list(kept.glob("*.jsonl.xz"))) == 2 and len(list(kept.glob("*.jsonl.sha256"))) == 2  # 2 + 1 answers
+    assert len(list(kept.glob("*.jsonl.gz"))) == 2 and len(list(kept.glob("*.jsonl.sha256"))) == 2  # 2 + 1 answers
     # the next session: its own data folder holds the prompts and one answer of its own
     data = DataFolder(tmp_path / "session2")
     with data.writer() as shard:

@@ -5,7 +5,7 @@ split across machines and merge, and read back by `train --data`."""
 from __future__ import annotations
 
 import json
-import lzma
+import gzip
 import shutil
 import sys
 from collections import deque
@@ -101,7 +101,7 @@ def test_shards_are_closed_with_a_checksum_and_checked(tmp_path):
 
 
 def test_kept_shards_are_read_checked_and_counted_once(tmp_path):
-    """A shard kept xz-compressed (a GPU block's answers, committed) reads as its plain self, is checked
+    """A shard kept gzip-compressed (a GPU block's answers, committed) reads as its plain self, is checked
     against the plain text's checksum, and beside its plain twin counts once."""
     folder = DataFolder(tmp_path / "data")
     with folder.writer() as shard:
@@ -109,8 +109,8 @@ def test_kept_shards_are_read_checked_and_counted_once(tmp_path):
             shard.write({"key": key, "turn": 1, "temperature": 0.0, "messages": [{"role": "assistant", "content": key}]})
     plain = next(folder.shards.glob("*.jsonl"))
     kept = keep(plain, tmp_path / "record" / "answers")
-    assert kept.name == plain.name + ".xz" and kept.stat().st_size > 0
-    assert sorted(p.name for p in kept_shards(kept.parent)) == [plain.name + ".sha256", kept.name]
+    assert kept.name == plain.name + ".gz" and kept.stat().st_size > 0
+    assert sorted(p.name for p in kept_shards(kept.parent)) == sorted([plain.name + ".sha256", kept.name])
     for path in kept_shards(kept.parent):  # beside its twin: the plain one is read, the kept one not
         shutil.copy(path, folder.shards / path.name)
     scan = folder.scan()
@@ -121,10 +121,10 @@ def test_kept_shards_are_read_checked_and_counted_once(tmp_path):
         shutil.copy(path, other.shards / path.name)
     scan = other.scan()
     assert set(scan.answers) == {("k1", 0.0), ("k2", 0.0)} and [s["status"] for s in scan.shards] == ["ok"]
-    # damaged: a kept file that is no xz, or whose text no longer matches its checksum, is left out
-    (other.shards / kept.name).write_bytes(b"not xz")
-    assert other.scan().answers == {} and "not xz" in other.scan().shards[0]["status"]
-    (other.shards / kept.name).write_bytes(lzma.compress(plain.read_bytes().replace(b'"k1"', b'"k9"')))
+    # damaged: a kept file that is no whole gzip file, or whose text no longer matches its checksum, is left out
+    (other.shards / kept.name).write_bytes(b"not gzip")
+    assert other.scan().answers == {} and "not a whole gzip file" in other.scan().shards[0]["status"]
+    (other.shards / kept.name).write_bytes(gzip.compress(plain.read_bytes().replace(b'"k1"', b'"k9"')))
     assert other.scan().answers == {} and "mismatch" in other.scan().shards[0]["status"]
     with pytest.raises(ValueError, match="not a closed shard"):  # nor is a damaged shard kept again
         keep(other.shards / kept.name, tmp_path / "again")

