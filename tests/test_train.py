@@ -533,7 +533,7 @@ def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, cap
     assert load_head(str(out), load_tiny_target(qwen_dir)).kind == "eagle3"
 
 
-def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys):
+def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys, monkeypatch):
     """`train --trace DIR`: the profiler's summary table of TRACE_STEPS optimizer steps after the
     first TRACE_AFTER, and training.json's step_phases (each phase's seconds, their
     shares, tokens per second); a run that ends first writes what it traced."""
@@ -558,8 +558,23 @@ def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys):
         assert phases["passes"] >= traced and 0 <= phases["padding"] < 1
         assert set(phases["seconds"]) == set(StepTrace.PHASES) and all(s > 0 for s in phases["seconds"].values())
         assert abs(sum(phases["shares"].values()) - 1) < 0.01 and phases["tokens_per_second"] > 0
+        assert phases["profiler_failure"] is None
     code, _, err = invoke(common + ["-o", str(tmp_path / "untraced"), "--max-steps", "2"], capsys)
     assert code == 0 and json.loads((tmp_path / "untraced" / "training.json").read_text())["step_phases"] is None
+    # a profiler that cannot start (CUPTI busy on a GPU) is said, and training and the phases go on
+    from specchat import tracing
+
+    def refuse(self):
+        raise RuntimeError("CUPTI busy")
+
+    monkeypatch.setattr(tracing.Profiler, "start", refuse)
+    steps = TRACE_AFTER + TRACE_STEPS
+    code, _, err = invoke(common + ["-o", str(tmp_path / "refused"), "--max-steps", str(steps), "--trace",
+                                    str(tmp_path / "refused-trace")], capsys)
+    record = json.loads((tmp_path / "refused" / "training.json").read_text())
+    assert code == 0 and record["steps"] == steps and not (tmp_path / "refused-trace").exists()
+    assert record["step_phases"]["profiler_failure"] == "the profiler did not start: CUPTI busy"
+    assert record["step_phases"]["steps"] == TRACE_STEPS and record["step_phases"]["tokens_per_second"] > 0
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])  # an EAGLE head shares the target's LM head too

@@ -172,7 +172,8 @@ class StepTrace:
     """Where an optimizer step's time goes: the profiler's summary of TRACE_STEPS steps after the
     run's first TRACE_AFTER, and those steps' wall time by phase, into `folder`. A phase is timed up to
     its `mark`, which synchronizes the device: only while the steps are traced, so the other steps
-    keep the device's queue full.
+    keep the device's queue full. A profiler that fails (CUPTI busy or missing, a full disk) is said
+    in the record, and training and the phases' timing go on: a GPU block's head matters more.
 
     The phases: `features` (the reader thread's batch, moved to the device, and with live features
     the target's forward), `forward` (the head's unrolled steps and the loss), `backward`, and
@@ -182,25 +183,33 @@ class StepTrace:
 
     def __init__(self, folder: str | None, device: torch.device):
         self.folder, self.device = folder, device
+        self.tracing = False  # in a traced step now
         self.profiler: Profiler | None = None
+        self.failure: str | None = None  # what the profiler could not do
         self.seconds, self.tokens, self.steps, self.since = Counter(), 0, 0, 0.0
         self.passes = self.positions = 0  # the traced steps' forward passes and their padded positions
 
     def before(self, run_step: int) -> None:
         """Before the run's step `run_step` (0 = its first): start tracing at TRACE_AFTER."""
-        if self.folder is not None and run_step == TRACE_AFTER:
-            self.profiler = Profiler(self.device)
-            self.profiler.start()
+        if self.folder is None or run_step != TRACE_AFTER:
+            return
+        self.tracing = True
+        try:
+            profiler = Profiler(self.device)
+            profiler.start()
+            self.profiler = profiler
+        except RuntimeError as error:
+            self.failure = f"the profiler did not start: {error}"
 
     def start(self) -> None:
         """A traced step begins."""
-        if self.profiler is not None:
+        if self.tracing:
             synchronize(self.device)
             self.since = time.perf_counter()
 
     def mark(self, phase: str) -> None:
         """A traced step's `phase` ends here."""
-        if self.profiler is not None:
+        if self.tracing:
             synchronize(self.device)
             now = time.perf_counter()
             self.seconds[phase] += now - self.since
@@ -208,36 +217,41 @@ class StepTrace:
 
     def count(self, rows: int, width: int) -> None:
         """A traced step's forward pass of `rows` rows of `width` positions (padding included)."""
-        if self.profiler is not None:
+        if self.tracing:
             self.passes, self.positions = self.passes + 1, self.positions + rows * width
 
     def after(self, tokens: int) -> dict | None:
         """After a step of `tokens` tokens; once the last traced step is done, the trace is written
         and the record returned."""
-        if self.profiler is None:
+        if not self.tracing:
             return None
         self.steps, self.tokens = self.steps + 1, self.tokens + tokens
         return self.finish() if self.steps == TRACE_STEPS else None
 
     def finish(self) -> dict | None:
         """Stop and write the trace (early, if the run ended before its last traced step); the record."""
-        if self.profiler is None:
+        if not self.tracing:
             return None
-        self.profiler.stop()
-        self.profiler.write(self.folder, "train-summary.txt")  # no chrome trace: 215 MB for three steps on a CPU
-        self.profiler = None
+        self.tracing = False
+        if self.profiler is not None:
+            try:
+                self.profiler.stop()
+                self.profiler.write(self.folder, "train-summary.txt")  # no chrome trace: 215 MB for three steps on a CPU
+            except (RuntimeError, OSError) as error:
+                self.failure = f"the profiler's summary was not written: {error}"
+            self.profiler = None
         return self.record() if self.steps else None
 
     def record(self) -> dict:
         """The traced steps' seconds by phase, their shares, their forward passes and the share of those
-        passes' positions that were padding, and tokens per second (timed synchronously: a little slower
-        than the untraced steps)."""
+        passes' positions that were padding, tokens per second (timed synchronously: a little slower
+        than the untraced steps), and what the profiler could not do (None: nothing)."""
         total = sum(self.seconds.values())
         return {"steps": self.steps, "after_steps": TRACE_AFTER, "tokens": self.tokens, "passes": self.passes,
                 "padding": round(1 - self.tokens / self.positions, 3) if self.positions else None,
                 "seconds": {phase: round(self.seconds[phase], 4) for phase in self.PHASES},
                 "shares": {phase: round(self.seconds[phase] / total, 3) for phase in self.PHASES},
-                "tokens_per_second": round(self.tokens / total) if total else None}
+                "tokens_per_second": round(self.tokens / total) if total else None, "profiler_failure": self.failure}
 
 
 class Trainer:
