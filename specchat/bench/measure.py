@@ -268,7 +268,7 @@ def _aggregate(rows: list[TurnResult], compared: bool) -> dict:
 
 def selection_record(rows: list[TurnResult]) -> dict | None:
     """At temperature 0, how well a hybrid drafter's selection chose, from the cycles that say what
-    their tree was chosen from (`selection.Offer`): the answer says which of all the candidates the
+    their tree was chosen from (`tree.Offer`): the answer says which of all the candidates the
     target would have accepted, verified or not. Per source (head, lookup, both), the candidates'
     mean expected acceptance (what the selection valued them at) against how often they would have
     been accepted; and per cycle, the accepted tokens an oracle verifying just the accepted path among
