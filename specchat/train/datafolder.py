@@ -81,13 +81,11 @@ class DataFolder:
         plain = sorted(self.shards.glob("*.jsonl"))
         kept = [shard for shard in sorted(self.shards.glob(f"*.jsonl{KEPT}")) if shard.with_suffix("") not in plain]
         for shard in plain + kept:
-            text = shard.read_bytes()
-            if shard.suffix == KEPT:
-                try:
-                    text = gzip.decompress(text)
-                except (gzip.BadGzipFile, EOFError, zlib.error):  # not gzip, or cut off
-                    scan.shards.append({"file": shard.name, "status": "not a whole gzip file: left out"})
-                    continue
+            try:
+                text = _shard_bytes(shard)
+            except (gzip.BadGzipFile, EOFError, zlib.error):  # a kept shard that is not gzip, or cut off
+                scan.shards.append({"file": shard.name, "status": "not a whole gzip file: left out"})
+                continue
             entry = {"file": shard.name, "sha256": hashlib.sha256(text).hexdigest()}
             expected = _read_checksum(shard)
             scan.shards.append(entry)
@@ -222,6 +220,7 @@ def kept_shards(folder: Path) -> list[Path]:
 
 
 def _shard_bytes(shard: Path) -> bytes:
+    """A closed shard's text, a kept one's decompressed."""
     text = shard.read_bytes()
     return gzip.decompress(text) if shard.suffix == KEPT else text
 
