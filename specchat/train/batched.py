@@ -21,6 +21,7 @@ drawn from the target's distribution at its slot's temperature, as plain decodin
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -249,7 +250,7 @@ class SlotDecoder:
     def _admit(self, pending: deque, free: list[int]) -> list[Answer]:
         """Prefill as many pending prompts into free slots as one prefill's budget takes: the oldest and
         those nearest its length (`LOOKAHEAD`)."""
-        window = [pending[i] for i in range(min(len(pending), LOOKAHEAD * len(free)))]
+        window = list(itertools.islice(pending, LOOKAHEAD * len(free)))  # (indexing a deque walks its blocks)
         anchor = len(window[0].ids)
         nearest = sorted(range(len(window)), key=lambda i: (i > 0, abs(len(window[i].ids) - anchor), i))
         chosen, taken, tokens = [], [], 0
