@@ -18,7 +18,7 @@ from specchat.decode import Engine, GenerationSettings, ModelSpec, SamplingParam
 from specchat.live import LiveChat
 from specchat.methods import checked_draft
 from specchat.proposers import LoadModel, build_proposer
-from specchat.settings import Settings
+from specchat.settings import Settings, resolve
 from specchat.sources import load_target
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,15 @@ def model_loader(settings: Settings, packed_model: bool = False) -> LoadModel:
                                      trust_remote_code=settings.trust_remote_code), packed_model)
 
     return load_model
+
+
+def training_target(model: str | None, gguf_file: str | None, dtype: str, device: str, profile: str | None) -> Target:
+    """The target that answers prompts for training data or that a head is trained for (`data
+    regenerate`, `train`): the profile's model unless `model` says otherwise, loaded plainly (no
+    quantization, compilation or CUDA graphs: training needs its exact activations)."""
+    settings, _ = resolve({"model": model, "gguf_file": gguf_file, "dtype": dtype, "device": device,
+                           "quantize": "none", "compile": "off", "cuda_graphs": "off"}, profile)
+    return model_loader(settings)(settings.model, settings.gguf_file)
 
 
 @dataclass(frozen=True)

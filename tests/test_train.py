@@ -481,7 +481,7 @@ def test_training_has_no_per_format_branches():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "specchat"
-    sources = [p.read_text() for p in (root / "train").glob("*.py")] + [(root / "cli_train.py").read_text()]
+    sources = [p.read_text() for p in (root / "train").glob("*.py")] + [(root / "cli" / "heads.py").read_text()]
     pattern = re.compile(r"kind\s*[!=]=|[!=]=\s*['\"](eagle3?|jakiro)['\"]|in \(['\"](eagle3?|jakiro)['\"]")
     assert not [m.group(0) for text in sources for m in pattern.finditer(text)]
 

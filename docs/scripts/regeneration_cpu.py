@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from specchat.chat import ChatFormat
-from specchat.cli_train import training_target
+from specchat.app import training_target
 from specchat.train.batched import Request, SlotDecoder
 from specchat.train.regenerate import _generated
 

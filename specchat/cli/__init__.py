@@ -1,5 +1,5 @@
 """The `specchat` command line: `chat`, `run`, `serve`, `bench`, `profiles` and `runtime-check` here; `data`,
-`train` and `export-head` (the draft heads' commands) in `specchat.cli_train`, registered below.
+`train` and `export-head` (the draft heads' commands) in `specchat.cli.heads`, registered below.
 
 Commands only parse their options and hand them to the assembly layer (`specchat.app`), the
 batch runner (`specchat.batch`), the server (`specchat.serve`), the bench (`specchat.bench`) or
@@ -28,9 +28,9 @@ from contextlib import ExitStack, contextmanager
 import click
 from rich.console import Console
 
-from specchat import cli_train
 from specchat import serve as serving
 from specchat import settings as settings_mod
+from specchat.cli import heads
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
 from specchat.logs import show_core_messages
@@ -326,9 +326,9 @@ def runtime_check_command(args):
     runtime_check.main(list(args))
 
 
-cli.add_command(cli_train.data)
-cli.add_command(cli_train.train_command)
-cli.add_command(cli_train.export_head_command)
+cli.add_command(heads.data)
+cli.add_command(heads.train_command)
+cli.add_command(heads.export_head_command)
 
 
 def debug_wanted() -> bool:

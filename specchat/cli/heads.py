@@ -13,7 +13,6 @@ from pathlib import Path
 
 import click
 
-from specchat import settings as settings_mod
 from specchat.errors import UsageError
 from specchat.inputs import check_output_folder
 from specchat.methods import EXPORT_FORMATS, HEAD_FORMATS, HEAD_LAYOUTS, LLAMACPP_LAYOUT, OPENVINO_LAYOUT
@@ -24,16 +23,6 @@ from specchat.ui import TrainingProgress
 # What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
 HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "draft_vocab.safetensors",
                      "training.json")
-
-
-def training_target(model: str | None, gguf_file: str | None, dtype: str, device: str, profile: str | None):
-    """The target to answer prompts with or to train a head for: the profile's model unless --model
-    says otherwise, loaded plainly (no quantization, compilation or CUDA graphs)."""
-    from specchat import app  # torch and transformers load here
-
-    settings, _ = settings_mod.resolve({"model": model, "gguf_file": gguf_file, "dtype": dtype, "device": device,
-                                        "quantize": "none", "compile": "off", "cuda_graphs": "off"}, profile)
-    return app.model_loader(settings)(settings.model, settings.gguf_file)
 
 
 @click.group()
@@ -91,12 +80,13 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatur
         raise UsageError(f"--part {part}: expected I/N with 1 <= I <= N")
     if not (Path(folder) / "prompts.jsonl").is_file():
         raise UsageError(f"{folder}: no prompts.jsonl (specchat data prompts {folder} SOURCES... writes it)")
-    from specchat.chat import ChatFormat  # torch and transformers load here
+    from specchat import app  # torch and transformers load here
+    from specchat.chat import ChatFormat
     from specchat.train import prompts as prompts_mod
     from specchat.train.datafolder import DataFolder
     from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
 
-    target = training_target(model, gguf_file, dtype, device, profile)
+    target = app.training_target(model, gguf_file, dtype, device, profile)
     options = RegenerateOptions(temperatures=tuple(temperatures) or DATA_TEMPERATURES,
                                 batch_size=batch or batch_size_for(target.device),
                                 max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
@@ -273,8 +263,9 @@ def train_command(**params):
     """Train an EAGLE, EAGLE-3 or Jakiro draft head for a target model."""
     options = TrainOptions(**params)
     check_output_folder("--output", options.output, list(options.data_files), HEAD_OUTPUT_FILES)
-    from specchat.train import pipeline  # torch and transformers load here
+    from specchat import app  # torch and transformers load here
+    from specchat.train import pipeline
 
-    target = training_target(options.model, options.gguf_file, options.dtype, options.device, options.profile)
+    target = app.training_target(options.model, options.gguf_file, options.dtype, options.device, options.profile)
     pipeline.run(target, options, log=lambda message: click.echo(f"specchat train: {message}", err=True),
                  progress=TrainingProgress)
