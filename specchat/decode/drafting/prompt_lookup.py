@@ -72,7 +72,7 @@ class LookupProposer:
         if self.chain and self.curve is not None:  # the hybrid's rate rule on the chain alone, its first token kept
             chain = Candidates([], [], [], [], [])  # (so that the acceptance rate keeps learning)
             chain.add_chain(self.chain, *self.rates.along(found[0]))
-            self.chain = self.chain[: len(chain.select_for_rate(self.curve, 0.0, len(self.chain), kept=[0]))]
+            self.chain = self.chain[: len(chain.offer_for_rate(self.curve, 0.0, len(self.chain), kept=[0]).chosen)]
         return self.budget() if self.chain else 0
 
     def draft(self, root, length, span, sampling, rng) -> DraftTree:
