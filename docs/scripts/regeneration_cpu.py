@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import torch
 
-from specchat.chat import ChatFormat
 from specchat.app import training_target
+from specchat.chat import ChatFormat
 from specchat.train.batched import Request, SlotDecoder
 from specchat.train.regenerate import _generated
 
