@@ -8,6 +8,7 @@ import pytest
 
 from conftest import invoke, load_tiny_target, random_head
 from specchat.cli import resolve_settings
+from specchat.errors import UsageError
 from specchat.methods import bench_methods
 from specchat.bench.measure import TurnResult, calibration, summarize
 
@@ -321,6 +322,17 @@ def test_each_method_gets_its_draft_as_chat_would_unless_draft_for_says():
     assert [run.method for run in runs.values()] == ["vanilla", "eagle2", "deagle", "sps", "pld"]
     runs, skipped = method_settings(["eagle2"], {}, Settings(model="some/model"))  # no head for this model
     assert list(runs) == ["vanilla"] and "--draft-for eagle2=PATH" in skipped["eagle2"]
+    with pytest.raises(UsageError, match="--draft-for jakiro=...: jakiro is not one of the methods run"):
+        method_settings(["eagle2"], {"jakiro": "head"}, settings)  # a draft for no method run is said, not dropped
+
+
+def test_draft_for_items_are_method_and_path():
+    from specchat.cli import draft_paths
+
+    assert draft_paths(("sps=small", "deagle+lookup=off=heads/h")) == {"sps": "small", "deagle+lookup=off": "heads/h"}
+    for wrong in ("sps", "=path", "sps="):
+        with pytest.raises(UsageError, match="expected METHOD=PATH"):
+            draft_paths((wrong,))
 
 
 def test_a_cycles_breakdown_adds_up_to_the_cycle_and_is_drawn(qwen_dir, tmp_path, capsys):

@@ -7,7 +7,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import load_tiny_target, random_head
+from conftest import invoke, load_tiny_target, random_head
 from drafters import load_head
 from specchat.train.unrolled import UnrolledKeys
 from drafters.cache import HeadCache
@@ -486,6 +486,17 @@ def test_training_has_no_per_format_branches():
     assert not [m.group(0) for text in sources for m in pattern.finditer(text)]
 
 
+@pytest.mark.parametrize("option, value", [("--eval-every", "0"), ("--checkpoint-every", "0"), ("--limit", "-1"),
+                                           ("--batch-tokens", "0"), ("--held-out", "1"), ("--epochs", "0")])
+def test_train_refuses_values_it_cannot_train_with_before_loading(option, value, tmp_path, capsys):
+    """A count, interval or share out of range is a usage error at once, not a crash after the model loads."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    code, _, err = invoke(["train", "--kind", "eagle3", "--data", str(data), "-o", str(tmp_path / "head"), option, value],
+                          capsys)
+    assert code == 2 and option in err and "Traceback" not in err, err
+
+
 def test_the_train_command_and_its_options_agree():
     """Every option of `specchat train` is a TrainOptions field with the field's default, and every field an option."""
     import dataclasses
@@ -506,7 +517,6 @@ def test_the_train_command_and_its_options_agree():
 def test_the_command_stops_at_its_time_limit_and_resumes(qwen_dir, tmp_path, capsys):
     """`specchat train` in pieces: --max-minutes stops with a checkpoint, the same command with
     --resume finishes; the output is the head with the best simulated tau, recorded in training.json."""
-    from conftest import invoke
 
     lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
                                       {"role": "assistant", "content": "answer " + "xyz" * (3 + i % 5)}]})
@@ -537,7 +547,6 @@ def test_a_trace_says_where_a_steps_time_goes(qwen_dir, tmp_path, capsys, monkey
     """`train --trace DIR`: the profiler's summary table of TRACE_STEPS optimizer steps after the
     first TRACE_AFTER, and training.json's step_phases (each phase's seconds, their
     shares, tokens per second); a run that ends first writes what it traced."""
-    from conftest import invoke
     from specchat.train.trainer import TRACE_AFTER, TRACE_STEPS, StepTrace
 
     lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
@@ -582,7 +591,6 @@ def test_training_can_start_from_a_head(kind, qwen_dir, tmp_path, capsys):
     """--init HEAD: its weights and draft vocabulary are where training starts (at a learning rate
     of 0 they come out as they went in), training.json says so, and a size that contradicts the
     head is a one-line usage error."""
-    from conftest import invoke
     from safetensors.torch import load_file
 
     lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},

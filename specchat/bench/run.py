@@ -23,7 +23,7 @@ from rich.text import Text
 from specchat import app
 from specchat.bench import measure
 from specchat.bench.measure import PeakMemory, SessionRunner
-from specchat.errors import SpecchatError, Terminated
+from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import check_output_folder, read_prompts
 from specchat.decode import hardware
 from specchat.methods import METHODS, PLAIN, MethodError, MissingDraft, checked_draft
@@ -87,6 +87,9 @@ def method_settings(labels: list[str], draft_for: dict, settings: Settings) -> t
     of the wrong kind for a method (a head for sps) fails to load later and skips that method, said.
     """
     labels = labels if PLAIN in labels else [PLAIN, *labels]
+    named = set(labels) | {parse_variant(label)[0] for label in labels}
+    if unknown := sorted(set(draft_for) - named):
+        raise UsageError(f"--draft-for {unknown[0]}=...: {unknown[0]} is not one of the methods run ({', '.join(labels)})")
     runs, skipped = {}, {}
     for label in labels:
         name, changes = parse_variant(label)

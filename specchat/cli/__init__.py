@@ -296,9 +296,9 @@ def profiles_show(name, **options):
                    "its own (deagle+lookup=off). [default: vanilla, the profile's method, pld]")
 @click.option("--draft-for", "draft_for", multiple=True, metavar="METHOD=PATH",
               help="Draft head or model for one method (repeatable); sps and hf-assisted take a small model.")
-@click.option("--limit", type=int, default=None, help="Use the first N questions (a 2-turn MT-bench question is 2 turns).")
-@click.option("--repeat", type=int, default=1, show_default=True, help="Runs over the questions per method.")
-@click.option("--warmup", type=int, default=1, show_default=True, help="Warm-up answers per method (not measured).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N questions (a 2-turn MT-bench question is 2 turns).")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Runs over the questions per method.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Warm-up answers per method (not measured).")
 @click.option("--interleave", is_flag=True,
               help="Every method answers each question in turn (a drifting machine slows all alike); no peak memory.")
 @click.option("--breakdown", is_flag=True,
@@ -313,8 +313,20 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
 
     settings, profile = resolve_settings(options)
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods is not None else bench_methods(settings)
-    run_bench(list(inputs), chosen, dict(item.split("=", 1) for item in draft_for if "=" in item), settings,
-              profile, limit, repeat, warmup, output_dir, interleave, breakdown)
+    run_bench(list(inputs), chosen, draft_paths(draft_for), settings, profile, limit, repeat, warmup, output_dir,
+              interleave, breakdown)
+
+
+def draft_paths(items: tuple[str, ...]) -> dict[str, str]:
+    """--draft-for's METHOD=PATH items by method (a label with settings of its own keeps its `=`:
+    deagle+lookup=off=PATH)."""
+    paths = {}
+    for item in items:
+        label, _, path = item.rpartition("=")
+        if not label or not path:
+            raise UsageError(f"--draft-for {item}: expected METHOD=PATH")
+        paths[label] = path
+    return paths
 
 
 @cli.command(name="runtime-check", add_help_option=False, context_settings={"ignore_unknown_options": True})

@@ -20,6 +20,8 @@ from specchat.train.options import (DATA_TEMPERATURES, DEFAULT_MAX_NEW_TOKENS, D
                                      TrainOptions)
 from specchat.ui import TrainingProgress
 
+POSITIVE = click.FloatRange(min=0, min_open=True)  # a size, a rate or a time: above zero
+
 # What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
 HEAD_OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "draft_vocab.safetensors",
                      "training.json")
@@ -67,7 +69,7 @@ def data_prompts(folder, sources, sharegpt, max_turns):
 @click.option("--max-turns", type=click.IntRange(min=1), default=None, help="User turns answered per prompt.")
 @click.option("--part", default="1/1", show_default=True,
               help="I/N: answer the I-th of N parts of the prompts (machines filling one folder together).")
-@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--max-minutes", type=POSITIVE, default=None,
               help="Start no answer after this many minutes; those under way finish (the shard is closed; "
                    "run again to go on).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
@@ -159,7 +161,7 @@ def data_status(folder):
                    "training record's target).")
 @click.option("--speculative-tokens", type=click.IntRange(min=1), default=5, show_default=True,
               help="Draft tokens the speculators layout proposes (vLLM's num_speculative_tokens when none is given).")
-@click.option("--max-shard-mb", type=float, default=None,
+@click.option("--max-shard-mb", type=POSITIVE, default=None,
               help="Split the weights into indexed shards of at most this many MB (default: one file).")
 def export_head_command(head, layout, output, verifier, max_position_embeddings, model, speculative_tokens,
                         max_shard_mb):
@@ -208,11 +210,11 @@ def train_option(*decls, **attrs):
               help="Let the target write the answers (needed for prompt-only data; better heads).")
 @train_option("--regenerate-batch", type=click.IntRange(min=1),
               help="Sequences regenerated at once (default: 32 on a CPU, 256 on a GPU).")
-@train_option("--regenerate-max-tokens", type=int, show_default=True, help="Longest regenerated answer.")
-@train_option("--regenerate-temperature", type=float, show_default=True,
+@train_option("--regenerate-max-tokens", type=click.IntRange(min=1), show_default=True, help="Longest regenerated answer.")
+@train_option("--regenerate-temperature", type=click.FloatRange(min=0), show_default=True,
               help="Sampling temperature of regenerated answers (0: greedy).")
-@train_option("--max-tokens", type=int, show_default=True, help="Longest training sequence (tokens).")
-@train_option("--limit", type=int, help="Use at most this many conversations.")
+@train_option("--max-tokens", type=click.IntRange(min=2), show_default=True, help="Longest training sequence (tokens).")
+@train_option("--limit", type=click.IntRange(min=1), help="Use at most this many conversations.")
 @train_option("--extract-tokens", type=click.IntRange(min=1),
               help="Padded tokens per target forward when extracting features "
                    "(default: 4096 on a CPU, 32768 on a GPU).")
@@ -222,27 +224,27 @@ def train_option(*decls, **attrs):
 @train_option("--init", metavar="HEAD",
               help="Start from this head of the same format (a bundled head's name, a folder or a hub id): its "
                    "weights, draft vocabulary and widths, rather than new ones.")
-@train_option("--draft-vocab", type=int,
+@train_option("--draft-vocab", type=click.IntRange(min=1),
               help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
-@train_option("--intermediate-size", type=int, help="MLP width of the head (default: the target's).")
-@train_option("--ttt-steps", type=int,
+@train_option("--intermediate-size", type=click.IntRange(min=1), help="MLP width of the head (default: the target's).")
+@train_option("--ttt-steps", type=click.IntRange(min=1),
               help="Unrolled steps per position (eagle3: training-time test, paper 7; eagle/jakiro: 1).")
-@train_option("--epochs", type=float, show_default=True, help="Passes over the training data.")
-@train_option("--max-steps", type=int, help="Stop after this many optimizer steps.")
-@train_option("--lr", type=float, show_default=True, help="Peak learning rate (AdamW).")
-@train_option("--warmup", type=int, show_default=True, help="Linear warm-up steps.")
-@train_option("--batch-tokens", type=int, show_default=True, help="Tokens per optimizer step.")
+@train_option("--epochs", type=POSITIVE, show_default=True, help="Passes over the training data.")
+@train_option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
+@train_option("--lr", type=click.FloatRange(min=0), show_default=True, help="Peak learning rate (AdamW).")
+@train_option("--warmup", type=click.IntRange(min=0), show_default=True, help="Linear warm-up steps.")
+@train_option("--batch-tokens", type=click.IntRange(min=1), show_default=True, help="Tokens per optimizer step.")
 @train_option("--batch-size", type=click.IntRange(min=1),
               help="Rows per forward pass, each packed with as many conversations as fit beside the longest "
                    "(default: 1 on a CPU, 8 on a GPU).")
-@train_option("--held-out", type=float, show_default=True, help="Share of conversations held out.")
-@train_option("--eval-every", type=int, show_default=True, help="Held-out evaluation interval (steps).")
-@train_option("--checkpoint-every", type=int, show_default=True,
+@train_option("--held-out", type=click.FloatRange(min=0, max=1, max_open=True), show_default=True, help="Share of conversations held out.")
+@train_option("--eval-every", type=click.IntRange(min=1), show_default=True, help="Held-out evaluation interval (steps).")
+@train_option("--checkpoint-every", type=click.IntRange(min=1), show_default=True,
               help="Checkpoint interval (steps); every epoch's end and the last step are checkpointed too.")
 @train_option("--checkpoint-precision", type=click.Choice(["auto", "exact", "compact"]),
               show_default=True, help="exact: float32 weights and AdamW state, bit-exact resume; compact: "
               "bf16 weights and an 8-bit second moment, 3 bytes per parameter; auto: exact up to 64 MiB.")
-@train_option("--max-minutes", type=click.FloatRange(min=0, min_open=True),
+@train_option("--max-minutes", type=POSITIVE,
               help="Stop training after this many minutes, with a checkpoint that --resume continues.")
 @train_option("--resume/--no-resume",
               help="Continue from OUTPUT/checkpoint (starts from scratch when there is none).")
@@ -250,7 +252,7 @@ def train_option(*decls, **attrs):
               help="Where regenerated answers and features are kept "
                    "(default: under the cache, keyed by model and data).")
 @train_option("--prepare-only/--no-prepare-only", help="Stop after regeneration and feature extraction.")
-@train_option("--max-shard-mb", type=float,
+@train_option("--max-shard-mb", type=POSITIVE,
               help="Split the weights into indexed shards of at most this many MB (default: one file).")
 @train_option("--seed", type=int, show_default=True, help="Seed for shuffling, splitting and initialisation.")
 @train_option("--trace", type=click.Path(file_okay=False),
