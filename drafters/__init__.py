@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from drafters import eagle, eagle3, jakiro
 from drafters.base import DraftHead, TargetParts
-from drafters.checkpoint import HeadLoadError, read_config, read_safetensors, read_weights, write_weights
+from drafters.checkpoint import HeadLoadError, load_strict, read_config, read_safetensors, read_weights, write_weights
 from drafters.layers import Verifier
 
 FORMATS = {module.KIND: module for module in (eagle, eagle3, jakiro)}
@@ -47,7 +47,7 @@ LAYOUTS = ("eagle", "sglang", "speculators")  # what `export_head` writes (each 
 # Files a head folder may hold beside its weights and config, carried over by `export_head`.
 CARRIED_FILES = (DRAFT_VOCAB_FILE, "training.json")
 
-__all__ = ["DraftHead", "TargetParts", "Verifier", "HeadLoadError", "load_head", "save_head", "export_head", "FORMATS", "LAYOUTS"]
+__all__ = ["DraftHead", "TargetParts", "Verifier", "HeadLoadError", "load_strict", "load_head", "save_head", "export_head", "FORMATS", "LAYOUTS"]
 
 
 def known_formats() -> str:

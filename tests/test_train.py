@@ -430,6 +430,28 @@ def test_a_compact_checkpoint_resumes_close_by_and_small(target, store, tmp_path
             torch.testing.assert_close(weights(loaded)[key], value, rtol=1e-2, atol=1e-3)
 
 
+def test_a_checkpoint_whose_head_weights_do_not_fit_is_refused(target, store, tmp_path):
+    """Resuming loads the head's weights strictly: an extra key or another shape is said, not skipped."""
+    import dataclasses
+
+    from specchat.train import checkpoint
+
+    vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
+    config = TrainConfig(kind="eagle3", learning_rate=3e-3, warmup_steps=1, max_steps=1, batch_tokens=200,
+                         ttt_steps=2, checkpoint_every=1, checkpoint_precision="exact")
+    head = build_head("eagle3", target, config, vocab)
+    train(head, target, store, list(range(10)), [], config, tmp_path / "run")
+    loaded = checkpoint.load(tmp_path / "run" / "checkpoint")
+    names = [name for name, _ in head.named_parameters() if _.requires_grad]
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad])
+    checkpoint.restore(loaded, head, optimizer, names, torch.device("cpu"))  # as saved: fits
+    weight = next(key for key in loaded.tensors if key.startswith("head/") and loaded.tensors[key].dim() == 2)
+    for tensors, said in ((loaded.tensors | {"head/extra.weight": torch.zeros(2)}, "unexpected key extra.weight"),
+                          (loaded.tensors | {weight: loaded.tensors[weight][:-1]}, "has shape")):
+        with pytest.raises(checkpoint.ResumeError, match=said):
+            checkpoint.restore(dataclasses.replace(loaded, tensors=tensors), head, optimizer, names, torch.device("cpu"))
+
+
 def test_checkpoint_files_stay_under_the_shard_size_and_round_trip(tmp_path):
     from specchat.train import checkpoint
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafters import HeadLoadError, load_strict
 from specchat.errors import UsageError
 
 INDEX = "checkpoint.json"
@@ -58,6 +59,7 @@ class ResumeError(UsageError, ValueError):
 
 @dataclass
 class Loaded:
+    folder: Path
     meta: dict  # checkpoint.json
     tensors: dict[str, torch.Tensor]  # on the CPU
 
@@ -228,17 +230,18 @@ def load(folder: Path) -> Loaded:
         tensors.update(load_file(str(path)))
     for name, (shape, _, parts) in meta["chunked"].items():
         tensors[name] = torch.cat([tensors.pop(part) for part in parts]).reshape(shape)
-    return Loaded(meta, tensors)
+    return Loaded(folder, meta, tensors)
 
 
 def restore(loaded: Loaded, head, optimizer, names: list[str], device: torch.device) -> None:
     """Put the checkpoint's weights, optimizer state and RNG states back."""
     tensors, meta = loaded.tensors, loaded.meta
     state = {key.removeprefix("head/"): value for key, value in tensors.items() if key.startswith("head/")}
-    missing = set(head.trainable_state_dict()) - set(state)
-    if missing:
-        raise ResumeError(f"the checkpoint lacks head weights {sorted(missing)[:3]}")
-    head.load_state_dict(state, strict=False)
+    trained = head.trainable_state_dict()  # what a checkpoint holds: the rest is the target's, set up by the head
+    try:
+        load_strict(head, state, loaded.folder, optional=tuple(key for key in head.state_dict() if key not in trained))
+    except HeadLoadError as error:
+        raise ResumeError(f"the head's weights do not fit: {error}") from error
     head.after_load()  # what the head derives from its loaded buffers (EAGLE-3's draft-to-target map)
     params = optimizer.param_groups[0]["params"]
     optimizer_state = {}
