@@ -97,14 +97,16 @@ class Stats:
             "new_tokens": self.new_tokens,
             "seconds": round(self.seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
-            "tau": _round(self.tau, 4),
+            "tau": rounded(self.tau),
             "target_forwards": self.target_forwards,
             "prefill_seconds": round(self.prefill_seconds, 4),
             "finish_reason": self.finish_reason,
             "accept_lengths": self.accept_lengths,
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
-            "acceptance_rate": _round(self.acceptance_rate, 4),
+            "acceptance_rate": rounded(self.acceptance_rate),
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "accepted_from_lookup": self.accepted_from_lookup,
             "lookup_seconds": round(self.lookup_seconds, 4),
             "arms": dict(self.arms),
@@ -126,5 +128,6 @@ class Stats:
         return {arm: count / steps for arm, count in sorted(self.arms.items(), key=lambda item: -item[1])}
 
 
-def _round(value: float | None, digits: int) -> float | None:
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    """A record's number, rounded (None stays None)."""
     return None if value is None else round(value, digits)

@@ -25,9 +25,12 @@ from specchat.errors import SpecchatError
 from specchat.live import LiveChat
 from specchat.serve.requests import ApiError, CompletionRequest
 from specchat.speedup import decoding_rate
+from specchat.stats import rounded
 from specchat.ui import stats_line
 
 log = logging.getLogger(__name__)
+
+NOT_IN_USAGE = ("finish_reason", "accept_lengths")  # the choice says the first; the second grows with the answer
 
 
 def conversation_of(request: CompletionRequest, system: str | None) -> Conversation:
@@ -176,17 +179,11 @@ class Decoder:
             "prompt_tokens": job.prompt_tokens, "completion_tokens": stats.new_tokens,
             "total_tokens": job.prompt_tokens + stats.new_tokens,
             "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": size - accepted},
-            "specchat": {
-                "method": chat.settings.method, "tau": _round(stats.tau), "acceptance_rate": _round(stats.acceptance_rate),
-                "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
-                "accepted_from_lookup": stats.accepted_from_lookup, "target_forwards": stats.target_forwards,
-                "steps": stats.arms, "seconds": round(stats.seconds, 4),
-                "prefill_seconds": round(stats.prefill_seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 3),
-                "decode_tokens_per_s": _round(rate), "estimated_speedup": _round(report.estimated_speedup),
+            "specchat": {  # `run`'s record of a turn, but for what OpenAI's answer says already or is per cycle
+                "method": chat.settings.method,
+                **{key: value for key, value in stats.record().items() if key not in NOT_IN_USAGE},
+                "decode_tokens_per_s": rounded(rate), "estimated_speedup": rounded(report.estimated_speedup),
                 **(comparison.record() if comparison is not None else {}),
             },
         }
 
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
