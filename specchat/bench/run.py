@@ -26,7 +26,7 @@ from specchat.bench.measure import PeakMemory, SessionRunner
 from specchat.errors import SpecchatError, Terminated, UsageError
 from specchat.inputs import check_output_folder, read_prompts
 from specchat.decode import hardware
-from specchat.methods import METHODS, PLAIN, MethodError, MissingDraft, checked_draft
+from specchat.methods import METHODS, PLAIN, MethodError, MissingDraft, checked_draft, method
 from specchat.peers import hf, llamacpp, openvino, vllm
 from specchat.settings import FIELDS, METHOD_SECTIONS, LiveChatError, Settings, parse_value
 
@@ -51,8 +51,8 @@ def run_bench(inputs: list[str], methods: list[str], draft_for: dict, settings: 
     target, chat_format = app.load_chat_model(settings, checked)
     target.profiling = breakdown  # time each forward's products and attention (specchat.bench.breakdown)
     generation = app.generation_settings(settings, checked, chat_format)
-    for method, reason in skipped.items():
-        console.print(f"skipping {method}: {reason}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    for label, reason in skipped.items():
+        console.print(f"skipping {label}: {reason}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     meta = {
         "inputs": inputs, "questions": len(records), "methods": list(runs),
         "drafts": {**{label: run.draft for label, run in runs.items()}, **dict.fromkeys(skipped)}, "skipped": skipped,
@@ -240,8 +240,7 @@ class ResultTable:
 def parse_variant(label: str) -> tuple[str, dict]:
     """`deagle+lookup=off`: a method with method settings of its own (to compare variants in one run)."""
     name, *changes = label.split("+")
-    if name not in METHODS:
-        raise MethodError(f"unknown method {name} (known: {', '.join(METHODS)})")
+    method(name)  # known, else a MethodError
     overrides = {}
     for change in changes:
         key, _, value = change.partition("=")
