@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from drafters import eagle, eagle3, jakiro
 from drafters.base import DraftHead, TargetParts
 from drafters.checkpoint import HeadLoadError, load_strict, read_config, read_safetensors, read_weights, write_weights
-from drafters.layers import Verifier
+from drafters.layers import SPECULATIVE_TOKENS, Verifier
 
 FORMATS = {module.KIND: module for module in (eagle, eagle3, jakiro)}
 # Told apart most specific first: a Jakiro checkpoint also has every key an EAGLE one has.
@@ -47,7 +47,7 @@ LAYOUTS = ("eagle", "sglang", "speculators")  # what `export_head` writes (each 
 # Files a head folder may hold beside its weights and config, carried over by `export_head`.
 CARRIED_FILES = (DRAFT_VOCAB_FILE, "training.json")
 
-__all__ = ["DraftHead", "TargetParts", "Verifier", "HeadLoadError", "load_strict", "load_head", "save_head", "export_head", "FORMATS", "LAYOUTS"]
+__all__ = ["DraftHead", "TargetParts", "Verifier", "HeadLoadError", "load_strict", "load_head", "SPECULATIVE_TOKENS", "save_head", "export_head", "FORMATS", "LAYOUTS"]
 
 
 def known_formats() -> str:
@@ -115,7 +115,7 @@ def save_head(head: DraftHead, folder, dtype=None, max_shard_bytes: int | None =
         save_file({"token_ids": head.draft_to_target.cpu()}, folder / DRAFT_VOCAB_FILE)
 
 
-def export_head(source, output, layout: str, verifier: Verifier = Verifier(), speculative_tokens: int = 5,
+def export_head(source, output, layout: str, verifier: Verifier = Verifier(), speculative_tokens: int = SPECULATIVE_TOKENS,
                 feature_layers: tuple[int, ...] | None = None, max_shard_bytes: int | None = None) -> list[Path]:
     """Write the head in folder `source` in a published `layout` other engines load as it is (no
     conversion by hand), into folder `output`; returns the files written.

@@ -43,7 +43,7 @@ from torch import nn
 
 from drafters.base import DraftHead, TargetParts, check_target_fit, read_layer_config
 from drafters.checkpoint import HeadLoadError, load_strict
-from drafters.layers import DecoderLayer, LayerConfig, RMSNorm, Verifier
+from drafters.layers import SPECULATIVE_TOKENS, DecoderLayer, LayerConfig, RMSNorm, Verifier
 
 KIND = "eagle3"
 NAME = "EAGLE-3"
@@ -115,7 +115,7 @@ class Eagle3Config(LayerConfig):
             out["max_position_embeddings"] = self.max_position_embeddings
         return out
 
-    def layout_dict(self, layout: str, verifier: Verifier | None = None, speculative_tokens: int = 5,
+    def layout_dict(self, layout: str, verifier: Verifier | None = None, speculative_tokens: int = SPECULATIVE_TOKENS,
                     feature_layers: tuple[int, ...] | None = None) -> dict:
         if layout == "speculators":
             if verifier is None or not verifier.name:

@@ -22,6 +22,9 @@ from drafters.checkpoint import HeadLoadError
 DEFAULT_ROPE_THETA = 10000.0  # Llama's default; EAGLE/EAGLE-3 head configs often omit rope_theta
 
 
+SPECULATIVE_TOKENS = 5  # the speculators layout's proposal length unless told (vLLM's num_speculative_tokens then)
+
+
 @dataclass(frozen=True)
 class Verifier:
     """The target an exported head drafts for, as serving engines read it from the head's config
@@ -112,7 +115,7 @@ class LayerConfig:
     def rope(self) -> Rope:
         return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
 
-    def layout_dict(self, layout: str, verifier: Verifier | None = None, speculative_tokens: int = 5,
+    def layout_dict(self, layout: str, verifier: Verifier | None = None, speculative_tokens: int = SPECULATIVE_TOKENS,
                     feature_layers: tuple[int, ...] | None = None) -> dict:
         """config.json in a published layout (`drafters.export_head`); the reference layout here."""
         return self.to_dict()

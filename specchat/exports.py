@@ -67,7 +67,7 @@ SET_HIDDEN_LAYERS = (
     "ov.save_model(model, sys.argv[1] + '.new.xml', compress_to_fp16=False)\n")
 
 
-def export(head: str, layout: str, output: str | Path, verifier: str | None = None, speculative_tokens: int = 5,
+def export(head: str, layout: str, output: str | Path, verifier: str | None = None, speculative_tokens: int | None = None,
            max_shard_bytes: int | None = None, max_position_embeddings: int | None = None) -> list[Path]:
     """The head `head` names, written into `output` in `layout`; returns the files written."""
     return export_folder(resolve_folder(head), layout, output, verifier, speculative_tokens, max_shard_bytes,
@@ -75,10 +75,12 @@ def export(head: str, layout: str, output: str | Path, verifier: str | None = No
 
 
 def export_folder(folder: Path, layout: str, output: str | Path, verifier: str | None = None,
-                  speculative_tokens: int = 5, max_shard_bytes: int | None = None,
+                  speculative_tokens: int | None = None, max_shard_bytes: int | None = None,
                   max_position_embeddings: int | None = None) -> list[Path]:
     """The head in `folder` (a name is not looked up: `export`), written into `output` in `layout`
-    (one `drafters.export_head` writes)."""
+    (one `drafters.export_head` writes); `speculative_tokens`: the speculators layout's proposal length
+    (None: `drafters.SPECULATIVE_TOKENS`)."""
+    speculative_tokens = drafters.SPECULATIVE_TOKENS if speculative_tokens is None else speculative_tokens
     try:
         return drafters.export_head(folder, output, layout, target_of(folder, verifier, max_position_embeddings),
                                     speculative_tokens, feature_layers(folder), max_shard_bytes)

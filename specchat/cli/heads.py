@@ -159,8 +159,9 @@ def data_status(folder):
 @click.option("--model", default=None,
               help="openvino, llamacpp: the target model, whose tokenizer goes with the head (default: the head's "
                    "training record's target).")
-@click.option("--speculative-tokens", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Draft tokens the speculators layout proposes (vLLM's num_speculative_tokens when none is given).")
+@click.option("--speculative-tokens", type=click.IntRange(min=1), default=None,
+              help="Draft tokens the speculators layout proposes (vLLM's num_speculative_tokens when none is given; "
+                   "default: the layout's, 5).")
 @click.option("--max-shard-mb", type=POSITIVE, default=None,
               help="Split the weights into indexed shards of at most this many MB (default: one file).")
 def export_head_command(head, layout, output, verifier, max_position_embeddings, model, speculative_tokens,
