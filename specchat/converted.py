@@ -27,7 +27,7 @@ from filelock import FileLock
 from specchat import embedded
 from specchat.decode.runtime.machine import cache_dir
 from specchat.decode.runtime.target import dtype_name
-from specchat.errors import ModelLoadError
+from specchat.errors import ModelLoadError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +217,7 @@ def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
             )
     except (ValueError, OSError, KeyError, RuntimeError, IndexError, TypeError, EOFError, struct.error) as error:
         # what the GGUF parser raises on a damaged or truncated file
-        first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
-        raise ModelLoadError(f"cannot load GGUF file {gguf_path}: {first_line}") from error
+        raise ModelLoadError(f"cannot load GGUF file {gguf_path}: {first_line(error)}") from error
     # The weights are plain tensors now; a saved quantization config would make loaders re-quantize.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -9,6 +9,18 @@ before the heavy imports.
 from __future__ import annotations
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message in one line: its first (its type's name where it says nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def summary(error: BaseException) -> str:
+    """An unexpected error in one line: its type and `first_line`."""
+    text = first_line(error)
+    return text if text == type(error).__name__ else f"{type(error).__name__}: {text}"
+
+
 class SpecchatError(Exception):
     """A failure with a one-line message for the user: exit status 1."""
 

@@ -22,7 +22,7 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 
-from specchat.errors import ContextLengthError
+from specchat.errors import ContextLengthError, summary
 from specchat.inputs import InputError, read_prediction
 from specchat.settings import LIVE_KEYS, LiveChatError, show_value
 from specchat.methods import CHAT_METHODS, METHODS, effective_draft, needs_draft
@@ -246,7 +246,7 @@ class Repl:
             return
         except Exception as error:  # e.g. out of memory: the caches were rolled back, the chat can go on
             self.ui.end_answer()
-            self.ui.error(f"the answer failed: {first_line(error)}")
+            self.ui.error(f"the answer failed: {summary(error)}")
             return
         self.ui.end_answer(interrupted=not finished)
         report = chat.report()
@@ -295,7 +295,7 @@ class Repl:
         except (LiveChatError, TranscriptError, InputError) as error:
             self.ui.error(str(error))
         except Exception as error:  # a failing library call must not end the chat and lose the conversation
-            self.ui.error(f"/{name} failed: {first_line(error)}")
+            self.ui.error(f"/{name} failed: {summary(error)}")
         return False
 
     def do_help(self, argument: str) -> bool:
@@ -395,6 +395,3 @@ class Repl:
             self.ui.hint(note)
 
 
-def first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -31,7 +31,7 @@ from rich.console import Console
 from specchat import serve as serving
 from specchat import settings as settings_mod
 from specchat.cli import heads
-from specchat.errors import SpecchatError, Terminated, UsageError
+from specchat.errors import SpecchatError, Terminated, UsageError, summary
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
 from specchat.logs import show_core_messages
 from specchat.methods import METHODS, bench_methods, lookup_unless_drafted
@@ -40,7 +40,8 @@ from specchat.ui import ChatUI
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, Terminated.exit_code
+EXIT_OK, EXIT_INTERRUPTED = 0, 130
+EXIT_RUNTIME, EXIT_USAGE, EXIT_TERMINATED = SpecchatError.exit_code, UsageError.exit_code, Terminated.exit_code
 terminal_chat_ran = False  # set by `chat` when its terminal chat starts: main() then leaves at once
 piped_chat_ran = False  # set by `chat` when it answers a pipe: main() then leaves at once, run as the command itself
 
@@ -441,6 +442,5 @@ def run_command(argv: list[str] | None) -> None:
     except Exception as error:  # anything not already a message: one line, unless a traceback is asked for
         if debug:
             raise
-        first_line = next(iter(str(error).strip().splitlines()), "")
-        click.echo(f"specchat: error: {type(error).__name__}: {first_line} (SPECCHAT_DEBUG=1 shows where)", err=True)
+        click.echo(f"specchat: error: {summary(error)} (SPECCHAT_DEBUG=1 shows where)", err=True)
         sys.exit(EXIT_RUNTIME)

@@ -21,16 +21,13 @@ from collections.abc import Callable, Hashable
 import torch
 
 from specchat.decode.runtime.machine import synchronize
+from specchat.errors import first_line
 
 log = logging.getLogger(__name__)
 # A capture fails on unsafe CUDA calls of its own thread only: the REPL's other threads (loading,
 # the prompt) may use CUDA meanwhile without spoiling it ("global" would refuse them).
 CAPTURE_MODE = "thread_local"
 
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def capture_failure(step: Callable[[], None]) -> str | None:

@@ -25,7 +25,7 @@ from specchat.decode.runtime.forward import unsupported_reason
 from specchat.decode.options import BITSANDBYTES, KERNEL_BITS
 from specchat.decode.runtime.quantized import quantized_cache
 from specchat.decode.runtime.target import ModelSpec, Target, compiles, describe_runtime, fixed_steps, note_forced_isa
-from specchat.errors import ModelLoadError
+from specchat.errors import ModelLoadError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
         raise ModelLoadError(f"cannot load the model from {source}: a pickled weights file holds more than tensors; "
                              f"specchat reads pickles only with weights_only=True") from error
     except (OSError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelLoadError(f"cannot load the model from {source}: {first_line}") from error
+        raise ModelLoadError(f"cannot load the model from {source}: {first_line(error)}") from error
     if quantize not in BITSANDBYTES:
         model = model.to(device)
     if device.type == "cpu" and model.config._attn_implementation == "sdpa":

@@ -28,6 +28,7 @@ from filelock import FileLock
 from torch.utils import cpp_extension
 
 from specchat.decode.runtime import machine
+from specchat.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,7 @@ def _built_kernel():
                                extra_include_paths=[str(KERNELS)], extra_cflags=COMPILE_FLAGS, is_python_module=False,
                                verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
-        first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
-        raise KernelUnavailable(f"cannot compile {UNIT.name} ({first_line}; SPECCHAT_DEBUG_BUILD=1 shows the "
+        raise KernelUnavailable(f"cannot compile {UNIT.name} ({first_line(error)}; SPECCHAT_DEBUG_BUILD=1 shows the "
                                 f"compiler's output)") from error
     # Loading the module defined torch.ops.specchat.woq_linear; torch.compile traces it by its shape.
     torch.library.register_fake("specchat::woq_linear")(_woq_linear_shape)
