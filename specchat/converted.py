@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import struct
-import sys
 import tempfile
 from pathlib import Path
 
@@ -142,7 +141,7 @@ def _usable(folder: Path) -> dict | None:
     problem = damage(folder)
     if problem is None:
         return _read_stamp(folder)
-    print(f"specchat: the converted model in {folder} is damaged ({problem}): converting it again", file=sys.stderr)
+    log.warning(f"the converted model in {folder} is damaged ({problem}): converting it again")
     shutil.rmtree(folder, ignore_errors=True)
     return None
 
@@ -228,7 +227,7 @@ def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
 def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
     """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically: the folder
     appears whole, its files and their sizes recorded in the stamp written last)."""
-    print(f"specchat: converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...", file=sys.stderr)
+    log.info(f"converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...")
     destination.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + ".tmp-"))
     try:

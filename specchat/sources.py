@@ -11,7 +11,6 @@ Loading and running the model is `specchat.decode.runtime.loading`'s and `.targe
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +79,8 @@ def keep_packed(target: Target, destination: Path) -> None:
     try:
         packed.save(target, destination)
     except OSError as error:  # a full disk, a read-only cache
-        print(f"specchat: cannot keep the packed model in {destination.parent} ({error.strerror or error}): "
-              f"later starts load through transformers", file=sys.stderr)
+        log.warning(f"cannot keep the packed model in {destination.parent} ({error.strerror or error}): later "
+                    f"starts load through transformers")
         return
     log.debug(f"kept the packed model for later starts ({destination})")
 

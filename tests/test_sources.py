@@ -23,6 +23,7 @@ from conftest import load_tiny_target
 from specchat import converted as conversion
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.errors import ModelLoadError
+from specchat.logs import show_core_messages
 
 
 @pytest.fixture
@@ -62,6 +63,7 @@ def damage_cases(folder):
 
 
 def test_every_file_of_a_converted_model_damaged_is_made_again(gguf, capfd):
+    show_core_messages()  # as the command line does: each message one `specchat: ` line on stderr
     folder = converted(gguf)
     capfd.readouterr()
     cases = list(damage_cases(folder))

@@ -41,7 +41,7 @@ def data():
 def data_prompts(folder, sources, sharegpt, max_turns):
     """Collect, filter and de-duplicate the user turns of SOURCES (files, or folders of .json/.jsonl)
     into FOLDER/prompts.jsonl, for `specchat data regenerate`."""
-    from specchat.train import prompts as prompts_mod  # torch loads here (through the tokenizer's code)
+    from specchat.train import prompts as prompts_mod  # (no torch; here so that other commands start without it)
 
     records, report = prompts_mod.collect(list(sources), sharegpt=sharegpt, max_turns=max_turns)
     if not records:
@@ -110,8 +110,8 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatur
               help="The temperature the target answered at.")
 def data_import(folder, files, temperature):
     """Add conversations the target already answered (an earlier run's file) to FOLDER's shards."""
-    from specchat.train.datafolder import DataFolder  # torch loads here
-    from specchat.train.regenerate import import_answers
+    from specchat.train.datafolder import DataFolder
+    from specchat.train.regenerate import import_answers  # torch loads here
 
     count = import_answers(DataFolder(folder), list(files), temperature)
     click.echo(f"specchat data import: {count:,} answered turns into {folder}", err=True)
@@ -121,7 +121,7 @@ def data_import(folder, files, temperature):
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
 def data_status(folder):
     """Check FOLDER's shards against their checksums, rewrite its manifest, say what is done."""
-    from specchat.train import prompts as prompts_mod  # torch loads here
+    from specchat.train import prompts as prompts_mod  # (no torch; here so that other commands start without it)
     from specchat.train.datafolder import DataFolder, temperature_name
 
     store = DataFolder(folder)

@@ -57,10 +57,6 @@ class Scan:
     shards: list[dict] = field(default_factory=list)  # {"file", "sha256", "records", "status"}
     duplicates: int = 0
 
-    def turns_done(self, key: str, temperature: float) -> int:
-        record = self.answers.get((key, temperature))
-        return record["turn"] if record else 0
-
 
 class DataFolder:
     def __init__(self, path: str | Path):
