@@ -9,7 +9,6 @@ so `specchat --help` stays quick.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import click
 
@@ -42,13 +41,15 @@ def data_prompts(folder, sources, sharegpt, max_turns):
     """Collect, filter and de-duplicate the user turns of SOURCES (files, or folders of .json/.jsonl)
     into FOLDER/prompts.jsonl, for `specchat data regenerate`."""
     from specchat.train import prompts as prompts_mod  # (no torch; here so that other commands start without it)
+    from specchat.train.datafolder import DataFolder
 
     records, report = prompts_mod.collect(list(sources), sharegpt=sharegpt, max_turns=max_turns)
     if not records:
         raise UsageError("no usable prompts in the sources" + ("" if sharegpt else " (ShareGPT left out)"))
-    prompts_mod.write_prompts(Path(folder) / "prompts.jsonl", records)
+    written = DataFolder(folder).prompts_path
+    prompts_mod.write_prompts(written, records)
     click.echo(report.summary())
-    click.echo(f"wrote {Path(folder) / 'prompts.jsonl'}", err=True)
+    click.echo(f"wrote {written}", err=True)
 
 
 @data.command(name="regenerate")
@@ -80,12 +81,14 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatur
     index, _, count = part.partition("/")
     if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
         raise UsageError(f"--part {part}: expected I/N with 1 <= I <= N")
-    if not (Path(folder) / "prompts.jsonl").is_file():
-        raise UsageError(f"{folder}: no prompts.jsonl (specchat data prompts {folder} SOURCES... writes it)")
+    from specchat.train.datafolder import DataFolder  # (no torch; here so that other commands start without it)
+
+    prompts_path = DataFolder(folder).prompts_path
+    if not prompts_path.is_file():
+        raise UsageError(f"{folder}: no {prompts_path.name} (specchat data prompts {folder} SOURCES... writes it)")
     from specchat import app  # torch and transformers load here
     from specchat.chat import ChatFormat
     from specchat.train import prompts as prompts_mod
-    from specchat.train.datafolder import DataFolder
     from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
 
     target = app.training_target(model, gguf_file, dtype, device, profile)
@@ -94,7 +97,7 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatur
                                 max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                                 max_turns=max_turns, part=(int(index) - 1, int(count)),
                                 max_seconds=60 * max_minutes if max_minutes else None, seed=seed)
-    records = prompts_mod.read_prompts(Path(folder) / "prompts.jsonl")
+    records = prompts_mod.read_prompts(prompts_path)
     with TrainingProgress() as bars:
         report = regenerate(records, target, DataFolder(folder), options, ChatFormat(target.tokenizer).stop_ids,
                             bars.stage("answering prompts"))

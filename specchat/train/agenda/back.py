@@ -25,7 +25,7 @@ def back(out: Path) -> None:
         with tarfile.open(plan.THERE / "head.tgz", "w:gz") as tar:
             tar.add(plan.THERE / "head", arcname=".", filter=lambda info: None if "checkpoint" in info.name else info)
         bundles.append((plan.THERE / "head.tgz", []))
-    new = [p for p in sorted((plan.THERE / "data" / "shards").glob("*.jsonl")) if p.name not in shards_here()]
+    new = [p for p in sorted((plan.THERE / "data" / SHARDS).glob("*.jsonl")) if p.name not in shards_here()]
     if new:
         deepest: dict[tuple, dict] = {}
         for shard in new:
@@ -42,7 +42,7 @@ def back(out: Path) -> None:
                 for record in records[start : start + plan.SHARD_RECORDS]:
                     writer.write(record)
         with tarfile.open(plan.THERE / "answers.tgz", "w:gz") as tar:
-            tar.add(compact / "shards", arcname="shards")
+            tar.add(compact / SHARDS, arcname=SHARDS)
         bundles.append((plan.THERE / "answers.tgz", [p.name for p in new]))
     files = [f for f in out.iterdir() if f.is_file()]
     for bundle, shards in bundles:

