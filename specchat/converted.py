@@ -27,6 +27,7 @@ from specchat import embedded
 from specchat.decode.runtime.machine import cache_dir
 from specchat.decode.runtime.target import dtype_name
 from specchat.errors import ModelLoadError, first_line
+from specchat.inputs import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,9 @@ def _file_sha256(path: Path) -> str:
                 digest.update(block)
         index[key] = digest.hexdigest()
         index_path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(index_path, json.dumps(index, indent=1))
+        write_atomically(index_path, json.dumps(index, indent=1))
     return index[key]
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def _read_stamp(folder: Path) -> dict | None:
@@ -287,7 +282,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
                 embedded.verify(model, chunks)
             except embedded.EmbeddedModelError as error:
                 raise ModelLoadError(str(error)) from error
-            _atomic_write(folder / STAMP, json.dumps({**stamp, "chunks": installed}, indent=1))
+            write_atomically(folder / STAMP, json.dumps({**stamp, "chunks": installed}, indent=1))
             return folder
         gguf_dir = cache_dir() / "gguf"
         gguf_dir.mkdir(parents=True, exist_ok=True)

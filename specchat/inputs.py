@@ -359,6 +359,12 @@ def atomic_output(path: str):
         raise
 
 
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """`text` as the whole of `path`, written as `atomic_output` writes (the old file or the new, never part)."""
+    with atomic_output(str(path)) as handle:
+        handle.write(text)
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 from specchat.errors import SpecchatError
+from specchat.inputs import write_atomically
 
 FORMAT = "specchat-transcript"
 VERSION = 1
@@ -44,23 +44,11 @@ def save_transcript(path: str | Path, messages: list[dict], settings: dict, prof
         "profile": profile, "settings": settings, "messages": messages,
     }
     try:
-        _write_atomically(target, json.dumps(document, ensure_ascii=False, indent=1) + "\n")
+        write_atomically(target, json.dumps(document, ensure_ascii=False, indent=1) + "\n")
     except OSError as error:
         raise TranscriptError(f"{path}: cannot write ({error.strerror or error})") from error
     return path
 
-
-def _write_atomically(path: Path, text: str) -> None:
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)  # Ctrl-C or a full disk: leave the old file, and no debris
-        raise
 
 
 def load_transcript(path: str | Path) -> dict:

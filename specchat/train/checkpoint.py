@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from drafters import HeadLoadError, load_strict
 from specchat.errors import UsageError
 
-INDEX = "checkpoint.json"
+FOLDER, INDEX = "checkpoint", "checkpoint.json"  # OUTPUT/checkpoint/ beside the head; its index
 FORMAT = "specchat-train-checkpoint"
 VERSION = 1
 SHARD_BYTES = 16 * 2**20

@@ -20,13 +20,13 @@ optionally the three EAGLE-3 feature layers, and the target's argmax.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specchat.inputs import write_atomically
 from specchat.train.batched import PackedAttention, rows_forward
 
 LOGIT_CHUNK = 256  # positions per LM-head call on a CPU when taking the target's argmax (bounds memory)
@@ -290,18 +290,13 @@ def extract(folder: Path, sequences: list[tuple[list[int], list[int]]], target, 
                     progress(i + 1, len(sequences))
             for handle in files.values():
                 handle.flush()
-            _write_index(index_path, index)
+            write_atomically(index_path, json.dumps(index))
             start = end
         index["complete"] = True
     finally:
         for handle in files.values():
             handle.flush()
             handle.close()
-        _write_index(index_path, index)
+        write_atomically(index_path, json.dumps(index))
     return FeatureStore(folder)
 
-
-def _write_index(path: Path, index: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(index))
-    os.replace(tmp, path)

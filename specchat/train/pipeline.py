@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import time
 from collections.abc import Callable
@@ -28,7 +27,9 @@ from specchat.chat import ChatFormat
 from drafters import FORMATS, save_head
 from drafters.eagle3 import default_feature_layers
 from specchat.errors import UsageError
+from specchat.inputs import write_atomically
 from specchat.decode import cache_dir, hardware, unsupported_reason
+from specchat.train import checkpoint as ckpt
 from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, LiveFeatures, extract, live_features_fit
 from specchat.train.datafolder import MANIFEST, DataFolder
@@ -307,7 +308,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
     def write(state, selected: dict) -> dict:
         save_head(head, output, dtype=torch.bfloat16, max_shard_bytes=max_shard_bytes)
         record = record_of(state, selected)
-        _write_json(output / "training.json", record)
+        write_atomically(output / exporting.TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
         return record
 
     def on_best(state) -> None:
@@ -315,7 +316,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
         write(state, {"step": best["step"], "tau": best["tau"], "top1_by_step": best["top1_by_step"],
                       "by": "best simulated tau on the held-out conversations"})
 
-    saved = output / "checkpoint" / "checkpoint.json"
+    saved = output / ckpt.FOLDER / ckpt.INDEX
     if resume and saved.is_file():
         best = json.loads(saved.read_text()).get("state", {}).get("best")
         if best and _written_step(output) != best["step"]:
@@ -324,13 +325,13 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
     state = train(head, target, store, train_ids, held_out, config, output, resume=resume, progress=progress, log=log,
                   on_best=on_best, device=device, draft_vocab=vocab)
     if state.stopped:
-        log(f"stopped at step {state.step:,} by the {state.stopped}; the checkpoint is in {output / 'checkpoint'} "
+        log(f"stopped at step {state.step:,} by the {state.stopped}; the checkpoint is in {output / ckpt.FOLDER} "
             "and the same command with --resume continues")
     if state.best is not None and _written_step(output) == state.best["step"]:
         best = state.best
         record = record_of(state, {"step": best["step"], "tau": best["tau"], "top1_by_step": best["top1_by_step"],
                                    "by": "best simulated tau on the held-out conversations"})
-        _write_json(output / "training.json", record)
+        write_atomically(output / exporting.TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
     else:
         record = write(state, {"step": state.step, "by": "last step"})
     record["elapsed_seconds"] = round(time.perf_counter() - started, 1)
@@ -339,18 +340,11 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
 
 def _written_step(output: Path) -> int | None:
     """The training step of the head in `output` (as its training.json says), if there is one."""
-    try:
-        if not (output / "config.json").is_file():
-            return None
-        return json.loads((output / "training.json").read_text())["selected"]["step"]
-    except (OSError, ValueError, KeyError, TypeError):
+    if not (output / "config.json").is_file():
         return None
+    selected = exporting.training_record(output).get("selected")
+    return selected.get("step") if isinstance(selected, dict) else None
 
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def recipe_description(config: TrainConfig) -> dict:

@@ -284,7 +284,7 @@ class Trainer:
         self.total_steps = config.max_steps or max(1, round(config.epochs * len(self.plan(0))))
         self.precision = ckpt.choose_precision(head, config.checkpoint_precision)
         self.identity = fingerprint(draft_vocab, head, store, train_ids, config, self.rows)
-        self.folder = output / "checkpoint" if output is not None else None
+        self.folder = output / ckpt.FOLDER if output is not None else None
         self.state = TrainState()
         self.trace = StepTrace(config.trace, self.device)
 
