@@ -57,8 +57,8 @@ def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file
 def preflight(chat: LiveChat, record: PromptRecord) -> str | None:
     """What stops a record before it is answered (its first prompt cannot be formatted, or does not
     fit in the context), as `FILE:LINE: reason`; None if it can start."""
-    system = record.system if record.system is not None else chat.settings.system
-    conversation = Conversation(system=system, messages=[*record.history, {"role": "user", "content": record.turns[0]}])
+    conversation = Conversation.opening(record, chat.settings.system)
+    conversation.add_user(record.turns[0])
     room = chat.engine.target.max_context
     try:
         chat.session.chat_format.check_size(conversation.as_messages(), room)  # a huge record: not even tokenized
@@ -77,9 +77,7 @@ def answer_record(chat: LiveChat, record: PromptRecord, trace: list[str], ui: Ch
     turn that fails ends the record: the result keeps the turns before it and says why.
     """
     settings, session = chat.settings, chat.session
-    session.conversation.system = record.system if record.system is not None else settings.system
-    session.clear()
-    session.conversation.messages.extend(record.history)
+    session.conversation = Conversation.opening(record, settings.system)
     turns = []
     for turn_index, prompt in enumerate(record.turns):
         writer = ui.answer(settings.show_accept) if ui else None

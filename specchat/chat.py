@@ -94,6 +94,13 @@ class Conversation:
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
 
+    @classmethod
+    def opening(cls, source, default_system: str | None) -> Conversation:
+        """Where a prompt record or a server request starts (`source.system`, `source.history`): its own
+        system message, else `default_system`, and the turns it brings."""
+        return cls(system=source.system if source.system is not None else default_system,
+                   messages=list(source.history))
+
     def as_messages(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages

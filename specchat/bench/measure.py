@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from specchat.bench import breakdown
-from specchat.chat import ChatSession, Turn
+from specchat.chat import ChatSession, Conversation, Turn
 from specchat.inputs import PromptRecord
 from specchat.methods import PLAIN, plain_of
 from specchat.speedup import Divergence, decoding_rate, divergence
@@ -79,10 +79,8 @@ class SessionRunner:
         pass
 
     def start(self, record: PromptRecord, system: str | None) -> None:
-        self.session.conversation.system = record.system if record.system is not None else system
-        self.session.clear()
+        self.session.conversation = Conversation.opening(record, system)
         self.session.engine.forget()  # each question on its own, as Spec-Bench answers them: no lookup of earlier ones
-        self.session.conversation.messages.extend(record.history)
 
     def turn(self, prompt: str) -> Turn:
         for _ in self.session.reply(prompt):

@@ -50,8 +50,7 @@ class ConversationRunner:
         pass
 
     def start(self, record: PromptRecord, system: str | None) -> None:
-        self.conversation = Conversation(system=record.system if record.system is not None else system)
-        self.conversation.messages.extend(record.history)
+        self.conversation = Conversation.opening(record, system)
 
     def answered(self, tokens: list[int], stats: Stats) -> Turn:
         """The turn that answered with `tokens`, added to the conversation."""

@@ -26,11 +26,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from specchat.chat import Conversation
 from specchat.errors import ContextLengthError, SpecchatError
 from specchat.live import LiveChat
 from specchat.serve import DEFAULT_HOST, DEFAULT_PORT, MAX_WAITING
 from specchat.serve.requests import MAX_BODY_BYTES, ApiError, CompletionRequest, checked_request, parse_body
-from specchat.serve.worker import Decoder, Done, Job, conversation_of
+from specchat.serve.worker import Decoder, Done, Job
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def prompt_tokens(chat: LiveChat, request: CompletionRequest) -> int:
     prediction does not fit, the template refuses it). Runs beside the decoding thread: it only reads
     the tokenizer."""
     chat_format, context = chat.session.chat_format, chat.engine.max_context
-    conversation = conversation_of(request, chat.settings.system)  # as the decoding thread will answer it
+    conversation = Conversation.opening(request, chat.settings.system)  # as the decoding thread will answer it
     conversation.add_user(request.user)
     try:
         chat_format.check_size(conversation.as_messages(), context)

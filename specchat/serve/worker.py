@@ -33,13 +33,6 @@ log = logging.getLogger(__name__)
 NOT_IN_USAGE = ("finish_reason", "accept_lengths")  # the choice says the first; the second grows with the answer
 
 
-def conversation_of(request: CompletionRequest, system: str | None) -> Conversation:
-    """The conversation a request's reply follows (its last message not yet in it): its own system
-    message, else the server's `system`."""
-    return Conversation(system=request.system if request.system is not None else system,
-                        messages=list(request.history))
-
-
 class StopText:
     """Text pieces cut at the first of some stop sequences, holding back what might begin one."""
 
@@ -144,7 +137,7 @@ class Decoder:
     def answer(self, job: Job) -> Done | None:
         """Answer `job`, sending its text as it comes; its end (None: cancelled, nothing more to send)."""
         request, chat = job.request, self.chat
-        chat.session.conversation = conversation_of(request, chat.settings.system)
+        chat.session.conversation = Conversation.opening(request, chat.settings.system)
         # A seed gives the request a random stream of its own; without one it continues the server's.
         rng = make_generator(request.seed, chat.engine.target.device) if request.seed is not None else None
         stops, finish = StopText(request.stop), None
