@@ -70,12 +70,12 @@ class MethodTotals(Stats):
         return self.compared_plain_seconds / self.compared_seconds if self.compared_seconds > 0 else None
 
     def add_estimate(self, stats: Stats, speedup: float) -> None:
-        self.estimate_seconds += stats.seconds - stats.prefill_seconds
-        self.estimate_plain_seconds += (stats.seconds - stats.prefill_seconds) * speedup
+        self.estimate_seconds += stats.decoding_seconds
+        self.estimate_plain_seconds += stats.decoding_seconds * speedup
 
     def add_comparison(self, stats: Stats, speedup: float) -> None:
-        self.compared_seconds += stats.seconds - stats.prefill_seconds
-        self.compared_plain_seconds += (stats.seconds - stats.prefill_seconds) * speedup
+        self.compared_seconds += stats.decoding_seconds
+        self.compared_plain_seconds += stats.decoding_seconds * speedup
 
 
 @dataclass

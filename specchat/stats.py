@@ -113,6 +113,11 @@ class Stats:
         }
 
     @property
+    def decoding_seconds(self) -> float:
+        """The time after the prefill: what decoding rates and speedups divide by."""
+        return self.seconds - self.prefill_seconds
+
+    @property
     def plain_steps(self) -> int:
         """Decoding steps that verified no draft."""
         return self.arms.get(Arm.PLAIN.value, 0)

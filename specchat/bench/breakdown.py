@@ -31,7 +31,7 @@ def cycle_breakdown(total: Stats, turns: int) -> dict | None:
     cycles = total.target_forwards - turns
     if cycles <= 0 or total.forward_seconds <= 0:
         return None
-    decoding = total.seconds - total.prefill_seconds
+    decoding = total.decoding_seconds
     timed = total.products_seconds > 0  # the forward's inside was timed
 
     def ms(seconds: float) -> float:
