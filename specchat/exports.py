@@ -164,23 +164,33 @@ def optimum_cli(python_path: str, checks_imports: bool = True) -> list[str]:
     return [python_path, "-I", "-c", OPTIMUM_CLI, *"export openvino".split()]
 
 
+EAGLE3_ARCHITECTURES = {"sglang": "LlamaForCausalLMEagle3", "speculators": "Eagle3Speculator"}  # by layout
+
+
+def stage_eagle3(head: Path, staged: Path, layout: str, verifier: Verifier, layers: tuple[int, ...] | None,
+                 tool: str) -> list[int]:
+    """The EAGLE-3 head in `head` written in `layout` into `staged`, for `tool`'s converter; returns the
+    target layers it reads (a head of another format, or one whose target is unknown, is said)."""
+    try:
+        drafters.export_head(head, staged, layout, verifier, feature_layers=layers)
+    except drafters.HeadLoadError as error:
+        raise SpecchatError(str(error)) from error
+    config = json.loads((staged / "config.json").read_text())
+    if config["architectures"] != [EAGLE3_ARCHITECTURES[layout]]:
+        raise SpecchatError(f"{head}: {tool} drafts with EAGLE-3 heads only, not {config['architectures'][0]}")
+    read = (config.get("eagle_config") or config).get("eagle_aux_hidden_state_layer_ids")
+    if not read:
+        raise SpecchatError(f"{head}: the target layers the head reads are unknown (its training record names no target)")
+    return read
+
+
 def export_openvino_head(head: Path, output: Path, verifier: Verifier, layers: tuple[int, ...] | None,
                          target_folder: Path, python_path: str) -> list[Path]:
     """The EAGLE-3 head in `head` as OpenVINO GenAI loads it (module docstring), written into `output`
     by optimum-intel in the environment of `python_path`; `target_folder` gives the tokenizer."""
     with tempfile.TemporaryDirectory(prefix="specchat-openvino-") as work:
         staged = Path(work) / "sglang"
-        try:
-            drafters.export_head(head, staged, "sglang", verifier, feature_layers=layers)
-        except drafters.HeadLoadError as error:
-            raise SpecchatError(str(error)) from error
-        config = json.loads((staged / "config.json").read_text())
-        if config["architectures"] != ["LlamaForCausalLMEagle3"]:
-            raise SpecchatError(f"{head}: OpenVINO GenAI drafts with EAGLE-3 heads only, not {config['architectures'][0]}")
-        read = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if not read:
-            raise SpecchatError(f"{head}: the target layers the head reads are unknown (its training record names "
-                                f"no target)")
+        read = stage_eagle3(head, staged, "sglang", verifier, layers, "OpenVINO GenAI")
         for name in TOKENIZER_FILES:
             if (target_folder / name).is_file():
                 shutil.copyfile(target_folder / name, staged / name)

@@ -156,6 +156,21 @@ def test_the_sglang_layout_holds_what_sglang_reads(target, tmp_path):
     assert {sglang_parameter(key) for key in keys} - {None} >= SGLANG_PARAMETERS - {"model.embed_tokens.weight"}
 
 
+def test_a_head_staged_for_another_tools_converter_is_an_eagle3_head_that_names_its_layers(eagle3_dir, target, tmp_path):
+    """OpenVINO GenAI's and llama.cpp's exports stage the head in a published layout first
+    (`exports.stage_eagle3`): an EAGLE-3 head gives the layers it reads; another format is said."""
+    from specchat.errors import SpecchatError
+    from specchat.exports import stage_eagle3
+
+    layers = default_feature_layers(target.num_layers)
+    read = stage_eagle3(eagle3_dir, tmp_path / "speculators", "speculators", QWEN, layers, "llama.cpp")
+    assert read == list(layers)
+    assert stage_eagle3(eagle3_dir, tmp_path / "sglang", "sglang", QWEN, layers, "OpenVINO GenAI") == [i - 1 for i in layers]
+    save_head(random_head("eagle", target), tmp_path / "eagle")
+    with pytest.raises(SpecchatError, match="OpenVINO GenAI drafts with EAGLE-3 heads only, not LlamaForCausalLM$"):
+        stage_eagle3(tmp_path / "eagle", tmp_path / "eagle-sglang", "sglang", QWEN, None, "OpenVINO GenAI")
+
+
 @pytest.mark.parametrize("kind,layout", [("eagle3", "speculators"), ("eagle3", "sglang"), ("eagle3", "eagle"),
                                          ("eagle", "eagle"), ("eagle", "sglang"), ("jakiro", "eagle")])
 def test_exported_heads_load_back_strictly_and_draft_the_same(kind, layout, target, tmp_path):

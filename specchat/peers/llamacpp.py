@@ -41,12 +41,10 @@ from pathlib import Path
 
 import torch
 
-import drafters
 from drafters import Verifier
 from specchat import exports, methods
 from specchat.chat import ChatFormat, Turn
 from specchat.decode import GenerationSettings, Target, cache_dir
-from specchat.errors import SpecchatError
 from specchat.peers import ConversationRunner, PeerUnavailable
 from specchat.peers.process import PeerFailed, PeerRunner, end, exported_once, last_line, run_tool
 from specchat.peers.worker import with_stop
@@ -181,18 +179,10 @@ def convert_head(head: Path, output: Path, verifier: Verifier, feature_layers: t
     output.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specchat-llamacpp-") as work:
         staged = Path(work) / "speculators"
-        try:  # the layout names a verifier, which llama.cpp does not read: the target's hub id where known
-            drafters.export_head(head, staged, "speculators",
-                                 dataclasses.replace(verifier, name=verifier.name or target_folder.name),
-                                 feature_layers=feature_layers)
-        except drafters.HeadLoadError as error:
-            raise SpecchatError(str(error)) from error
-        config = json.loads((staged / "config.json").read_text())
-        if config["architectures"] != ["Eagle3Speculator"]:
-            raise SpecchatError(f"{head}: llama.cpp drafts with EAGLE-3 heads only, not {config['architectures'][0]}")
-        if not config.get("eagle_aux_hidden_state_layer_ids"):
-            raise SpecchatError(f"{head}: the target layers the head reads are unknown (its training record names "
-                                f"no target)")
+        # The layout names a verifier, which llama.cpp does not read: the target's hub id where known.
+        exports.stage_eagle3(head, staged, "speculators",
+                             dataclasses.replace(verifier, name=verifier.name or target_folder.name), feature_layers,
+                             "llama.cpp")
         gguf = output / HEAD_FILE
         run_tool([sys.executable, str(tree / CONVERTER), str(staged), "--target-model-dir", str(target_folder),
                   "--outtype", HEAD_TYPE, "--outfile", str(gguf)],
