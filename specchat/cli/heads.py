@@ -125,18 +125,16 @@ def data_import(folder, files, temperature):
 def data_status(folder):
     """Check FOLDER's shards against their checksums, rewrite its manifest, say what is done."""
     from specchat.train import prompts as prompts_mod  # (no torch; here so that other commands start without it)
-    from specchat.train.datafolder import DataFolder, temperature_name
+    from specchat.train.datafolder import DataFolder
 
     store = DataFolder(folder)
     scan = store.scan()
     records = prompts_mod.read_prompts(store.prompts_path) if store.prompts_path.is_file() else []
     turns = sum(len(r.turns) for r in records)
     click.echo(f"prompts      {len(records):,} records, {turns:,} user turns")
-    temperatures = sorted({t for _, t in scan.answers})
-    for temperature in temperatures:
-        answered = [record["turn"] for (_, t), record in scan.answers.items() if t == temperature]
-        click.echo(f"{temperature_name(temperature):<12} {len(answered):,} prompts answered, {sum(answered):,} turns"
-                   + (f" ({sum(answered) / turns:.0%} of the turns)" if turns else ""))
+    for name, answered in scan.by_temperature().items():
+        click.echo(f"{name:<12} {answered['prompts']:,} prompts answered, {answered['turns']:,} turns"
+                   + (f" ({answered['turns'] / turns:.0%} of the turns)" if turns else ""))
     bad = [s for s in scan.shards if s["status"] != "ok"]
     click.echo(f"shards       {len(scan.shards)}" + (f", {len(bad)} not ok: " + "; ".join(
         f"{s['file']} ({s['status']})" for s in bad) if bad else ", all checksums right"))

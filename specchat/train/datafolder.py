@@ -57,6 +57,18 @@ class Scan:
     shards: list[dict] = field(default_factory=list)  # {"file", "sha256", "records", "status"}
     duplicates: int = 0
 
+    def by_temperature(self) -> dict[str, dict]:
+        """Per temperature (by `temperature_name`, lowest first): its value, the prompts answered, the
+        user turns answered in all, and each prompt's deepest turn."""
+        done: dict[str, dict] = {}
+        for (key, temperature), record in sorted(self.answers.items(), key=lambda item: item[0][1]):
+            entry = done.setdefault(temperature_name(temperature),
+                                    {"temperature": temperature, "prompts": 0, "turns": 0, "done": {}})
+            entry["prompts"] += 1
+            entry["turns"] += record["turn"]
+            entry["done"][key] = record["turn"]
+        return done
+
 
 class DataFolder:
     def __init__(self, path: str | Path):
@@ -107,15 +119,8 @@ class DataFolder:
         return scan
 
     def _write_manifest(self, scan: Scan) -> None:
-        done: dict[str, dict] = {}
-        for (key, temperature), record in scan.answers.items():
-            name = temperature_name(temperature)
-            entry = done.setdefault(name, {"temperature": temperature, "prompts": 0, "turns": 0, "done": {}})
-            entry["prompts"] += 1
-            entry["turns"] += record["turn"]
-            entry["done"][key] = record["turn"]
         manifest = {"version": 1, "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "shards": scan.shards,
-                    "duplicate_answers": scan.duplicates, "answers": done}
+                    "duplicate_answers": scan.duplicates, "answers": scan.by_temperature()}
         with atomic_output(str(self.path / MANIFEST)) as sink:  # scans in two processes do not collide
             sink.write(json.dumps(manifest, indent=1) + "\n")
 
