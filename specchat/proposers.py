@@ -19,8 +19,7 @@ from specchat.decode.runtime import cpu_decoder, quantized
 from specchat.decode.runtime.calibrate import Curve, cached_curve
 from specchat.decode.drafting.deagle import DeagleParams
 from specchat.decode.drafting import draft_model as small_model, heads, prompt_lookup
-from specchat.decode.drafting.draft_model import (DEFAULT_DRAFT_TOKENS, DraftModelProposer, TokenizerMismatch,
-                                                  check_tokenizers)
+from specchat.decode.drafting.draft_model import DraftModelProposer, TokenizerMismatch, check_tokenizers
 from specchat.decode.drafting.heads import HeadProposer
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_TOKENS, EarlierAnswers, LookupSource
 from specchat.decode.drafting.prompt_lookup import LookupProposer
@@ -29,7 +28,7 @@ from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOT
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 from specchat.decode.engine.engine import Proposer
 from specchat.decode.runtime.quantized import quantized_cache
-from specchat.decode.options import HEAD_QUANTIZE, KERNEL_BITS
+from specchat.decode.options import DRAFT_MODEL_TOKENS, HEAD_QUANTIZE, KERNEL_BITS
 from specchat.decode.runtime.target import Target
 from specchat.answers import AnswerStore
 from specchat.methods import MethodError, effective_draft, method
@@ -105,7 +104,7 @@ def draft_model(settings: Settings, target: Target, inputs: DraftInputs) -> Draf
         raise MethodError(str(error)) from error
     if target.envelope is not None and draft.own_forward is None:
         raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
-    return small_model.for_target(draft, target, settings.draft_tokens or DEFAULT_DRAFT_TOKENS)
+    return small_model.for_target(draft, target, settings.draft_tokens or DRAFT_MODEL_TOKENS)
 
 
 def static_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:

@@ -263,7 +263,7 @@ def head_cycle(args, target: Target, prompt: list[int]) -> dict:
     with torch.device(target.device):
         head = Eagle3Head(config, target.embed_tokens).to(target.dtype).eval()
     head.refresh_vocab_map()
-    shape = DynamicTree(DynamicTreeParams(total_tokens=60, depth=6, top_k=10))
+    shape = DynamicTree(DynamicTreeParams())  # EAGLE-2's tree as its paper sizes it
     proposer = heads.for_target(head, target, shape)
     _, cycles = timed(Engine(target, proposer), prompt, args.tokens, args.repeats)
     return {"draft_ms": round(median_ms([s.draft_seconds for s in cycles]), 3),

@@ -129,7 +129,8 @@ class Settings:
                                        "--total-tokens) or, if given, for jakiro: a name or a JSON list of rank paths "
                                        "(other methods refuse it).")
     draft_tokens: int | None = _setting(None, "method", "draft_tokens",
-                                        "Tokens per drafted chain for sps (default 3) and pld (default 10).",
+                                        f"Tokens per drafted chain for sps (default {options.DRAFT_MODEL_TOKENS}) and pld (default "
+                                        f"{lookup.DEFAULT_LOOKUP_TOKENS}).",
                                         check=_within(1, MAX_TREE_TOKENS))
     pld_max_ngram: int = _setting(lookup.DEFAULT_MAX_NGRAM, "method", "pld_max_ngram", "pld: longest n-gram looked up.",
                                   check=_within(1, 64))

@@ -15,10 +15,13 @@ import click
 from specchat.errors import UsageError
 from specchat.inputs import check_output_folder
 from specchat.methods import EXPORT_FORMATS, HEAD_FORMATS, HEAD_LAYOUTS, LLAMACPP_LAYOUT, OPENVINO_LAYOUT
-from specchat.train.options import (DATA_TEMPERATURES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, FEATURE_CHOICES,
-                                     TrainOptions)
+from specchat.decode import options as decoding
+from specchat.train.options import (CHECKPOINT_BUDGET_BYTES, CHECKPOINT_PRECISIONS, DATA_TEMPERATURES,
+                                     DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, EXTRACT_TOKENS, FEATURE_CHOICES,
+                                     PAPER_DRAFT_VOCAB, REGENERATE_BATCH, TRAIN_ROWS, TrainOptions, by_device)
 from specchat.ui import TrainingProgress
 
+DTYPE_CHOICES = (decoding.AUTO, *decoding.DTYPES)
 POSITIVE = click.FloatRange(min=0, min_open=True)  # a size, a rate or a time: above zero
 
 # What `train` writes into its --output folder (besides checkpoint/): checked before anything loads.
@@ -56,14 +59,14 @@ def data_prompts(folder, sources, sharegpt, max_turns):
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
 @click.option("--model", default=None, help="Target model (default: the profile's).")
 @click.option("--gguf-file", default=None, help="GGUF file inside the --model folder or hub repo.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto")
 @click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
 @click.option("--temperature", "temperatures", type=click.FloatRange(min=0), multiple=True,
               help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="Sequences decoded at once; a finished one's place takes the next prompt "
-                   "(default: 32 on a CPU, 256 on a GPU).")
+                   f"(default: {by_device(REGENERATE_BATCH)}).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_NEW_TOKENS, show_default=True)
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True,
               help="A conversation stops at the turn whose prompt would be longer.")
@@ -204,22 +207,23 @@ def train_option(*decls, **attrs):
 @train_option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the trained head.")
 @train_option("--model", help="Target model (default: the profile's).")
 @train_option("--gguf-file", help="GGUF file inside the --model folder or hub repo.")
-@train_option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+@train_option("--dtype", type=click.Choice(DTYPE_CHOICES),
               help="Target dtype for regeneration and feature extraction.")
 @train_option("--device", help="auto, cpu, cuda or cuda:N.")
 @train_option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
 @train_option("--regenerate/--no-regenerate",
               help="Let the target write the answers (needed for prompt-only data; better heads).")
 @train_option("--regenerate-batch", type=click.IntRange(min=1),
-              help="Sequences regenerated at once (default: 32 on a CPU, 256 on a GPU).")
-@train_option("--regenerate-max-tokens", type=click.IntRange(min=1), show_default=True, help="Longest regenerated answer.")
+              help=f"Sequences regenerated at once (default: {by_device(REGENERATE_BATCH)}).")
+@train_option("--regenerate-max-tokens", type=click.IntRange(min=1), show_default=True,
+              help="Longest regenerated answer.")
 @train_option("--regenerate-temperature", type=click.FloatRange(min=0), show_default=True,
               help="Sampling temperature of regenerated answers (0: greedy).")
 @train_option("--max-tokens", type=click.IntRange(min=2), show_default=True, help="Longest training sequence (tokens).")
 @train_option("--limit", type=click.IntRange(min=1), help="Use at most this many conversations.")
 @train_option("--extract-tokens", type=click.IntRange(min=1),
               help="Padded tokens per target forward when extracting features "
-                   "(default: 4096 on a CPU, 32768 on a GPU).")
+                   f"(default: {by_device(EXTRACT_TOKENS)}).")
 @train_option("--features", type=click.Choice(FEATURE_CHOICES),
               help="stored: the target's features extracted once into the work folder; live: computed by the "
                    "target on the device for every batch (no feature files); auto: live on a GPU where it fits.")
@@ -227,7 +231,7 @@ def train_option(*decls, **attrs):
               help="Start from this head of the same format (a bundled head's name, a folder or a hub id): its "
                    "weights, draft vocabulary and widths, rather than new ones.")
 @train_option("--draft-vocab", type=click.IntRange(min=1),
-              help="Draft vocabulary size: the most frequent answer tokens (default 32000, EAGLE-3's).")
+              help=f"Draft vocabulary size: the most frequent answer tokens (default {PAPER_DRAFT_VOCAB}, EAGLE-3's).")
 @train_option("--intermediate-size", type=click.IntRange(min=1), help="MLP width of the head (default: the target's).")
 @train_option("--ttt-steps", type=click.IntRange(min=1),
               help="Unrolled steps per position (eagle3: training-time test, paper 7; eagle/jakiro: 1).")
@@ -238,14 +242,17 @@ def train_option(*decls, **attrs):
 @train_option("--batch-tokens", type=click.IntRange(min=1), show_default=True, help="Tokens per optimizer step.")
 @train_option("--batch-size", type=click.IntRange(min=1),
               help="Rows per forward pass, each packed with as many conversations as fit beside the longest "
-                   "(default: 1 on a CPU, 8 on a GPU).")
-@train_option("--held-out", type=click.FloatRange(min=0, max=1, max_open=True), show_default=True, help="Share of conversations held out.")
-@train_option("--eval-every", type=click.IntRange(min=1), show_default=True, help="Held-out evaluation interval (steps).")
+                   f"(default: {by_device(TRAIN_ROWS)}).")
+@train_option("--held-out", type=click.FloatRange(min=0, max=1, max_open=True), show_default=True,
+              help="Share of conversations held out.")
+@train_option("--eval-every", type=click.IntRange(min=1), show_default=True,
+              help="Held-out evaluation interval (steps).")
 @train_option("--checkpoint-every", type=click.IntRange(min=1), show_default=True,
               help="Checkpoint interval (steps); every epoch's end and the last step are checkpointed too.")
-@train_option("--checkpoint-precision", type=click.Choice(["auto", "exact", "compact"]),
+@train_option("--checkpoint-precision", type=click.Choice(CHECKPOINT_PRECISIONS),
               show_default=True, help="exact: float32 weights and AdamW state, bit-exact resume; compact: "
-              "bf16 weights and an 8-bit second moment, 3 bytes per parameter; auto: exact up to 64 MiB.")
+              "bf16 weights and an 8-bit second moment, 3 bytes per parameter; "
+              f"auto: exact up to {CHECKPOINT_BUDGET_BYTES >> 20} MiB.")
 @train_option("--max-minutes", type=POSITIVE,
               help="Stop training after this many minutes, with a checkpoint that --resume continues.")
 @train_option("--resume/--no-resume",

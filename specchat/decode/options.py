@@ -19,3 +19,4 @@ COMPILE = (AUTO, "on", "off")  # torch.compile the target's forward: auto = on C
 CUDA_GRAPHS = (AUTO, "on", "off")  # the fixed envelope, captured as CUDA graphs: auto = on CUDA (target.fixed_steps)
 ANSWER_INDEX = (AUTO, "on", "off")  # lookup in this user's earlier answers: auto = on for chat (specchat.app)
 MAX_NEW_TOKENS = 512  # most tokens per reply
+DRAFT_MODEL_TOKENS = 3  # sps: a small model's chain (the README's sps measurements on the 1.5B target)

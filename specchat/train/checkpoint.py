@@ -42,13 +42,13 @@ from safetensors.torch import load_file, save_file
 
 from drafters import HeadLoadError, load_strict
 from specchat.errors import UsageError
+from specchat.train.options import CHECKPOINT_BUDGET_BYTES, CHECKPOINT_PRECISIONS
 
 FOLDER, INDEX = "checkpoint", "checkpoint.json"  # OUTPUT/checkpoint/ beside the head; its index
 FORMAT = "specchat-train-checkpoint"
 VERSION = 1
 SHARD_BYTES = 16 * 2**20
-BUDGET_BYTES = 64 * 2**20
-PRECISIONS = ("auto", "exact", "compact")
+BUDGET_BYTES, PRECISIONS = CHECKPOINT_BUDGET_BYTES, CHECKPOINT_PRECISIONS  # (torch-free there: the command line's)
 BLOCK = 4096  # values per quantization block of the compact second moment
 LEVELS = 254  # codes 1..255 span a block's log2 range; code 0 is an exact zero
 

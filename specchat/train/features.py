@@ -28,6 +28,7 @@ import torch
 
 from specchat.inputs import write_atomically
 from specchat.train.batched import PackedAttention, rows_forward
+from specchat.train.options import EXTRACT_TOKENS
 
 LOGIT_CHUNK = 256  # positions per LM-head call on a CPU when taking the target's argmax (bounds memory)
 WINDOW_BATCHES = 4  # extraction sorts by length within windows of this many batches' tokens
@@ -103,7 +104,7 @@ class FeatureStore:
 
 def default_extract_tokens(device: torch.device) -> int:
     """Padded positions per target forward: a GPU wants wide batches, a CPU gains little past a few thousand."""
-    return 32768 if device.type == "cuda" else 4096
+    return EXTRACT_TOKENS["cuda" if device.type == "cuda" else "cpu"]
 
 
 def _logit_chunk(device: torch.device) -> int:

@@ -15,6 +15,22 @@ DEFAULT_MAX_PROMPT_TOKENS = 1024
 DATA_TEMPERATURES = (0.0, 1.0)
 FEATURE_CHOICES = ("auto", "stored", "live")  # where training's target features come from (--features)
 
+# What the device decides where no option does, by its type ("cpu" or "cuda").
+REGENERATE_BATCH = {"cpu": 32, "cuda": 256}  # sequences decoded at once: a CPU does ~32 tokens per forward for
+# the price of ~1.3, a GPU needs many rows per forward to be busy
+EXTRACT_TOKENS = {"cpu": 4096, "cuda": 32768}  # padded positions per feature forward (a CPU gains little past
+# a few thousand)
+TRAIN_ROWS = {"cpu": 1, "cuda": 8}  # rows per training forward pass (--batch-size)
+PAPER_DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary (--draft-vocab)
+# Training checkpoints (`specchat.train.checkpoint`): auto is exact when that fits in BUDGET_BYTES.
+CHECKPOINT_PRECISIONS = ("auto", "exact", "compact")
+CHECKPOINT_BUDGET_BYTES = 64 * 2**20
+
+
+def by_device(defaults: dict[str, int]) -> str:
+    """A per-device default as help text says it."""
+    return f"{defaults['cpu']} on a CPU, {defaults['cuda']} on a GPU"
+
 
 @dataclass(frozen=True)
 class TrainOptions:

@@ -34,10 +34,10 @@ from specchat.train import data as data_mod
 from specchat.train.features import FeatureStore, LiveFeatures, extract, live_features_fit
 from specchat.train.datafolder import MANIFEST, DataFolder
 from specchat.train.losses import RIGHT_WEIGHT
-from specchat.train.options import FEATURE_CHOICES, TrainOptions
+from specchat.train.options import FEATURE_CHOICES, PAPER_DRAFT_VOCAB, TrainOptions
 from specchat.train.prompts import prompt_record
 from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
-from specchat.train.trainer import (PAPER_DRAFT_VOCAB, TrainConfig, assistant_token_counts, build_head, covered_share,
+from specchat.train.trainer import (TrainConfig, assistant_token_counts, build_head, covered_share,
                                     draft_vocabulary, head_class, train)
 
 

@@ -26,18 +26,16 @@ from specchat.decode import KVCache
 from specchat.train.batched import Answer, Request, SlotDecoder, SlotTimes
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
-from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS
+from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, REGENERATE_BATCH
 from specchat.train.prompts import PromptRecord, normalized, prompt_record
 
-DEFAULT_BATCH = 32  # sequences decoded at once; a CPU does ~32 tokens per forward for the price of ~1.3
-GPU_BATCH = 256  # a GPU needs many rows per forward to be busy
 QUEUED_PER_SLOT = 2  # prompts tokenized ahead of the slots that will take them
 
 
 @dataclass(frozen=True)
 class RegenerateOptions:
     temperatures: tuple[float, ...] = (GREEDY,)
-    batch_size: int = DEFAULT_BATCH  # sequences decoded at once (the slots)
+    batch_size: int = REGENERATE_BATCH["cpu"]  # sequences decoded at once (the slots)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS  # a conversation stops at the turn that would pass it
     max_turns: int | None = None  # user turns answered per prompt (None: all of them)
@@ -72,7 +70,7 @@ class RegenerateReport:
 
 def batch_size_for(device: torch.device) -> int:
     """Sequences decoded at once unless asked for (--batch, --regenerate-batch)."""
-    return GPU_BATCH if device.type == "cuda" else DEFAULT_BATCH
+    return REGENERATE_BATCH["cuda" if device.type == "cuda" else "cpu"]
 
 
 def in_part(key: str, part: tuple[int, int]) -> bool:

@@ -31,15 +31,13 @@ from specchat.tracing import Profiler
 from specchat.train import checkpoint as ckpt
 from specchat.train.batches import epoch_plan, host_batch, to_device
 from specchat.train.losses import autocast, batch_loss, evaluate, training_attention
-from specchat.train.options import TrainOptions
+from specchat.train.options import TRAIN_ROWS, TrainOptions
 
 # EAGLE-3 uses a 32k draft vocabulary for Llama-3's 128k.
-PAPER_DRAFT_VOCAB = 32000
 # EAGLE's optimiser settings.
 ADAM_BETAS, GRAD_CLIP_VALUE = (0.9, 0.95), 0.5
 # Sequences per forward pass unless --batch-size says otherwise: a CPU gains nothing from padding
 # rows together, a GPU needs them to be busy.
-CPU_BATCH_SIZE, GPU_BATCH_SIZE = 1, 8
 # `--trace`: the optimizer steps profiled and timed by phase, after the run's first few (memory
 # allocation, cuBLAS's choices and the reader's first batches are behind by then).
 TRACE_AFTER, TRACE_STEPS = 5, 3
@@ -57,7 +55,7 @@ class TrainConfig:
     batch_tokens: int = TrainOptions.batch_tokens
     batch_size: int | None = None  # None: 1 on a CPU, 8 on a GPU
     ttt_steps: int | None = None  # None: the paper's
-    draft_vocab: int | None = None  # None: 32000 (EAGLE-3's size); eagle/jakiro heads then draft over it too
+    draft_vocab: int | None = None  # None: PAPER_DRAFT_VOCAB (EAGLE-3's size); eagle/jakiro heads then draft over it too
     intermediate_size: int | None = None  # None: the target's
     eval_every: int = TrainOptions.eval_every
     eval_sequences: int = 64
@@ -73,7 +71,7 @@ class TrainConfig:
         return self.ttt_steps or head_class(self.kind).paper_unrolled_steps
 
     def rows(self, device: torch.device) -> int:
-        return self.batch_size or (GPU_BATCH_SIZE if device.type == "cuda" else CPU_BATCH_SIZE)
+        return self.batch_size or TRAIN_ROWS["cuda" if device.type == "cuda" else "cpu"]
 
 
 # ---------------------------------------------------------------------------------------------

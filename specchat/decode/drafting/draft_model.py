@@ -26,10 +26,10 @@ import torch
 from specchat.decode.acceptance.sampling import sample_rows, target_probs
 from specchat.decode.drafting.pace import Arm
 from specchat.decode.drafting.tree import DraftTree
+from specchat.decode.options import DRAFT_MODEL_TOKENS
 from specchat.decode.runtime.envelope import HostInputs, Window
 from specchat.decode.runtime.target import Target
 
-DEFAULT_DRAFT_TOKENS = 3  # chain length; see the README's sps measurements on the 1.5B target
 PROMPT_CHUNK = 512  # prompt tokens the fixed layout feeds the draft at once (eagerly, padded to a bucket)
 
 
@@ -54,7 +54,7 @@ class DraftModelProposer:
     reach = 0
     described = ""
 
-    def __init__(self, draft: Target, target: Target, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+    def __init__(self, draft: Target, target: Target, draft_tokens: int = DRAFT_MODEL_TOKENS):
         if draft_tokens < 1:
             raise ValueError("draft_tokens must be >= 1")
         self.model, self.vocab_size, self.k = draft, target.vocab_size, draft_tokens
@@ -122,7 +122,7 @@ class GrowingDraftModel(DraftModelProposer):
     """The draft on the growing layout: a cache that grows and is trimmed to the entries known right,
     a cycle as long as the room allows, its chain host lists."""
 
-    def __init__(self, draft: Target, target: Target, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+    def __init__(self, draft: Target, target: Target, draft_tokens: int = DRAFT_MODEL_TOKENS):
         super().__init__(draft, target, draft_tokens)
         self.cache = draft.new_cache(capacity=None)
 
@@ -160,7 +160,7 @@ class FixedDraftModel(DraftModelProposer):
 
     described = " (fixed-shape steps)"
 
-    def __init__(self, draft: Target, target: Target, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+    def __init__(self, draft: Target, target: Target, draft_tokens: int = DRAFT_MODEL_TOKENS):
         super().__init__(draft, target, draft_tokens)
         self.envelope = target.envelope
         self.reach = draft_tokens + 1
@@ -201,6 +201,6 @@ class FixedDraftModel(DraftModelProposer):
         self.fed = len(self.context) - 1
 
 
-def for_target(draft: Target, target: Target, draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> DraftModelProposer:
+def for_target(draft: Target, target: Target, draft_tokens: int = DRAFT_MODEL_TOKENS) -> DraftModelProposer:
     """`sps` with `draft` on `target`'s layout."""
     return (GrowingDraftModel if target.envelope is None else FixedDraftModel)(draft, target, draft_tokens)
