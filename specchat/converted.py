@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import io
 import json
 import logging
@@ -27,7 +26,7 @@ from specchat import embedded
 from specchat.decode.runtime.machine import cache_dir
 from specchat.decode.runtime.target import dtype_name
 from specchat.errors import ModelLoadError, first_line
-from specchat.inputs import write_atomically
+from specchat.inputs import file_sha256, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +43,7 @@ def _file_sha256(path: Path) -> str:
     except (OSError, ValueError):
         index = {}
     if key not in index:
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            while block := handle.read(1 << 24):
-                digest.update(block)
-        index[key] = digest.hexdigest()
+        index[key] = file_sha256(path)
         index_path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(index_path, json.dumps(index, indent=1))
     return index[key]

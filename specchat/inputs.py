@@ -21,6 +21,7 @@ path or through a hard or symbolic link, and each must take writes, probed witho
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -357,6 +358,15 @@ def atomic_output(path: str):
         with suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """A file's sha256, read in blocks of 16 MiB (hashlib.file_digest from Python 3.11 on)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        while block := source.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> None:

@@ -4,7 +4,6 @@ once all its chunks are there and installed (`receive`)."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from specchat.inputs import file_sha256
 from specchat.train.agenda import plan
 from specchat.train.agenda.back import shards_here
 from specchat.train.datafolder import KEPT, SHARDS, kept_shards
@@ -93,7 +93,7 @@ def pack(data, wheels):
 def write_pieces(files: list[tuple[str, Path]], budget: int, folder: Path) -> int:
     """Cut `files` (name there, file here), in order, into pieces folder/NN of `budget` bytes of
     chunks each, every piece with the manifest (names, sizes, sha256); how many pieces."""
-    manifest = [{"name": name, "size": path.stat().st_size, "sha256": sha256(path)} for name, path in files]
+    manifest = [{"name": name, "size": path.stat().st_size, "sha256": file_sha256(path)} for name, path in files]
     shutil.rmtree(folder, ignore_errors=True)
     piece, room = 0, budget
     for index, (_, path) in enumerate(files):
@@ -109,14 +109,6 @@ def write_pieces(files: list[tuple[str, Path]], budget: int, folder: Path) -> in
     for piece_folder in pieces:
         (piece_folder / "manifest.json").write_text(json.dumps({"pieces": len(pieces), "files": manifest}))
     return len(pieces)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        while block := source.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def receive(piece: Path | None) -> list[str]:
@@ -140,7 +132,7 @@ def receive(piece: Path | None) -> list[str]:
             for part in parts:
                 out.write(part.read_bytes())
                 part.unlink()
-        if sha256(done) != entry["sha256"]:
+        if file_sha256(done) != entry["sha256"]:
             done.unlink()
             raise click.ClickException(f"{entry['name']}: sha256 mismatch (send its pieces again)")
         install(entry["name"], done)
