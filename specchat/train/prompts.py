@@ -32,7 +32,7 @@ MIN_ASCII = 0.8  # share of ASCII characters in the first turn (the embedded mod
 
 
 @dataclass(frozen=True)
-class PromptRecord:
+class TrainingPrompt:
     key: str  # of its system prompt and first user turn (`record_key`): what its answers are stored under
     source: str
     turns: tuple[str, ...]  # the user turns, in order
@@ -81,7 +81,7 @@ def sharegpt_file() -> Path | None:
 
 
 def collect(paths: list[str], sharegpt: bool = True, max_turns: int | None = None
-            ) -> tuple[list[PromptRecord], CollectReport]:
+            ) -> tuple[list[TrainingPrompt], CollectReport]:
     """Prompt records from `paths` (files, or folders searched for .json/.jsonl files) and ShareGPT."""
     files = []
     for name in paths:
@@ -110,15 +110,15 @@ def collect(paths: list[str], sharegpt: bool = True, max_turns: int | None = Non
     return records, report
 
 
-def prompt_record(messages: list[dict], source: str) -> PromptRecord | None:
+def prompt_record(messages: list[dict], source: str) -> TrainingPrompt | None:
     """A conversation's user turns as a prompt record, as they are (`train --regenerate` answers
     the files it is given; `collect` filters first)."""
     system = next((m["content"] for m in messages[:1] if m["role"] == "system"), None)
     turns = tuple(m["content"] for m in messages if m["role"] == "user")
-    return PromptRecord(record_key(system, turns), source, turns, system) if turns else None
+    return TrainingPrompt(record_key(system, turns), source, turns, system) if turns else None
 
 
-def _record(messages: list[dict], source: str, max_turns: int | None, report: CollectReport) -> PromptRecord | None:
+def _record(messages: list[dict], source: str, max_turns: int | None, report: CollectReport) -> TrainingPrompt | None:
     system = next((m["content"] for m in messages[:1] if m["role"] == "system"), None)
     turns = []
     for message in messages:
@@ -136,20 +136,20 @@ def _record(messages: list[dict], source: str, max_turns: int | None, report: Co
     if sum(ch.isascii() for ch in turns[0]) < MIN_ASCII * len(turns[0]):
         report.dropped["first turns mostly not ASCII"] += 1
         return None
-    return PromptRecord(record_key(system, tuple(turns)), source, tuple(turns), system)
+    return TrainingPrompt(record_key(system, tuple(turns)), source, tuple(turns), system)
 
 
-def write_prompts(path: Path, records: list[PromptRecord]) -> None:
+def write_prompts(path: Path, records: list[TrainingPrompt]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(str(path)) as sink:
         for record in records:
             sink.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
 
 
-def read_prompts(path: Path) -> list[PromptRecord]:
+def read_prompts(path: Path) -> list[TrainingPrompt]:
     records = []
     for line in file_lines(path.read_text(encoding="utf-8")):
         if line.strip():
             raw = json.loads(line)
-            records.append(PromptRecord(raw["key"], raw["source"], tuple(raw["turns"]), raw.get("system")))
+            records.append(TrainingPrompt(raw["key"], raw["source"], tuple(raw["turns"]), raw.get("system")))
     return records

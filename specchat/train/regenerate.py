@@ -27,7 +27,7 @@ from specchat.train.batched import Answer, Request, SlotDecoder, SlotTimes
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
 from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, REGENERATE_BATCH
-from specchat.train.prompts import PromptRecord, normalized, prompt_record
+from specchat.train.prompts import TrainingPrompt, normalized, prompt_record
 
 QUEUED_PER_SLOT = 2  # prompts tokenized ahead of the slots that will take them
 
@@ -82,7 +82,7 @@ def in_part(key: str, part: tuple[int, int]) -> bool:
 class Conversation:
     """One prompt answered at one temperature: the turns done and the conversation so far."""
 
-    prompt: PromptRecord
+    prompt: TrainingPrompt
     temperature: float
     done: int
     history: list[dict]
@@ -91,7 +91,7 @@ class Conversation:
 
 
 @torch.inference_mode()
-def regenerate(prompts: list[PromptRecord], target, folder: DataFolder, options: RegenerateOptions,
+def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, options: RegenerateOptions,
                stop_ids: frozenset[int], progress: Callable[[int, int], None] | None = None) -> RegenerateReport:
     """Answer the prompts' user turns into `folder`, resuming from what its shards hold."""
     started, report = time.monotonic(), RegenerateReport()
@@ -178,7 +178,7 @@ def import_answers(folder: DataFolder, paths: list[str], temperature: float = GR
     return count
 
 
-def _agreeing(messages: list[dict], prompt: PromptRecord) -> tuple[int, list[dict]]:
+def _agreeing(messages: list[dict], prompt: TrainingPrompt) -> tuple[int, list[dict]]:
     """How many of the prompt's turns an answered conversation holds, and it cut there: the turns
     before an answer must be the prompt's (an imported answer may have gone on otherwise)."""
     users, answered, cut = 0, 0, 0
