@@ -1,4 +1,5 @@
-"""`specchat run`: prompt records answered one after another, each in a fresh conversation.
+"""`specchat run`: prompt records answered one after another, each in a fresh conversation; and a
+piped chat's one prompt (`answer_piped`).
 
 Each record becomes one JSON record (or, with `--format text`, answers streamed to the UI with a
 statistics line each), written with its trace lines as soon as it is complete, so an
@@ -10,6 +11,7 @@ written with an "error" field and the turns it did answer; the run goes on.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 from specchat.chat import Conversation
@@ -53,6 +55,24 @@ def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file
             trace_file.flush()
     return failures
 
+
+log = logging.getLogger(__name__)
+
+
+def answer_piped(chat: LiveChat, prompt: str) -> None:
+    """Answer one prompt like a Unix tool (`echo ... | specchat chat`): the answer on stdout, the
+    statistics line on stderr."""
+    ui = ChatUI.for_streams(info_on_stderr=True)
+    writer = ui.answer(chat.settings.show_accept)
+    for index, event in enumerate(chat.reply(prompt)):
+        if index == 0:
+            log.debug("the first token")
+        writer.write(event)
+    ui.end_answer()
+    report = chat.report()
+    if chat.settings.compare:
+        report.comparison = chat.compare_last_turn()
+    ui.stats(report)
 
 def preflight(chat: LiveChat, record: PromptRecord) -> str | None:
     """What stops a record before it is answered (its first prompt cannot be formatted, or does not

@@ -141,7 +141,10 @@ def chat(predict, verbose, **options):
             raise UsageError("empty prompt (stdin held no text)")
         global piped_chat_ran
         piped_chat_ran = True
-        answer_once(opened(note), prompt)
+        chat = opened(note)  # (torch is loaded now)
+        from specchat.batch import answer_piped
+
+        answer_piped(chat, prompt)
         return
     if note:  # now: once the prompt is up, a line from the loading thread would cut into it
         click.echo(f"specchat: {note}", err=True)
@@ -150,21 +153,6 @@ def chat(predict, verbose, **options):
     from specchat.repl import run_repl  # prompt_toolkit loads here: a piped prompt has no use for it
 
     run_repl(opened, settings.model)
-
-
-def answer_once(chat, prompt: str) -> None:
-    """Answer one prompt like a Unix tool: the answer on stdout, the statistics line on stderr."""
-    ui = ChatUI.for_streams(info_on_stderr=True)
-    writer = ui.answer(chat.settings.show_accept)
-    for index, event in enumerate(chat.reply(prompt)):
-        if index == 0:
-            log.debug("the first token")
-        writer.write(event)
-    ui.end_answer()
-    report = chat.report()
-    if chat.settings.compare:
-        report.comparison = chat.compare_last_turn()
-    ui.stats(report)
 
 
 @cli.command()
