@@ -410,14 +410,20 @@ def test_resuming_continues_bit_for_bit(kind, batch_size, target, varied, tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def checkpointed_eagle3(target, store, folder, **changes):
+    """An EAGLE-3 head trained a few steps on `store` into `folder`, checkpointing as `changes` say."""
+    vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
+    config = TrainConfig(kind="eagle3", learning_rate=3e-3, batch_tokens=200, ttt_steps=2, **changes)
+    head = build_head("eagle3", target, config, vocab)
+    train(head, target, store, list(range(10)), [], config, folder)
+    return head, config, vocab
+
+
 def test_a_compact_checkpoint_resumes_close_by_and_small(target, store, tmp_path):
     from specchat.train import checkpoint
 
-    vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
-    config = TrainConfig(kind="eagle3", learning_rate=3e-3, warmup_steps=2, max_steps=4, batch_tokens=200,
-                         ttt_steps=2, checkpoint_every=2, checkpoint_precision="compact")
-    head = build_head("eagle3", target, config, vocab)
-    train(head, target, store, list(range(10)), [], config, tmp_path / "run")
+    head, config, vocab = checkpointed_eagle3(target, store, tmp_path / "run", warmup_steps=2, max_steps=4,
+                                              checkpoint_every=2, checkpoint_precision="compact")
     meta = json.loads((tmp_path / "run" / "checkpoint" / "checkpoint.json").read_text())
     assert meta["precision"] == "compact" and meta["state"]["step"] == 4
     assert meta["bytes"] < 3.5 * checkpoint.parameter_count(head) + 64 * 1024
@@ -436,11 +442,8 @@ def test_a_checkpoint_whose_head_weights_do_not_fit_is_refused(target, store, tm
 
     from specchat.train import checkpoint
 
-    vocab, _ = draft_vocabulary(store, 40, target.vocab_size)
-    config = TrainConfig(kind="eagle3", learning_rate=3e-3, warmup_steps=1, max_steps=1, batch_tokens=200,
-                         ttt_steps=2, checkpoint_every=1, checkpoint_precision="exact")
-    head = build_head("eagle3", target, config, vocab)
-    train(head, target, store, list(range(10)), [], config, tmp_path / "run")
+    head, _, _ = checkpointed_eagle3(target, store, tmp_path / "run", warmup_steps=1, max_steps=1,
+                                     checkpoint_every=1, checkpoint_precision="exact")
     loaded = checkpoint.load(tmp_path / "run" / "checkpoint")
     names = [name for name, _ in head.named_parameters() if _.requires_grad]
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad])
