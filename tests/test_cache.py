@@ -5,12 +5,26 @@ from transformers import DynamicCache
 
 from conftest import build_model
 from drafters.cache import CHUNK
-from specchat.decode.runtime.transformers_cache import KVCache
+from specchat.decode.runtime.transformers_cache import KVCache, cache_argument
 
 
 def run(model, ids, cache, positions=None, mask=None):
-    return model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+    return model.model(input_ids=torch.tensor([ids]), **{cache_argument(model.model): cache}, use_cache=True,
                        position_ids=positions, attention_mask=mask).last_hidden_state[0]
+
+
+def test_the_cache_goes_by_the_keyword_the_model_takes():
+    """transformers 5.24 renamed `past_key_values` to `cache` (5.40 drops the old name); older ones
+    (the GPU image's 5.17) know only `past_key_values`."""
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None):
+            return input_ids
+
+    assert cache_argument(Old()) == "past_key_values" and cache_argument(New()) == "cache"
 
 
 def test_growing_past_a_chunk_matches_dynamic_cache():

@@ -79,7 +79,7 @@ EXPORTS = {
     "runtime.forward": ("DecoderForward", "rotate", "unsupported_reason"),
     "runtime.graphs": ("StepGraphs",),
     "runtime.envelope": ("powers_of_two",),
-    "runtime.transformers_cache": ("KVCache",),
+    "runtime.transformers_cache": ("KVCache", "cache_argument"),
 }
 # Modules outside code uses whole, by their own name: the core's options and the drafting defaults the
 # settings declare (all torch-free).

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.decode import KVCache
+from specchat.decode import KVCache, cache_argument
 from specchat.train.batched import Answer, Request, SlotDecoder, SlotTimes
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
@@ -227,7 +227,7 @@ def _generated(target, pending: deque, options: RegenerateOptions, stop_ids, adm
             torch.manual_seed(options.seed ^ zlib.crc32(batch[0].tag[0].prompt.key.encode()))
         output = target.model.generate(
             input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
-            past_key_values=KVCache(),  # grows in place; the default cache re-concatenates every step
+            **{cache_argument(target.model): KVCache()},  # grows in place; the default cache re-concatenates every step
             max_new_tokens=options.max_new_tokens, do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
             pad_token_id=pad, eos_token_id=sorted(stop_ids) or None,

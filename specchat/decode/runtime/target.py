@@ -333,9 +333,11 @@ class Target:
         return TargetOutput(logits=logits, features=features)
 
     def _transformers_forward(self, input_ids, cache, positions, mask, feature_layers):
+        from specchat.decode.runtime.transformers_cache import cache_argument  # (as in `new_cache`)
+
         select = [i for i in (feature_layers or ()) if i != self.num_layers]
         out = self.decoder(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, **{cache_argument(self.decoder): cache},
             use_cache=True, output_hidden_states=select or False,
         )
         final = out.last_hidden_state[0]

@@ -8,10 +8,24 @@ accepted path down); the stock modeling code appends to it unchanged.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from drafters.cache import GrowingKV
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword `model.forward` (and so `generate`) takes its cache by: `cache` from transformers 5.24,
+    `past_key_values` before (5.24 warns on it, 5.40 removes it; the GPU image has 5.17)."""
+    return _cache_argument(type(model))
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:  # (a signature read once per class, not per forward)
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class GrowingLayer(DynamicLayer):
