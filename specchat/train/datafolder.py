@@ -70,6 +70,17 @@ class Scan:
         return done
 
 
+def slot_of(record: dict) -> tuple[str, float]:
+    """What an answer record answers: its prompt (by key) at its temperature."""
+    return record["key"], float(record["temperature"])
+
+
+def deeper(record: dict, held: dict | None) -> bool:
+    """Whether `record` answers more of its prompt's turns than `held`, the record kept for its slot so
+    far (the first one kept on a tie: a record answers every turn up to its own)."""
+    return held is None or record["turn"] > held["turn"]
+
+
 class DataFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -109,12 +120,11 @@ class DataFolder:
                     continue
             entry["records"] = len(records)
             for record in records:
-                slot = (record["key"], float(record["temperature"]))
-                held = scan.answers.get(slot)
-                if held is not None and held["turn"] >= record["turn"]:
+                held = scan.answers.get(slot_of(record))
+                if not deeper(record, held):
                     scan.duplicates += held["turn"] == record["turn"]
                     continue
-                scan.answers[slot] = record
+                scan.answers[slot_of(record)] = record
         self._write_manifest(scan)
         return scan
 

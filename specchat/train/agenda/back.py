@@ -14,7 +14,7 @@ import click
 
 from specchat.inputs import file_lines
 from specchat.train.agenda import plan
-from specchat.train.datafolder import SHARDS, DataFolder, keep
+from specchat.train.datafolder import SHARDS, DataFolder, deeper, keep, slot_of
 
 def back(out: Path) -> None:
     """The head (without its checkpoint), then the answers not brought back yet (each prompt's deepest
@@ -31,9 +31,8 @@ def back(out: Path) -> None:
         for shard in new:
             for line in filter(str.strip, file_lines(shard.read_text(encoding="utf-8"))):
                 record = json.loads(line)
-                slot = (record["key"], float(record["temperature"]))
-                if slot not in deepest or deepest[slot]["turn"] < record["turn"]:
-                    deepest[slot] = record
+                if deeper(record, deepest.get(slot_of(record))):
+                    deepest[slot_of(record)] = record
         compact = plan.THERE / "answers"
         shutil.rmtree(compact, ignore_errors=True)
         records = list(deepest.values())
