@@ -21,7 +21,7 @@ Two precisions:
   by at most 2^(s/508) - 1 where a block's values span s octaves (2.8% for 20 octaves), forgotten
   within ~20 steps at beta2 = 0.95; the fp32 master weights lose the bits bfloat16 does not hold
   (relative 2^-9, well under one step's update). Not bit-exact, by design.
-`auto` writes exact when that fits in BUDGET_BYTES (64 MiB), else compact. EAGLE-3's head for
+`auto` writes exact when that fits in CHECKPOINT_BUDGET_BYTES (64 MiB, `specchat.train.options`), else compact. EAGLE-3's head for
 Qwen2.5-0.5B (18.1M parameters with an 8192-token draft vocabulary) is 217 MB exact, 54 MB compact.
 
 Writing is atomic: the new files get fresh names, then `checkpoint.json` is replaced in one
@@ -48,7 +48,6 @@ FOLDER, INDEX = "checkpoint", "checkpoint.json"  # OUTPUT/checkpoint/ beside the
 FORMAT = "specchat-train-checkpoint"
 VERSION = 1
 SHARD_BYTES = 16 * 2**20
-BUDGET_BYTES, PRECISIONS = CHECKPOINT_BUDGET_BYTES, CHECKPOINT_PRECISIONS  # (torch-free there: the command line's)
 BLOCK = 4096  # values per quantization block of the compact second moment
 LEVELS = 254  # codes 1..255 span a block's log2 range; code 0 is an exact zero
 
@@ -83,11 +82,11 @@ def size_estimate(head, precision: str) -> int:
 
 
 def choose_precision(head, precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise UsageError(f"unknown checkpoint precision {precision!r} (use {', '.join(PRECISIONS)})")
+    if precision not in CHECKPOINT_PRECISIONS:
+        raise UsageError(f"unknown checkpoint precision {precision!r} (use {', '.join(CHECKPOINT_PRECISIONS)})")
     if precision != "auto":
         return precision
-    return "exact" if size_estimate(head, "exact") <= BUDGET_BYTES else "compact"
+    return "exact" if size_estimate(head, "exact") <= CHECKPOINT_BUDGET_BYTES else "compact"
 
 
 # ---------------------------------------------------------------------------------------------

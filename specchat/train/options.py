@@ -22,7 +22,7 @@ EXTRACT_TOKENS = {"cpu": 4096, "cuda": 32768}  # padded positions per feature fo
 # a few thousand)
 TRAIN_ROWS = {"cpu": 1, "cuda": 8}  # rows per training forward pass (--batch-size)
 PAPER_DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary (--draft-vocab)
-# Training checkpoints (`specchat.train.checkpoint`): auto is exact when that fits in BUDGET_BYTES.
+# Training checkpoints (`specchat.train.checkpoint`): auto is exact when that fits in CHECKPOINT_BUDGET_BYTES.
 CHECKPOINT_PRECISIONS = ("auto", "exact", "compact")
 CHECKPOINT_BUDGET_BYTES = 64 * 2**20
 
