@@ -21,8 +21,9 @@ Two precisions:
   by at most 2^(s/508) - 1 where a block's values span s octaves (2.8% for 20 octaves), forgotten
   within ~20 steps at beta2 = 0.95; the fp32 master weights lose the bits bfloat16 does not hold
   (relative 2^-9, well under one step's update). Not bit-exact, by design.
-`auto` writes exact when that fits in CHECKPOINT_BUDGET_BYTES (64 MiB, `specchat.train.options`), else compact. EAGLE-3's head for
-Qwen2.5-0.5B (18.1M parameters with an 8192-token draft vocabulary) is 217 MB exact, 54 MB compact.
+`auto` writes exact when that fits in CHECKPOINT_BUDGET_BYTES (64 MiB, `specchat.train.options`),
+else compact. EAGLE-3's head for Qwen2.5-0.5B (18.1M parameters with an 8192-token draft
+vocabulary) is 217 MB exact, 54 MB compact.
 
 Writing is atomic: the new files get fresh names, then `checkpoint.json` is replaced in one
 rename, then the previous checkpoint's files are deleted. An interruption at any point leaves
