@@ -21,6 +21,8 @@ from specchat.live import LiveChat
 from specchat.methods import effective_draft
 from specchat.ui import ChatUI, stats_line
 
+log = logging.getLogger(__name__)
+
 
 def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file=None, ui: ChatUI | None = None,
                    warn: Callable[[str], None] = print, kept: bool = True) -> int:
@@ -56,9 +58,6 @@ def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file
     return failures
 
 
-log = logging.getLogger(__name__)
-
-
 def answer_piped(chat: LiveChat, prompt: str) -> None:
     """Answer one prompt like a Unix tool (`echo ... | specchat chat`): the answer on stdout, the
     statistics line on stderr."""
@@ -73,6 +72,7 @@ def answer_piped(chat: LiveChat, prompt: str) -> None:
     if chat.settings.compare:
         report.comparison = chat.compare_last_turn()
     ui.stats(report)
+
 
 def preflight(chat: LiveChat, record: PromptRecord) -> str | None:
     """What stops a record before it is answered (its first prompt cannot be formatted, or does not

@@ -49,7 +49,6 @@ def _file_sha256(path: Path) -> str:
     return index[key]
 
 
-
 def _read_stamp(folder: Path) -> dict | None:
     try:
         stamp = json.loads((folder / STAMP).read_text())

@@ -393,5 +393,3 @@ class Repl:
                      f"method {chat.settings.method}")
         for note in notes:
             self.ui.hint(note)
-
-

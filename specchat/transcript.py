@@ -50,7 +50,6 @@ def save_transcript(path: str | Path, messages: list[dict], settings: dict, prof
     return path
 
 
-
 def load_transcript(path: str | Path) -> dict:
     """Read and check a transcript; returns the document (messages are checked, settings are not)."""
     path = Path(path).expanduser()

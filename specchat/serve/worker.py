@@ -179,4 +179,3 @@ class Decoder:
                 **(comparison.record() if comparison is not None else {}),
             },
         }
-

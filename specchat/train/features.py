@@ -300,4 +300,3 @@ def extract(folder: Path, sequences: list[tuple[list[int], list[int]]], target, 
             handle.close()
         write_atomically(index_path, json.dumps(index))
     return FeatureStore(folder)
-

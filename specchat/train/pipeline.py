@@ -346,7 +346,6 @@ def _written_step(output: Path) -> int | None:
     return selected.get("step") if isinstance(selected, dict) else None
 
 
-
 def recipe_description(config: TrainConfig) -> dict:
     """The loss and its constants, as the head class declares them."""
     cls = head_class(config.kind)

@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 CAPTURE_MODE = "thread_local"
 
 
-
 def capture_failure(step: Callable[[], None]) -> str | None:
     """Why `step` cannot be captured as a CUDA graph, or None: it runs once eagerly (the warm-up),
     then a capture is tried and thrown away (capturing runs nothing)."""
@@ -99,4 +98,3 @@ class StepGraphs:
             return None
         self.pool = graph.pool()
         return graph
-
