@@ -28,7 +28,7 @@ import torch
 
 from specchat.inputs import write_atomically
 from specchat.train.batched import PackedAttention, rows_forward
-from specchat.train.options import EXTRACT_TOKENS
+from specchat.train.options import EXTRACT_TOKENS, on_device
 
 LOGIT_CHUNK = 256  # positions per LM-head call on a CPU when taking the target's argmax (bounds memory)
 WINDOW_BATCHES = 4  # extraction sorts by length within windows of this many batches' tokens
@@ -103,8 +103,8 @@ class FeatureStore:
 
 
 def default_extract_tokens(device: torch.device) -> int:
-    """Padded positions per target forward: a GPU wants wide batches, a CPU gains little past a few thousand."""
-    return EXTRACT_TOKENS["cuda" if device.type == "cuda" else "cpu"]
+    """Padded positions per target forward (`EXTRACT_TOKENS`: a GPU wants wide batches)."""
+    return on_device(EXTRACT_TOKENS, device)
 
 
 def _logit_chunk(device: torch.device) -> int:

@@ -20,11 +20,17 @@ REGENERATE_BATCH = {"cpu": 32, "cuda": 256}  # sequences decoded at once: a CPU 
 # the price of ~1.3, a GPU needs many rows per forward to be busy
 EXTRACT_TOKENS = {"cpu": 4096, "cuda": 32768}  # padded positions per feature forward (a CPU gains little past
 # a few thousand)
-TRAIN_ROWS = {"cpu": 1, "cuda": 8}  # rows per training forward pass (--batch-size)
-PAPER_DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary (--draft-vocab)
+TRAIN_ROWS = {"cpu": 1, "cuda": 8}  # rows per training forward pass (--batch-size): a CPU gains nothing from
+# padding rows together, a GPU needs them to be busy
+PAPER_DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary for Llama-3's 128k (--draft-vocab)
 # Training checkpoints (`specchat.train.checkpoint`): auto is exact when that fits in CHECKPOINT_BUDGET_BYTES.
 CHECKPOINT_PRECISIONS = ("auto", "exact", "compact")
 CHECKPOINT_BUDGET_BYTES = 64 * 2**20
+
+
+def on_device(defaults: dict[str, int], device) -> int:
+    """The default `defaults` holds for `device` (a torch device): a GPU's on CUDA, else the CPU's."""
+    return defaults["cuda" if device.type == "cuda" else "cpu"]
 
 
 def by_device(defaults: dict[str, int]) -> str:

@@ -26,7 +26,7 @@ from specchat.decode import KVCache, cache_argument
 from specchat.train.batched import Answer, Request, SlotDecoder, SlotTimes
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
-from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, REGENERATE_BATCH
+from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, REGENERATE_BATCH, on_device
 from specchat.train.prompts import TrainingPrompt, normalized, prompt_record
 
 QUEUED_PER_SLOT = 2  # prompts tokenized ahead of the slots that will take them
@@ -70,7 +70,7 @@ class RegenerateReport:
 
 def batch_size_for(device: torch.device) -> int:
     """Sequences decoded at once unless asked for (--batch, --regenerate-batch)."""
-    return REGENERATE_BATCH["cuda" if device.type == "cuda" else "cpu"]
+    return on_device(REGENERATE_BATCH, device)
 
 
 def in_part(key: str, part: tuple[int, int]) -> bool:

@@ -31,13 +31,10 @@ from specchat.tracing import Profiler
 from specchat.train import checkpoint as ckpt
 from specchat.train.batches import epoch_plan, host_batch, to_device
 from specchat.train.losses import autocast, batch_loss, evaluate, training_attention
-from specchat.train.options import TRAIN_ROWS, TrainOptions
+from specchat.train.options import TRAIN_ROWS, TrainOptions, on_device
 
-# EAGLE-3 uses a 32k draft vocabulary for Llama-3's 128k.
 # EAGLE's optimiser settings.
 ADAM_BETAS, GRAD_CLIP_VALUE = (0.9, 0.95), 0.5
-# Sequences per forward pass unless --batch-size says otherwise: a CPU gains nothing from padding
-# rows together, a GPU needs them to be busy.
 # `--trace`: the optimizer steps profiled and timed by phase, after the run's first few (memory
 # allocation, cuBLAS's choices and the reader's first batches are behind by then).
 TRACE_AFTER, TRACE_STEPS = 5, 3
@@ -53,7 +50,7 @@ class TrainConfig:
     epochs: float = TrainOptions.epochs
     max_steps: int | None = None
     batch_tokens: int = TrainOptions.batch_tokens
-    batch_size: int | None = None  # None: 1 on a CPU, 8 on a GPU
+    batch_size: int | None = None  # None: TRAIN_ROWS, by device
     ttt_steps: int | None = None  # None: the paper's
     draft_vocab: int | None = None  # None: PAPER_DRAFT_VOCAB (EAGLE-3's size); eagle/jakiro heads then draft over it too
     intermediate_size: int | None = None  # None: the target's
@@ -71,7 +68,7 @@ class TrainConfig:
         return self.ttt_steps or head_class(self.kind).paper_unrolled_steps
 
     def rows(self, device: torch.device) -> int:
-        return self.batch_size or TRAIN_ROWS["cuda" if device.type == "cuda" else "cpu"]
+        return self.batch_size or on_device(TRAIN_ROWS, device)
 
 
 # ---------------------------------------------------------------------------------------------
