@@ -361,7 +361,7 @@ def atomic_output(path: str):
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """A file's sha256, read in blocks of 16 MiB (hashlib.file_digest from Python 3.11 on)."""
+    """A file's sha256, read in blocks of 16 MiB (`hashlib.file_digest` needs Python 3.11; 3.10 is supported)."""
     digest = hashlib.sha256()
     with open(path, "rb") as source:
         while block := source.read(1 << 24):

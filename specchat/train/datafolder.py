@@ -120,11 +120,12 @@ class DataFolder:
                     continue
             entry["records"] = len(records)
             for record in records:
-                held = scan.answers.get(slot_of(record))
+                slot = slot_of(record)
+                held = scan.answers.get(slot)
                 if not deeper(record, held):
                     scan.duplicates += held["turn"] == record["turn"]
                     continue
-                scan.answers[slot_of(record)] = record
+                scan.answers[slot] = record
         self._write_manifest(scan)
         return scan
 

@@ -305,10 +305,13 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
             "hardware": hardware(),
         }
 
+    def keep_record(record: dict) -> None:
+        write_atomically(output / exporting.TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
+
     def write(state, selected: dict) -> dict:
         save_head(head, output, dtype=torch.bfloat16, max_shard_bytes=max_shard_bytes)
         record = record_of(state, selected)
-        write_atomically(output / exporting.TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
+        keep_record(record)
         return record
 
     def on_best(state) -> None:
@@ -331,7 +334,7 @@ def train_head(target, store: FeatureStore, config: TrainConfig, output: Path, d
         best = state.best
         record = record_of(state, {"step": best["step"], "tau": best["tau"], "top1_by_step": best["top1_by_step"],
                                    "by": "best simulated tau on the held-out conversations"})
-        write_atomically(output / exporting.TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
+        keep_record(record)
     else:
         record = write(state, {"step": state.step, "by": "last step"})
     record["elapsed_seconds"] = round(time.perf_counter() - started, 1)

@@ -31,8 +31,9 @@ def back(out: Path) -> None:
         for shard in new:
             for line in filter(str.strip, file_lines(shard.read_text(encoding="utf-8"))):
                 record = json.loads(line)
-                if deeper(record, deepest.get(slot_of(record))):
-                    deepest[slot_of(record)] = record
+                slot = slot_of(record)
+                if deeper(record, deepest.get(slot)):
+                    deepest[slot] = record
         compact = plan.THERE / "answers"
         shutil.rmtree(compact, ignore_errors=True)
         records = list(deepest.values())
