@@ -153,7 +153,7 @@ class GrowingHead(HeadProposer):
 
     def select(self, table: CandidateTable | HostTable) -> DraftTree:
         """The table read once; with a verify-cost curve the head's best node and as many more (the
-        head's and lookup chains') as pay at this machine's cost (`Candidates.select_for_rate`), else
+        head's and lookup chains') as pay at this machine's cost (`Candidates.offer_for_rate`), else
         the best `keep` nodes."""
         self.level_started = None
         candidates, self.last_read = self.read(table), None
