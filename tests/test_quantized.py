@@ -1,7 +1,10 @@
 """The quantized CPU runtime (--quantize int4/int5): the kernel's arithmetic, the quantizer's grids,
 the cache of packed layers, and lossless speculation on the quantized model."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +33,41 @@ def test_the_compiled_unit_includes_every_kernel_source_and_the_hash_covers_ever
         assert f'#include "{source.name}"' in text
     kernel_files = {path.name for path in woq_kernel.KERNELS.iterdir() if path.suffix in (".cpp", ".h")}
     assert {path.name for path in woq_kernel.FILES} == kernel_files
+
+
+def test_the_last_build_is_loaded_directly_while_nothing_it_was_made_from_has_changed(tmp_path, monkeypatch):
+    """A start loads the library the last build noted, skipping torch's build machinery, only while
+    the library is the one noted and the sources, flags, torch and Python are those it was built from."""
+    library = tmp_path / "built.so"
+    library.write_bytes(b"")
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    assert not woq_kernel._load_built()  # nothing noted yet
+    woq_kernel._note_built(str(library))
+    assert woq_kernel._load_built() and loaded == [str(library)]
+    os.utime(library, ns=(1, 1))  # built again since
+    assert not woq_kernel._load_built()
+    woq_kernel._note_built(str(library))
+    monkeypatch.setattr(woq_kernel, "source_hash", lambda: "another")  # a source or header changed
+    assert not woq_kernel._load_built()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    woq_kernel._note_built(str(library))
+    library.unlink()
+    assert not woq_kernel._load_built()
+    (woq_kernel.machine.cache_dir() / woq_kernel.BUILT).write_text("{")  # damaged
+    assert not woq_kernel._load_built() and len(loaded) == 1
+
+
+@needs_kernel
+def test_a_start_after_a_build_loads_the_kernel_without_torchs_build_machinery(tmp_path):
+    """Importing torch's build machinery (with setuptools) cost ~0.1 s of every start (issue 48)."""
+    code = ("import sys; from specchat.decode.runtime import woq_kernel; woq_kernel.kernel(); "
+            "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    env = {**os.environ, "SPECCHAT_CACHE_DIR": str(tmp_path)}
+    first, again = (subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                   check=True).stdout.split() for _ in range(2))
+    assert first == ["True", "True"] and again == ["False", "False"]
 
 
 def test_the_head_sizes_python_takes_are_those_the_attention_is_compiled_for():

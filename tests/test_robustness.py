@@ -541,6 +541,7 @@ def test_a_kernel_build_lock_left_by_a_killed_process_does_not_block_the_next_lo
         assert baton.try_acquire(), "waits on the stale lock"
         baton.release()
         loads.append(options["name"])
+        return str(build / f"{options['name']}.so")  # the library's path, as torch returns it
 
     monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setattr(torch.library, "register_fake", lambda name: lambda function: function)

@@ -18,14 +18,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
 import torch
 from filelock import FileLock
-from torch.utils import cpp_extension
 
 from specchat.decode.runtime import machine
 from specchat.errors import first_line
@@ -39,6 +40,7 @@ HEADERS = (KERNELS / "woq_linear.h",)
 UNIT = KERNELS / "extension.cpp"  # what is compiled: SOURCES as one translation unit (it says why)
 FILES = (UNIT, *SOURCES, *HEADERS)  # everything the build reads (what `source_hash` covers)
 EXTENSION = "specchat_woq_isa"  # torch's build folder; the single-ISA kernel was "specchat_woq"
+BUILT = "kernel.json"  # in the cache folder: the library the last build made, and what it was made from
 ISA_VARIABLE = "SPECCHAT_CPU_ISA"
 # The kernel's paths, best first, and the CPU flags (as /proc/cpuinfo spells them) each needs.
 ISAS = {
@@ -138,6 +140,40 @@ def start_build() -> None:
 @functools.cache
 def _built_kernel():
     _choose_isa(forced_isa(), machine.cpu_flags(), tuple(ISAS))  # the CPU's verdict before compiling
+    if not _load_built():
+        _build()
+    # Loading the library defined torch.ops.specchat.woq_linear; torch.compile traces it by its shape.
+    torch.library.register_fake("specchat::woq_linear")(_woq_linear_shape)
+    return torch.classes.specchat
+
+
+def _load_built() -> bool:
+    """Load the library the last build made (`BUILT`) if nothing it was made from has changed since:
+    a start then skips torch's build machinery, whose import (with setuptools) costs ~0.1 s of every
+    start, and its up-to-date check."""
+    try:
+        built = json.loads((machine.cache_dir() / BUILT).read_text())
+        library = Path(built["library"])
+        if built["from"] != _built_from() or library.stat().st_mtime_ns != built["mtime_ns"]:
+            return False
+        torch.ops.load_library(str(library))
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, unreadable, or gone: built (or checked) again
+        return False
+    return True
+
+
+def _built_from() -> list:
+    """What a build depends on: the sources and headers, the flags, torch (its headers) and Python
+    (torch keeps a build folder per Python version)."""
+    return [source_hash(), COMPILE_FLAGS, torch.__version__, sys.version, os.environ.get("TORCH_EXTENSIONS_DIR")]
+
+
+def _build() -> None:
+    """Compile the kernel (or find torch's build of it up to date) and load it, and note it in `BUILT`."""
+    # Imported here, not at the top: torch's build machinery (and setuptools with it) is needed only
+    # when the kernel is built or its build checked, not at a start that loads the last build.
+    from torch.utils import cpp_extension
+
     # torch keeps the build in its extensions folder and rebuilds it when the source or flags change.
     build = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False))
     if not any(build.glob("*.so")):
@@ -152,15 +188,27 @@ def _built_kernel():
             # Loaded as a library of torch operators and classes (torch.ops.specchat, torch.classes.specchat),
             # not a Python module: its sources then need no pybind11 (kernels/woq_linear.h says why).
             # (ninja rebuilds it when an included source changes: torch's build asks the compiler for its dependencies)
-            cpp_extension.load(name=EXTENSION, sources=[str(UNIT)],
-                               extra_include_paths=[str(KERNELS)], extra_cflags=COMPILE_FLAGS, is_python_module=False,
-                               verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
+            library = cpp_extension.load(name=EXTENSION, sources=[str(UNIT)], extra_include_paths=[str(KERNELS)],
+                                         extra_cflags=COMPILE_FLAGS, is_python_module=False,
+                                         verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
         raise KernelUnavailable(f"cannot compile {UNIT.name} ({first_line(error)}; SPECCHAT_DEBUG_BUILD=1 shows the "
                                 f"compiler's output)") from error
-    # Loading the module defined torch.ops.specchat.woq_linear; torch.compile traces it by its shape.
-    torch.library.register_fake("specchat::woq_linear")(_woq_linear_shape)
-    return torch.classes.specchat
+    _note_built(library)
+
+
+def _note_built(library: str | os.PathLike) -> None:
+    """Write `BUILT` for `library` (the path torch loaded), so that the next start loads it directly;
+    a folder that cannot be written only costs the next start torch's check."""
+    path = machine.cache_dir() / BUILT
+    try:
+        built = {"library": str(library), "mtime_ns": Path(library).stat().st_mtime_ns, "from": _built_from()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(built, indent=1))
+        os.replace(partial, path)
+    except OSError as error:
+        log.debug(f"the kernel's build is not noted ({first_line(error)})")
 
 
 def _woq_linear_shape(x, low, high, scale, offset, bias, N, bits, isa):
