@@ -18,7 +18,7 @@ from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.runtime.packed import PackedModel
 from specchat.decode.runtime.quantized import save_atomically
 from specchat.decode.runtime.target import ModelSpec
-from specchat.decode.runtime.tokenizer import SnapshotTokenizer, render_chat, snapshot
+from specchat.decode.runtime.tokenizer import SnapshotTokenizer, quick_merges, render_chat, snapshot
 from specchat.sources import load_target
 
 needs_kernel = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
@@ -163,6 +163,20 @@ def test_the_tokenizer_snapshot_answers_as_transformers_tokenizer():
         assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
     ids = list(range(len(theirs))) + [258, 104, 258, 33]
     assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
+
+
+def test_merges_written_as_strings_are_the_same_merges_and_a_token_with_a_space_keeps_them_pairs():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"a": 0, "b": 1, "ab": 2, "\u0120": 3, "\u0120ab": 4, "aab": 5}
+    byte_level = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("\u0120", "ab"), ("a", "ab")]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    quick = quick_merges(byte_level.to_str())
+    assert json.loads(quick)["model"]["merges"] == ["a b", "\u0120 ab", "a ab"]
+    assert Tokenizer.from_str(quick).to_str() == byte_level.to_str()  # read back: the very same tokenizer
+    assert Tokenizer.from_str(quick).encode("aab ab").ids == byte_level.encode("aab ab").ids == [5, 4]
+    spaced = Tokenizer(models.BPE(vocab={"a": 0, " ": 1, "a ": 2}, merges=[("a", " ")])).to_str()
+    assert quick_merges(spaced) == spaced  # "a  " would not say which space splits it
 
 
 def test_a_template_that_refuses_a_conversation_refuses_it_as_transformers_does():

@@ -44,9 +44,21 @@ def unsnapshotable_reason(tokenizer) -> str | None:
 def snapshot(tokenizer) -> dict:
     """What `SnapshotTokenizer` needs of a transformers tokenizer (one without `unsnapshotable_reason`),
     as JSON-ready values."""
-    return {"backend": tokenizer.backend_tokenizer.to_str(), "special_tokens": dict(tokenizer.special_tokens_map),
+    return {"backend": quick_merges(tokenizer.backend_tokenizer.to_str()), "special_tokens": dict(tokenizer.special_tokens_map),
             "eos_token_id": tokenizer.eos_token_id, "chat_template": tokenizer.chat_template,
             "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
+
+
+def quick_merges(backend: str) -> str:
+    """A tokenizer's JSON with its BPE merges written as "a b" strings rather than [a, b] pairs, where no
+    merged token holds a space (byte-level BPE writes a space as Ġ): the same merges, which tokenizers
+    reads ~20% faster (Qwen2.5's 151k merges: 0.33 -> 0.27 s of every start from the packed model)."""
+    saved = json.loads(backend)
+    merges = saved.get("model", {}).get("merges")
+    if not merges or not all(isinstance(merge, list) and " " not in "".join(merge) for merge in merges):
+        return backend
+    saved["model"]["merges"] = [" ".join(merge) for merge in merges]
+    return json.dumps(saved, ensure_ascii=False)
 
 
 class SnapshotTokenizer:
