@@ -73,9 +73,8 @@ class AnswerStore:
             return [(record["prompt"], tokens) for record, tokens in self._read()]
 
     def index(self, ngram: int) -> EarlierAnswers:
-        """The answers as lookup reads them, read and indexed at the first call (~0.2 s for a full
-        store: only where a method looks them up), the same snapshot after it (the replies of this
-        chat are in its own history)."""
+        """The answers as lookup reads them, read and indexed at the first call (only where a method
+        looks them up), the same snapshot after it (the replies of this chat are in its own history)."""
         if ngram not in self.indexes:
             self.indexes[ngram] = EarlierAnswers(self.load(), ngram)
         return self.indexes[ngram]

@@ -1,11 +1,13 @@
 """This user's earlier answers as a lookup source (`--answer-index`): kept, bounded, and never drafted
 from while their own prompt is answered."""
 
+import random
+
 from conftest import invoke
 from specchat import answers as answers_mod
 from specchat.answers import AnswerStore, tokenizer_key
 from specchat.cli import open_chat, resolve_settings
-from specchat.decode.drafting.lookup import EarlierAnswers, LookupSource, prompt_key
+from specchat.decode.drafting.lookup import OCCURRENCES, EarlierAnswers, LookupSource, NgramIndex, prompt_key
 
 
 def test_the_store_keeps_answers_and_lets_the_oldest_go_past_its_bound(tmp_path, monkeypatch):
@@ -44,6 +46,31 @@ def test_an_earlier_answer_is_found_cut_at_its_end_and_left_out_for_its_own_prom
     source.prompted()
     source.observe([2])
     assert source.matches(root=3, limit=8)[0].tokens == [4, 5]
+
+
+def test_earlier_answers_sorted_as_numbers_find_what_the_dictionary_finds():
+    """The earlier answers' n-grams are numbers in a sorted list (fast to build at every start); a
+    lookup there finds the occurrences, the continuations and the left-out answers the chat's own
+    dictionary index finds, frequent n-grams (past OCCURRENCES) and ids of 21 bits included."""
+    rng = random.Random(0)
+    vocabulary = [0, 1, 2, 3, 151_935, (1 << 21) - 1]  # few ids: n-grams recur, many past OCCURRENCES times
+    weights = [8, 1, 1, 1, 1, 1]  # 0 0 0 recurs most
+    answers = [(prompt_key([i % 5]), rng.choices(vocabulary, weights, k=rng.randint(0, 60))) for i in range(40)]
+    for ngram in (1, 2, 3):
+        earlier = EarlierAnswers(answers, ngram)
+        assert earlier.keys is not None and not earlier.ends
+        dictionary = NgramIndex(ngram, ngram)
+        dictionary.extend(earlier.tokens)
+        assert max(map(len, dictionary.ends.values())) > OCCURRENCES + 1
+        for _ in range(300):
+            tail = [rng.choice(vocabulary + [7]) for _ in range(rng.randint(1, 20))]  # 7: never stored
+            assert earlier.occurrences(tail) == NgramIndex.occurrences(dictionary, tail)
+            for _, end in earlier.occurrences(tail):
+                assert earlier.follow(end, 8) == dictionary.follow(end, 8)[: len(earlier.follow(end, 8))]
+        earlier.leave_out(prompt_key([2]))
+        assert all(earlier._answer(end) % 5 != 2 for tail in ([0], [1, 2], [3, 3, 3]) for _, end in earlier.occurrences(tail))
+    wide = EarlierAnswers(answers, 4)  # four ids do not fit in one number: the dictionary
+    assert wide.keys is None and wide.occurrences([0, 1, 2, 3]) == NgramIndex.occurrences(wide, [0, 1, 2, 3])
 
 
 class Fake:
