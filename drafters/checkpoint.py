@@ -4,6 +4,7 @@ pickle, and strict loading of a state dict into a head.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 from pathlib import Path
@@ -108,10 +109,12 @@ def write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes:
 
 
 def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: Path,
-                optional: tuple[str, ...] = ()) -> None:
+                optional: tuple[str, ...] = (), assign: bool = False) -> None:
     """Copy `state` into `module`, requiring every key with its exact shape and no extras.
 
-    Keys in `optional` may be absent (the module keeps what the caller set up for them).
+    Keys in `optional` may be absent (the module keeps what the caller set up for them). `assign`:
+    the module's tensors become `state`'s (a module built on the meta device, `built_empty`, has
+    nothing to copy into).
     """
     expected = module.state_dict()
     missing = [key for key in expected if key not in state and key not in optional]
@@ -125,4 +128,16 @@ def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: Path,
     for key, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[key].shape):
             raise HeadLoadError(f"{source}: {key} has shape {list(tensor.shape)}, expected {list(expected[key].shape)}")
-    module.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    module.load_state_dict({k: v for k, v in state.items()}, strict=False, assign=assign)
+    empty = [name for name, tensor in (*module.named_parameters(), *module.named_buffers()) if tensor.is_meta]
+    if empty:  # an optional key absent where the module was built empty: nothing ever set it
+        raise HeadLoadError(f"{source}: missing {', '.join(empty[:6])}")
+
+
+@contextlib.contextmanager
+def built_empty():
+    """Modules built inside get their tensors on the meta device: no memory and no random initialization
+    (~0.08 s for a 0.5B's EAGLE-3 head on a Xeon core) for weights that `load_strict(..., assign=True)`
+    replaces next. Tensors passed in (the target's shared embedding) stay what they are."""
+    with torch.device("meta"):
+        yield

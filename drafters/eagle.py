@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from drafters.base import DraftHead, TargetParts, check_target_fit, read_layer_config
-from drafters.checkpoint import load_strict
+from drafters.checkpoint import built_empty, load_strict
 from drafters.layers import DecoderLayer, LayerConfig
 
 KIND = "eagle"
@@ -136,7 +136,8 @@ def load(folder: Path, raw_config: dict, state: dict, source: Path, target: Targ
     """A head of `head_class` (EAGLE-1/2, or Jakiro, which shares the layout) from its checkpoint."""
     config = head_class.config_class.from_dict(raw_config, str(folder / "config.json"))
     check_target_fit(config, target, source)
-    head = head_class(config, target.embed_tokens, target.lm_head, own_embedding="embed_tokens.weight" in state)
-    load_strict(head, state, source, optional=() if head.owns_embedding else ("embed_tokens.weight",))
+    with built_empty():
+        head = head_class(config, target.embed_tokens, target.lm_head, own_embedding="embed_tokens.weight" in state)
+    load_strict(head, state, source, optional=() if head.owns_embedding else ("embed_tokens.weight",), assign=True)
     return head.to(device=target.device, dtype=target.dtype).eval()
 

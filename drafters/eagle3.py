@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from drafters.base import DraftHead, TargetParts, check_target_fit, read_layer_config
-from drafters.checkpoint import HeadLoadError, load_strict
+from drafters.checkpoint import HeadLoadError, built_empty, load_strict
 from drafters.layers import SPECULATIVE_TOKENS, DecoderLayer, LayerConfig, RMSNorm, Verifier
 
 KIND = "eagle3"
@@ -199,8 +199,12 @@ class Eagle3Head(DraftHead):
         self.refresh_vocab_map()
 
     def refresh_vocab_map(self) -> None:
-        """Draft index i stands for target id i + d2t[i] (identity when the vocabularies are equal)."""
-        if self.config.draft_vocab_size != self.config.vocab_size:
+        """Draft index i stands for target id i + d2t[i] (identity when the vocabularies are equal). A
+        head built empty (`built_empty`) has no map until its weights arrive: an operation on the meta
+        device would import torch's compiler (~1.2 s), and `load` makes the map once they are in."""
+        if self.config.draft_vocab_size != self.config.vocab_size and self.d2t.is_meta:
+            self.draft_to_target = None
+        elif self.config.draft_vocab_size != self.config.vocab_size:
             self.draft_to_target = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
         else:
             self.draft_to_target = None
@@ -245,7 +249,8 @@ def matches(keys: set[str]) -> bool:
 def load(folder: Path, raw_config: dict, state: dict, source: Path, target: TargetParts) -> Eagle3Head:
     config = Eagle3Config.from_dict(raw_config, str(folder / "config.json"))
     check_target_fit(config, target, source, feature_size=config.target_hidden_size or config.hidden_size)
-    head = Eagle3Head(config, target.embed_tokens, own_embedding="embed_tokens.weight" in state)
+    with built_empty():
+        head = Eagle3Head(config, target.embed_tokens, own_embedding="embed_tokens.weight" in state)
     if config.draft_vocab_size == config.vocab_size:
         # Equal vocabularies need no map; some checkpoints still carry an all-zero one (EAGLE issue #222).
         for key in ("d2t", "t2d"):
@@ -253,7 +258,7 @@ def load(folder: Path, raw_config: dict, state: dict, source: Path, target: Targ
                 raise HeadLoadError(f"{source}: d2t is not all zeros although draft and target vocabularies are equal")
             state.pop(key, None)
     optional = () if head.owns_embedding else ("embed_tokens.weight",)
-    load_strict(head, state, source, optional=optional)
+    load_strict(head, state, source, optional=optional, assign=True)
     head = head.to(device=target.device, dtype=target.dtype)
     head.refresh_vocab_map()
     if head.draft_to_target is not None and int(head.draft_to_target.max()) >= config.vocab_size:

@@ -38,6 +38,23 @@ def test_round_trip_through_the_published_format(kind, target, tmp_path):
         assert torch.equal(loaded.draft_to_target, head.draft_to_target)
 
 
+def test_a_head_built_empty_takes_the_checkpoints_tensors_and_an_absent_optional_key_is_named(target, tmp_path):
+    """Heads are built on the meta device for their checkpoint (no random weights made to be overwritten)."""
+    from drafters.checkpoint import built_empty, load_strict
+
+    head = random_head("eagle3", target, seed=3)
+    state = {key: value.clone() for key, value in head.state_dict().items() if key != "embed_tokens.weight"}
+    with built_empty():
+        empty = type(head)(head.config, target.embed_tokens)
+    load_strict(empty, dict(state), tmp_path, optional=("embed_tokens.weight",), assign=True)
+    assert all(empty.state_dict()[key].data_ptr() == value.data_ptr() for key, value in state.items())  # not copied
+    assert empty.embed_tokens is target.embed_tokens and empty.fc.weight.requires_grad
+    with built_empty():
+        own = type(head)(head.config, target.embed_tokens, own_embedding=True)
+    with pytest.raises(HeadLoadError, match="missing embed_tokens.weight"):  # optional, yet nothing set it
+        load_strict(own, dict(state), tmp_path, optional=("embed_tokens.weight",), assign=True)
+
+
 def test_sharded_weights_round_trip_and_a_missing_shard_is_named(target, tmp_path):
     import json
 

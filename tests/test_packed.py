@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import CHATML_TEMPLATE, build_tokenizer, prefill_decode_and_tree, save_model_folder
+from conftest import (CHATML_TEMPLATE, build_tokenizer, prefill_decode_and_tree, random_head,
+                      save_model_folder)
+from drafters import save_head
 from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.runtime.packed import PackedModel
 from specchat.decode.runtime.quantized import save_atomically
@@ -189,15 +191,20 @@ def test_a_template_that_refuses_a_conversation_refuses_it_as_transformers_does(
 
 
 @needs_kernel
-def test_a_piped_chat_from_the_packed_model_imports_no_transformers_compiler_or_repl(tmp_path_factory):
+@pytest.mark.parametrize("method", ["vanilla", "deagle"])
+def test_a_piped_chat_from_the_packed_model_imports_no_transformers_compiler_or_repl(tmp_path_factory, method):
+    """The default's head too: a head built empty for its weights (`drafters.built_empty`) that ran an
+    operation on the meta device would import torch's compiler (~1.2 s of the start)."""
     folder = tiny_folder(tmp_path_factory, "qwen2")
-    load(folder, "float32", packed_model=True)  # the packed file, as a first start leaves it
+    target = load(folder, "float32", packed_model=True)  # the packed file, as a first start leaves it
+    head = tmp_path_factory.mktemp("head")
+    save_head(random_head("eagle3", target), head)  # a draft vocabulary of its own: a map to make
     code = ("import sys\nfrom specchat.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as done:\n    assert not done.code, done.code\n"
             "print(sorted(m for m in ('transformers', 'torch._dynamo', 'prompt_toolkit', 'specchat.repl') "
             "if m in sys.modules))")
-    args = ["chat", "--model", str(folder), "--quantize", "int5", "--dtype", "float32", "--method", "vanilla",
-            "--max-new-tokens", "3", "--verbose"]
+    args = ["chat", "--model", str(folder), "--quantize", "int5", "--dtype", "float32", "--method", method,
+            *(["--draft", str(head)] if method != "vanilla" else []), "--max-new-tokens", "3", "--verbose"]
     run = subprocess.run([sys.executable, "-c", code, *args], input="Say hi", capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
