@@ -192,19 +192,17 @@ class Eagle3Head(DraftHead):
         if config.draft_vocab_size != config.vocab_size:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        # Made from d2t once it holds its values (`refresh_vocab_map`: `fresh`, `load` and a resumed
+        # checkpoint call it), not here: a head built empty (`built_empty`) has none yet, and an
+        # operation on its meta tensors would import torch's compiler (~1.2 s of a start).
         self.draft_to_target: torch.Tensor | None = None
-        self.refresh_vocab_map()
 
     def after_load(self) -> None:
         self.refresh_vocab_map()
 
     def refresh_vocab_map(self) -> None:
-        """Draft index i stands for target id i + d2t[i] (identity when the vocabularies are equal). A
-        head built empty (`built_empty`) has no map until its weights arrive: an operation on the meta
-        device would import torch's compiler (~1.2 s), and `load` makes the map once they are in."""
-        if self.config.draft_vocab_size != self.config.vocab_size and self.d2t.is_meta:
-            self.draft_to_target = None
-        elif self.config.draft_vocab_size != self.config.vocab_size:
+        """Draft index i stands for target id i + d2t[i] (identity when the vocabularies are equal)."""
+        if self.config.draft_vocab_size != self.config.vocab_size:
             self.draft_to_target = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
         else:
             self.draft_to_target = None

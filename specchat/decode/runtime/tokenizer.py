@@ -44,7 +44,8 @@ def unsnapshotable_reason(tokenizer) -> str | None:
 def snapshot(tokenizer) -> dict:
     """What `SnapshotTokenizer` needs of a transformers tokenizer (one without `unsnapshotable_reason`),
     as JSON-ready values."""
-    return {"backend": quick_merges(tokenizer.backend_tokenizer.to_str()), "special_tokens": dict(tokenizer.special_tokens_map),
+    return {"backend": quick_merges(tokenizer.backend_tokenizer.to_str()),
+            "special_tokens": dict(tokenizer.special_tokens_map),
             "eos_token_id": tokenizer.eos_token_id, "chat_template": tokenizer.chat_template,
             "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
 
