@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -50,7 +49,8 @@ import torch
 
 from specchat.decode.runtime import woq_kernel
 from specchat.decode.runtime.cache import causal_mask
-from specchat.decode.runtime.machine import cache_dir, device_name, other_processes_share, synchronize
+from specchat.decode.runtime.machine import (cache_dir, device_name, other_processes_share, replace_atomically,
+                                             synchronize)
 from specchat.decode.options import KERNEL_BITS
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,4 @@ def _keep(path, key: str, curve: Curve) -> None:
     have stored other keys)."""
     known = _read(path)
     known[key] = curve.kept
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, path)
+    replace_atomically(path, lambda partial: partial.write_text(json.dumps(known, indent=1)))

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,15 @@ def cache_dir() -> Path:
     """$SPECCHAT_CACHE_DIR, else $XDG_CACHE_HOME/specchat (converted models, measured curves, training work)."""
     root = os.environ.get("SPECCHAT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specchat"
     return Path(root)
+
+
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` a file beside `path`, then put it in `path`'s place: a reader sees the old file or the
+    whole new one, never a part (a process killed meanwhile leaves a `.partial` behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    write(partial)
+    os.replace(partial, path)
 
 
 @functools.cache

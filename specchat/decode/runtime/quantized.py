@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specchat.decode.runtime.machine import cache_dir
+from specchat.decode.runtime.machine import cache_dir, replace_atomically
 from specchat.decode.runtime.woq_kernel import kernel_isa, traced_isa
 
 log = logging.getLogger(__name__)
@@ -296,12 +295,9 @@ def quantized_cache(source: str | Path, quantize: str, loaded_on=None) -> Path:
 
 
 def save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """A safetensors file written beside `path` and then put in its place: a reader sees the old file
-    or the whole new one, never a part (a process killed meanwhile leaves a `.partial` behind)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + f".{os.getpid()}.partial")
-    save_file({key: value.contiguous() for key, value in tensors.items()}, partial, metadata=metadata)
-    os.replace(partial, path)
+    """`tensors` as a safetensors file at `path`, put in place whole (`replace_atomically`)."""
+    contiguous = {key: value.contiguous() for key, value in tensors.items()}
+    replace_atomically(path, lambda partial: save_file(contiguous, partial, metadata=metadata))
 
 
 def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None:

@@ -200,13 +200,10 @@ def _build() -> None:
 def _note_built(library: str | os.PathLike) -> None:
     """Write `BUILT` for `library` (the path torch loaded), so that the next start loads it directly;
     a folder that cannot be written only costs the next start torch's check."""
-    path = machine.cache_dir() / BUILT
     try:
         built = {"library": str(library), "mtime_ns": Path(library).stat().st_mtime_ns, "from": _built_from()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(built, indent=1))
-        os.replace(partial, path)
+        text = json.dumps(built, indent=1)
+        machine.replace_atomically(machine.cache_dir() / BUILT, lambda partial: partial.write_text(text))
     except OSError as error:
         log.debug(f"the kernel's build is not noted ({first_line(error)})")
 
