@@ -57,6 +57,12 @@ class EmbeddedModelError(RuntimeError):
     """A chunk package is missing or the assembled file is not the published one."""
 
 
+def installed(name: str) -> bool:
+    """Whether `name` is an embedded model whose chunk packages are all installed (found, not imported)."""
+    model = EMBEDDED_MODELS.get(name)
+    return model is not None and all(importlib.util.find_spec(package) is not None for package in model.packages)
+
+
 def chunk_files(model: EmbeddedModel) -> list[Path]:
     """The chunk files in order; a missing package is an error that says how to install it."""
     files = []

@@ -28,7 +28,7 @@ from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOT
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
 from specchat.decode.engine.engine import Proposer
 from specchat.decode.runtime.quantized import quantized_cache
-from specchat.decode.options import DRAFT_MODEL_TOKENS, HEAD_QUANTIZE, KERNEL_BITS
+from specchat.decode.options import DRAFT_MODEL_LONGEST, DRAFT_MODEL_TOKENS, HEAD_QUANTIZE, KERNEL_BITS
 from specchat.decode.runtime.target import Target
 from specchat.answers import AnswerStore
 from specchat.methods import MethodError, effective_draft, method
@@ -104,7 +104,12 @@ def draft_model(settings: Settings, target: Target, inputs: DraftInputs) -> Draf
         raise MethodError(str(error)) from error
     if target.envelope is not None and draft.own_forward is None:
         raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
-    return small_model.for_target(draft, target, settings.draft_tokens or DRAFT_MODEL_TOKENS)
+    lookup = None
+    if settings.lookup:  # lookup continuations join the chain (greedy) or take cycles of their own (paced)
+        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, inputs.earlier(settings))
+    curve = verify_cost_curve(target)  # where every verified token costs: chains as long as pay, up to the longest
+    longest = settings.draft_tokens or (DRAFT_MODEL_LONGEST if curve is not None else DRAFT_MODEL_TOKENS)
+    return small_model.for_target(draft, target, longest, lookup=lookup, curve=curve, pace=settings.plain_when_faster)
 
 
 def static_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:

@@ -129,7 +129,8 @@ class Settings:
                                        "--total-tokens) or, if given, for jakiro: a name or a JSON list of rank paths "
                                        "(other methods refuse it).")
     draft_tokens: int | None = _setting(None, "method", "draft_tokens",
-                                        f"Tokens per drafted chain for sps (default {options.DRAFT_MODEL_TOKENS}) and pld (default "
+                                        f"Tokens per drafted chain for sps (default {options.DRAFT_MODEL_TOKENS}; on a CPU the "
+                                        f"longest, each chain as long as pays: default {options.DRAFT_MODEL_LONGEST}) and pld (default "
                                         f"{lookup.DEFAULT_LOOKUP_TOKENS}).",
                                         check=_within(1, MAX_TREE_TOKENS))
     pld_max_ngram: int = _setting(lookup.DEFAULT_MAX_NGRAM, "method", "pld_max_ngram", "pld: longest n-gram looked up.",
@@ -153,9 +154,9 @@ class Settings:
     deagle_consecutive: bool = _setting(deagle.DeagleParams.consecutive, "method", "deagle_consecutive",
                                         "deagle: the two momentum decays must be at consecutive depths.")
     lookup: bool = _setting(False, "method", "lookup",
-                            "Head methods also draft from text already seen (the conversation, earlier turns and "
-                            "answers of the chat): lookup continuations join the head's tree and compete for the "
-                            "verify budget (hybrid drafting).")
+                            "Head methods and sps also draft from text already seen (the conversation, earlier turns "
+                            "and answers of the chat): lookup continuations join the head's tree (sps: its chain, "
+                            "greedy) and compete for the verify budget (hybrid drafting).")
     lookup_paths: int = _setting(DEFAULT_LOOKUP_PATHS, "method", "lookup_paths",
                                  "With --lookup on a CPU: the paths of the lookup continuation tree a cycle weighs "
                                  "(the strongest matches' continuations, each path with its share of them, as in "
@@ -167,10 +168,10 @@ class Settings:
                                  "auto: on for chat, off for run and bench; on: run keeps its answers too, bench "
                                  "only reads them.", options.ANSWER_INDEX)
     plain_when_faster: bool = _setting(False, "method", "plain_when_faster",
-                                       "Head methods choose each cycle's draft source by what it has earned in the "
-                                       "chat: plain steps, lookup continuations alone (with --lookup) or the head's "
-                                       "tree, whichever has been measured fastest, trying the others again every few "
-                                       "steps (CPUs).")
+                                       "Head methods and sps choose each cycle's draft source by what it has earned "
+                                       "in the chat: plain steps, lookup continuations alone (with --lookup) or the "
+                                       "head's tree (the draft model's chain), whichever has been measured fastest, "
+                                       "trying the others again every few steps (CPUs).")
     jakiro_reference_attach: bool = _setting(False, "method", "jakiro_reference_attach",
                                              "jakiro: attach the parallel last level by row, as the reference code does "
                                              "(default: to each node's own parent).")

@@ -1,6 +1,7 @@
 """DEAGLE, Jakiro, SpS and PLD on both of the engine's layouts: lossless greedy output, exact sampling,
 and their own mechanics."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,10 @@ from conftest import GivenCurve, assert_samples_follow_the_target, load_tiny_tar
 from specchat.decode.drafting.deagle import DeagleParams, DepthVote
 from specchat.decode.drafting import draft_model, heads, prompt_lookup
 from specchat.decode.drafting.draft_model import TokenizerMismatch, check_tokenizers
+from specchat.decode.drafting.lookup import LookupSource
+from specchat.decode.drafting.pace import Arm
+from specchat.decode.drafting.tree import Cycle, Source
+from specchat.decode.acceptance.sampling import SamplingParams
 from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams, JakiroTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
 
@@ -222,6 +227,87 @@ def test_sps_keeps_the_draft_cache_in_step(qwen_dir, tiny_model_dir):
             if not step.prefill:
                 assert proposer.cache.length == proposer.fed <= len(proposer.context)
         assert proposer.context == engine.context_ids
+
+
+FLAT = {1: 20.0, 2: 20.5, 4: 21.0, 8: 22.0, 16: 24.0}  # verifying a row more costs next to nothing
+DEAR = {1: 20.0, 2: 25.0, 4: 35.0, 8: 55.0, 16: 95.0}  # ~5 ms a row, as on two AVX2 cores (docs/bench-cpu-peers)
+
+
+def test_paced_sps_keeps_the_draft_cache_right_and_the_output_plain(qwen_dir, tiny_model_dir):
+    """With lookup and the pace (the growing layout's), cycles are plain steps, lookup's alone (which do
+    not feed the draft) and the draft's chain with lookup's branches (where the target may take a
+    branch the chain did not): the draft's cache keeps only entries that a fresh prefill of the same
+    context gives, and the output is plain decoding's."""
+    target, draft = load_tiny_target(qwen_dir), load_tiny_target(tiny_model_dir)
+    settings = GenerationSettings(max_new_tokens=24)
+    proposer = draft_model.for_target(draft, target, draft_tokens=6, lookup=LookupSource(), curve=GivenCurve(FLAT),
+                                      pace=True)
+    engine = Engine(target, proposer)
+    arms, branched = set(), 0
+    for prompt in PROMPTS:
+        tokens = []
+        for step in engine.generate(prompt, settings):
+            tokens += step.tokens
+            if not step.prefill:
+                arms.add(step.cycle.arm)
+                branched += step.cycle.arm is Arm.MODEL and Source.LOOKUP in step.cycle.tree.sources
+                assert proposer.cache.length == proposer.fed <= len(proposer.context)
+        assert tokens == tokens_of(Engine(target), prompt, settings)
+        assert proposer.context == engine.context_ids
+        kept, rest = proposer.context[: proposer.fed], proposer.context[proposer.fed :]
+        fresh = draft.new_cache()
+        expected = draft.forward(torch.tensor([kept + rest]), fresh, logits_for="last").logits
+        assert torch.allclose(draft.forward(torch.tensor([rest]), proposer.cache, logits_for="last").logits, expected,
+                              atol=1e-5)
+        proposer.rewind_cache()
+    assert {Arm.PLAIN, Arm.LOOKUP, Arm.MODEL} <= arms and branched
+
+
+def test_sps_keeps_only_the_draft_entries_of_the_path_the_target_took(qwen_dir, tiny_model_dir):
+    """A cycle whose target took lookup's branch where the draft's chain said another token keeps the
+    draft's entry of the root alone (the chain's next entries follow a token never committed); along
+    the chain, the entries of the drafts it fed too."""
+    target, draft = load_tiny_target(qwen_dir), load_tiny_target(tiny_model_dir)
+    prompt, root = [258] + list(range(60, 80)), 90
+
+    def cycle(prediction):
+        proposer = draft_model.for_target(draft, target, draft_tokens=3, lookup=LookupSource(), curve=GivenCurve(FLAT))
+        proposer.enough = lambda probs: False  # the chain at its longest
+        proposer.observe(prompt, None)
+        proposer.predict(prediction)  # what lookup will continue the root with
+        proposer.prepare(root, 10, 10)
+        return proposer, proposer.draft(root, len(prompt), None, SamplingParams(), None)
+
+    chained, tree = cycle([])
+    first = chained.drafted[0]
+    chained.committed([root, first], Cycle(root, tree, [tree.tokens.index(first)], bonus=7))
+    assert chained.fed == len(prompt) + 2
+    other = 5 if first != 5 else 6
+    branched, tree = cycle([root, other, 9])
+    assert branched.drafted[0] == first and tree.sources[tree.tokens.index(other)] == Source.LOOKUP
+    branched.committed([root, other], Cycle(root, tree, [tree.tokens.index(other)], bonus=7))
+    assert branched.fed == len(prompt) + 1
+    for proposer in (chained, branched):  # the next cycle feeds the draft what it lacks and the bonus
+        kept, rest = proposer.context[: proposer.fed], proposer.context[proposer.fed :] + [7]
+        expected = draft.forward(torch.tensor([kept + rest]), draft.new_cache(), logits_for="last").logits
+        assert torch.allclose(draft.forward(torch.tensor([rest]), proposer.cache, logits_for="last").logits, expected,
+                              atol=1e-5)
+
+
+@pytest.mark.parametrize("costs,step_ms,probs,ends", [
+    (DEAR, 2.0, [0.3], True),  # a row dearer than the token it would add
+    (FLAT, 2.0, [0.95, 0.95], False),  # rows nearly free, the draft sure of itself
+    (FLAT, 30.0, [0.5], True),  # a draft step dearer than half a token is worth
+])
+def test_sps_drafts_a_chain_only_as_long_as_pays(qwen_dir, costs, step_ms, probs, ends):
+    """On the growing layout a chain ends where one more token would lower the cycle's expected tokens
+    per millisecond, at what a draft step and a verified row cost."""
+    target = load_tiny_target(qwen_dir)
+    proposer = draft_model.for_target(target, target, draft_tokens=6, curve=GivenCurve(costs))
+    proposer.started, proposer.step_ms = time.perf_counter(), step_ms
+    assert proposer.enough([torch.tensor([p]) for p in probs]) is ends
+    unsized = draft_model.for_target(target, target, draft_tokens=6)  # no curve (a GPU): chains at their length
+    assert not unsized.enough([torch.tensor([0.01])])
 
 
 def test_pld_proposes_what_followed_the_latest_match():

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from conftest import interrupt_the_prompt_with, invoke, load_tiny_target, oracle_head, random_head, tiny
 from specchat.cli import open_chat, resolve_settings
-from specchat.methods import lookup_unless_drafted
+from specchat.methods import drafted_for_model
 from specchat.settings import LiveChatError, parse_value
 from specchat.speedup import OWN_PLAIN_STEPS
 from specchat.repl import PROMPT, block_is_open, history_path, run_repl, unwrap_block
@@ -32,7 +32,7 @@ ESC_ENTER, CTRL_C, CTRL_D = "\x1b\r", "\x03", "\x04"
 def new_chat(model_dir, **overrides):
     options = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_new_tokens": 8, **overrides}
     settings, profile = resolve_settings(options)
-    settings, note = lookup_unless_drafted(settings, options)  # as `specchat chat` does
+    settings, note = drafted_for_model(settings, options)  # as `specchat chat` does
     return open_chat(settings, profile, note)
 
 

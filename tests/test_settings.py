@@ -2,7 +2,8 @@
 
 import pytest
 
-from specchat import settings
+from specchat import embedded, settings
+from specchat.methods import QWEN_05B, QWEN_15B, drafted_for_model
 from specchat.settings import ProfileError, resolve
 
 
@@ -49,3 +50,19 @@ def test_bad_profiles_name_file_key_and_expectation(tmp_path, text, message):
 def test_unknown_profile_lists_the_known_ones():
     with pytest.raises(ProfileError, match="known: .*default"):
         resolve({}, "nonexistent")
+
+
+def test_a_model_without_the_profiles_draft_drafts_with_what_it_has(monkeypatch):
+    """--model alone, where the default profile's head was not trained for it: the smaller embedded
+    model that shares its tokenizer drafts where it is installed (the profile's lookup and pace kept),
+    else prompt lookup alone; a method or draft the user gave is never replaced."""
+    given = {"model": QWEN_15B}
+    chosen, _ = resolve(given, None)
+    monkeypatch.setattr(embedded, "installed", lambda name: name == QWEN_05B)
+    drafted, note = drafted_for_model(chosen, given)
+    assert (drafted.method, drafted.lookup, drafted.plain_when_faster) == ("sps", True, True)
+    assert note.startswith(f"no deagle draft for {QWEN_15B}: {QWEN_05B} drafts for it (sps;")
+    monkeypatch.setattr(embedded, "installed", lambda name: False)
+    drafted, note = drafted_for_model(chosen, given)
+    assert drafted.method == "pld" and "prompt lookup alone (pld;" in note
+    assert drafted_for_model(resolve({**given, "method": "pld"}, None)[0], {**given, "method": "pld"})[1] is None

@@ -34,7 +34,7 @@ from specchat.cli import heads
 from specchat.errors import SpecchatError, Terminated, UsageError, summary
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
 from specchat.logs import show_core_messages
-from specchat.methods import METHODS, bench_methods, lookup_unless_drafted
+from specchat.methods import METHODS, bench_methods, drafted_for_model
 from specchat.settings import FALSE_WORDS, FIELDS, TRUE_WORDS, ProfileError, Settings
 from specchat.ui import ChatUI
 
@@ -87,11 +87,11 @@ def resolve_settings(options: dict) -> tuple[Settings, str]:
 
 def command_settings(options: dict, verbose: bool) -> tuple[Settings, str, str | None]:
     """What a command that answers prompts (chat, run, serve) runs with: the resolved settings, the
-    profile, and the note `lookup_unless_drafted` has for them; the core's messages shown from here
+    profile, and the note `drafted_for_model` has for them; the core's messages shown from here
     on (with `verbose`, the start's phases)."""
     show_core_messages(verbose)
     settings, profile = resolve_settings(options)
-    settings, note = lookup_unless_drafted(settings, options)
+    settings, note = drafted_for_model(settings, options)
     return settings, profile, note
 
 
