@@ -301,6 +301,8 @@ def bench_command(inputs, methods, draft_for, limit, repeat, warmup, interleave,
     from specchat.bench import run_bench  # torch and transformers load here
 
     settings, profile = resolve_settings(options)
+    if methods is None:  # the method chat would run, also where --model has no draft for the profile's
+        settings, _ = drafted_for_model(settings, options)
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods is not None else bench_methods(settings)
     run_bench(list(inputs), chosen, draft_paths(draft_for), settings, profile, limit, repeat, warmup, output_dir,
               interleave, breakdown)
