@@ -5,7 +5,8 @@ A cycle can take one of three arms (`Arm`):
 - PLAIN: a plain step, nothing drafted;
 - LOOKUP: continuations found in text already seen, alone, as many nodes as pay at this machine's
   verify cost (what `pld` does): no head forward, so a cycle costs the verify forward and little more;
-- HEAD: the draft head's tree, joined by those continuations where there are any (hybrid drafting).
+- HEAD: the draft head's tree, joined by those continuations where there are any (hybrid drafting);
+  for `sps`, MODEL: the small draft model's chain, joined by them alike.
 
 Each arm's record is its recent tokens and milliseconds, a cycle's whole wall time (drafting,
 verification, bookkeeping), decayed so that recent text counts most. What lookup found splits the
