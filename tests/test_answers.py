@@ -37,13 +37,11 @@ def test_an_earlier_answer_is_found_cut_at_its_end_and_left_out_for_its_own_prom
     source.observe([9, 9, 2])
     assert [match.tokens for match in source.matches(root=3, limit=8)] == [[4, 5]]  # not into the next answer
     source.forget()
-    source.observe([7, 7])
-    source.prompted()  # a reply to the prompt [7, 7] follows: its earlier answer is not looked at
+    source.prompted([7, 7])  # a reply to the prompt [7, 7] follows: its earlier answer is not looked at
     source.observe([9, 2])
     assert source.matches(root=3, limit=8) == []
     source.forget()
-    source.observe([7, 8])
-    source.prompted()
+    source.prompted([7, 8])
     source.observe([2])
     assert source.matches(root=3, limit=8)[0].tokens == [4, 5]
 

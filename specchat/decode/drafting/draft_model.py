@@ -42,7 +42,7 @@ import torch
 
 from specchat.decode.acceptance.sampling import sample_rows, target_probs
 from specchat.decode.drafting.lookup import LookupSource, Match
-from specchat.decode.drafting.pace import Arm, Found, Pace
+from specchat.decode.drafting.pace import Arm, Found, LookupAndPace, Pace
 from specchat.decode.drafting.selection import LOOKUP_TOKENS, Candidates
 from specchat.decode.drafting.tree import DraftTree
 from specchat.decode.drafting.trust import HeadTrust, LookupRates
@@ -68,7 +68,7 @@ def check_tokenizers(target, draft) -> None:
             f"{differing} entries differ): speculative sampling needs the same vocabulary")
 
 
-class DraftModelProposer:
+class DraftModelProposer(LookupAndPace):
     """`sps`: chains of up to k tokens from the small model `draft`, on the layout its subclass keeps
     the draft's cache on; on the growing layout, given a curve, as long as pays, joined by lookup
     continuations and paced (see the module docstring)."""
@@ -105,28 +105,15 @@ class DraftModelProposer:
                 + (", with lookup" if self.lookup is not None else "") + (", paced" if self.pace is not None else ""))
 
     def rewind(self, length: int) -> int:
-        if self.lookup is not None:
-            self.lookup.rewind(length)
+        self.rewind_lookup(length)
         del self.context[length:]
         self.fed = min(self.fed, length)
         self.rewind_cache()
         return len(self.context)
 
-    def forget(self) -> None:
-        if self.lookup is not None:  # the rates and the pace stay: they describe the machine and the models
-            self.lookup.forget()
-
-    def predict(self, tokens: list[int]) -> None:
-        if self.lookup is not None:  # the draft model drafts from its own model of the context
-            self.lookup.predict(tokens)
-
     def observe(self, tokens: list[int], features) -> None:
         self.context.extend(tokens)
-        if self.lookup is not None:
-            self.lookup.observe(tokens)
-            self.lookup.prompted()
-        if self.pace is not None:  # a prompt: a new reply follows
-            self.pace.check_soon()
+        self.prompted(tokens)
 
     @torch.inference_mode()
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:

@@ -209,8 +209,10 @@ class LookupSource:
     def observe(self, tokens: list[int]) -> None:
         self.context.extend(tokens)
 
-    def prompted(self) -> None:
-        """The context holds a prompt that a reply follows: the earlier answers to it are left out."""
+    def prompted(self, tokens: list[int]) -> None:
+        """A prompt's `tokens` join the context, and a reply to it follows: the earlier answers to the
+        prompt are left out."""
+        self.observe(tokens)
         if self.earlier is not None:
             self.earlier.leave_out(prompt_key(self.context.tokens))
 

@@ -25,14 +25,17 @@ the split and in the decayed records. The records describe this machine, model a
 text, so they outlast a conversation (`specchat bench` answers each question on its own and keeps
 them, as a chat does across /clear), though weighed less in each new reply.
 
-Every arm is exact, so output is unchanged: only the pace follows the measurements. Nothing here
-imports torch.
+Every arm is exact, so output is unchanged: only the pace follows the measurements. The two paced
+drafters (a head's, a draft model's) share what they do at a prompt, a rewind and a new
+conversation (`LookupAndPace`). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from specchat.decode.drafting.lookup import LookupSource
 
 
 class Found(enum.IntEnum):
@@ -152,3 +155,31 @@ class Pace:
             for found in Found:
                 if arm is not Arm.PLAIN:
                     self.records[(arm, found)] = ArmRecord(wait=self.EXPLORE)
+
+
+class LookupAndPace:
+    """What a drafter that also looks text up and paces its arms (the head's and the draft model's
+    proposers) does at a rewind, a new conversation, a prediction and a prompt: the lookup source
+    follows the text, and a prompt starts a reply whose arms the pace tries afresh. The acceptance
+    rates and the pace outlast a conversation: they describe the machine and the models, not the text."""
+
+    lookup: LookupSource | None
+    pace: Pace | None
+
+    def rewind_lookup(self, length: int) -> None:
+        if self.lookup is not None:
+            self.lookup.rewind(length)
+
+    def forget(self) -> None:
+        if self.lookup is not None:
+            self.lookup.forget()
+
+    def predict(self, tokens: list[int]) -> None:
+        if self.lookup is not None:  # the drafter's own model drafts from the context, not from text it is shown
+            self.lookup.predict(tokens)
+
+    def prompted(self, tokens: list[int]) -> None:
+        if self.lookup is not None:
+            self.lookup.prompted(tokens)
+        if self.pace is not None:
+            self.pace.check_soon()

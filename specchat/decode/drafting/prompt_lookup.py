@@ -63,8 +63,7 @@ class LookupProposer:
         self.source.predict(tokens)
 
     def observe(self, tokens: list[int], features) -> None:
-        self.source.observe(tokens)
-        self.source.prompted()
+        self.source.prompted(tokens)
 
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         found = self.source.matches(root, min(self.k, max_depth, max_nodes))

@@ -22,7 +22,7 @@ from drafters import DraftHead
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
-from specchat.decode.drafting.pace import Arm, Found, Pace
+from specchat.decode.drafting.pace import Arm, Found, LookupAndPace, Pace
 from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates
 from specchat.decode.drafting.growth import CandidateTable, HeadSteps
 from specchat.decode.drafting.shapes import DynamicTree, StaticTree
@@ -40,7 +40,7 @@ PROMPT_CHUNK = 512  # prompt rows the fixed layout feeds the head at once (eager
 LEVEL_MS, LEVEL_DECAY = 0.8, 0.8
 
 
-class HeadProposer(HeadSteps):
+class HeadProposer(LookupAndPace, HeadSteps):
     """Proposes draft trees of one shape with a draft head (see `drafters`): the algorithm, on the
     layout its subclass keeps the head's cache on (the shapes grow through it: `HeadSteps`)."""
 
@@ -91,25 +91,12 @@ class HeadProposer(HeadSteps):
         return self.shape.describe() + (", with lookup (hybrid)" if self.lookup is not None else "") + self.described
 
     def rewind(self, length: int) -> int:
-        if self.lookup is not None:
-            self.lookup.rewind(length)
+        self.rewind_lookup(length)
         return self.rewind_cache(length)
-
-    def forget(self) -> None:
-        if self.lookup is not None:  # the acceptance rates and the pace stay: they describe the machine, the
-            self.lookup.forget()  # head and the model, not the text
-
-    def predict(self, tokens: list[int]) -> None:
-        if self.lookup is not None:  # the head alone drafts from what the target's features say, not from text
-            self.lookup.predict(tokens)
 
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
         self.pend(tokens, features)
-        if self.lookup is not None:
-            self.lookup.observe(tokens)
-            self.lookup.prompted()
-        if self.pace is not None:  # a prompt: a new reply follows
-            self.pace.check_soon()
+        self.prompted(tokens)
 
     @torch.inference_mode()
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
