@@ -356,3 +356,16 @@ def test_a_cycles_breakdown_adds_up_to_the_cycle_and_is_drawn(qwen_dir, tmp_path
         assert total == pytest.approx(parts["cycle_ms"], abs=0.01)
     assert summary["hf-pld"]["overall"]["breakdown"] is None  # transformers' generate: not timed
     assert (out / "breakdown.png").stat().st_size > 1000
+
+
+def test_bench_without_methods_measures_what_chat_would_run_for_the_model(qwen_dir, tmp_path, capsys):
+    """The default profile's method has no draft for a --model of the user's: chat would draft with
+    prompt lookup alone (`drafted_for_model`), and bench without --methods measures that, not a
+    method that cannot run."""
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("hi\n")
+    out = tmp_path / "bench"
+    code, err = _bench([str(prompts), "--model", str(qwen_dir), "--output", str(out)], capsys)
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["methods"] == ["vanilla", "pld"] and not results["meta"]["skipped"]
