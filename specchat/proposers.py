@@ -63,6 +63,13 @@ class DraftInputs:
         """The earlier answers as lookup reads them (indexed at the first method that looks them up)."""
         return self.answers.index(settings.pld_max_ngram) if self.answers is not None else None
 
+    def lookup_source(self, settings: Settings) -> LookupSource | None:
+        """Lookup continuations for a method that drafts with a head or a small model, with `--lookup`
+        (hybrid drafting: they join its drafts and compete for the verify budget)."""
+        if not settings.lookup:
+            return None
+        return LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, self.earlier(settings))
+
 
 def build_proposer(settings: Settings, target: Target, load_model: LoadModel | None = None,
                    answers: AnswerStore | None = None) -> Proposer | None:
@@ -104,12 +111,10 @@ def draft_model(settings: Settings, target: Target, inputs: DraftInputs) -> Draf
         raise MethodError(str(error)) from error
     if target.envelope is not None and draft.own_forward is None:
         raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
-    lookup = None
-    if settings.lookup:  # lookup continuations join the chain (greedy) or take cycles of their own (paced)
-        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, inputs.earlier(settings))
     curve = verify_cost_curve(target)  # where every verified token costs: chains as long as pay, up to the longest
     longest = settings.draft_tokens or (DRAFT_MODEL_LONGEST if curve is not None else DRAFT_MODEL_TOKENS)
-    return small_model.for_target(draft, target, longest, lookup=lookup, curve=curve, pace=settings.plain_when_faster)
+    return small_model.for_target(draft, target, longest, lookup=inputs.lookup_source(settings), curve=curve,
+                                  pace=settings.plain_when_faster)
 
 
 def static_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:
@@ -153,9 +158,7 @@ def _head_proposer(settings: Settings, target: Target, inputs: DraftInputs, make
             head.set_draft_logits_layer(quantized.QuantizedLinear.from_linear(rows, KERNEL_BITS[HEAD_QUANTIZE]))
         if target.envelope is None and cpu_decoder.FusedEagle3Step.fits(head):  # and an EAGLE-3 head's whole step
             fused = cpu_decoder.FusedEagle3Step(head)  # and its top-k (the growing layout's drafting)
-    lookup = curve = None
-    if settings.lookup:  # hybrid: lookup chains compete with the head's nodes for the verify budget
-        lookup = LookupSource(settings.pld_max_ngram, settings.pld_min_ngram, inputs.earlier(settings))
+    lookup, curve = inputs.lookup_source(settings), None
     if settings.lookup or settings.plain_when_faster:  # both weigh what a verified token costs here
         curve = verify_cost_curve(target)
     try:

@@ -95,6 +95,7 @@ class DraftModelProposer(LookupAndPace):
         self.pace = Pace(curve.cost(1), arms) if pace and curve is not None and self.paced else None
         self.arm, self.found = Arm.MODEL, Found.NOTHING  # this cycle's (`Pace`)
         self.matches: list[Match] = []
+        self.along: list[tuple[list[float], list[int], list[float]]] = []  # per match, `LookupRates.along` (read once)
         self.lookup_tree: DraftTree | None = None  # the LOOKUP arm's tree, chosen in `prepare`
         self.step_ms: float | None = None  # a draft step's cost, decayed (after the first, which catches up)
         self.started, self.max_nodes = 0.0, 0
@@ -119,12 +120,13 @@ class DraftModelProposer(LookupAndPace):
     def prepare(self, root: int, max_depth: int, max_nodes: int) -> int:
         self.started, self.max_nodes = time.perf_counter(), max_nodes
         nodes = self.budget(max_depth, max_nodes)
-        self.matches = []
+        self.matches, self.along = [], []
         if nodes and self.lookup is not None:
             self.matches = self.lookup.matches(root, min(LOOKUP_TOKENS, max_depth, max_nodes))
+            self.along = [self.rates.along(match) for match in self.matches]
         self.arm = Arm.MODEL
         if nodes and self.pace is not None:
-            likeliest = self.rates.along(self.matches[0])[0][0] if self.matches else 0.0
+            likeliest = self.along[0][0][0] if self.along else 0.0
             self.found = Found.of(bool(self.matches), likeliest)
             self.arm = self.pace.choose(self.found)
             if self.arm is Arm.PLAIN:
@@ -188,8 +190,8 @@ class DraftModelProposer(LookupAndPace):
         scores = list(itertools.accumulate(math.log(max(prob, 1e-9)) for prob in probs))
         candidates = Candidates(list(tokens), list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)),
                                 list(probs), scores)
-        for match in self.matches:
-            candidates.add_chain(match.tokens, *self.rates.along(match))
+        for match, along in zip(self.matches, self.along):
+            candidates.add_chain(match.tokens, *along)
         return candidates
 
     def _vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
