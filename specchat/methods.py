@@ -148,8 +148,8 @@ def drafted_for_model(settings, given: dict) -> tuple[object, str | None]:
     none, and no --method or --draft given, chat and run draft with what that model has rather than
     fail on a flag the user never gave, and say so: the smaller embedded model that shares its
     tokenizer where it is installed (`sps`, chains as long as pay, with the profile's lookup and pace:
-    on the embedded 1.5B, 1.46x its plain decoding on 5 general prompts where prompt lookup alone gave
-    1.17x, two AVX-512 cores, README), else prompt lookup alone (`pld`: it needs no draft). Returns
+    on the embedded 1.5B, 1.46x its plain decoding on general10 where prompt lookup alone gave 1.17x,
+    two AVX-512 cores of an Intel Xeon, README), else prompt lookup alone (`pld`: it needs no draft). Returns
     the settings and the note to show, if any."""
     if not (given.get("model") and not given.get("method") and not given.get("draft")
             and needs_draft(settings.method) and not effective_draft(settings)):
