@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import io
 import json
 import logging
 import os
@@ -147,7 +146,7 @@ def _gguf_parsed_once():
     slices through Python-level methods, and reading the 455k metadata parts of Qwen2.5's
     vocabulary that way took 17 s on a Zen 3 core (of a first start's 90 s). And gguf-py's map of
     tensor names, which transformers builds again for every module of the model (~2.3 s of a
-    0.5B's conversion on a Xeon core), is built once per architecture and depth."""
+    0.5B's conversion on a Xeon core), is built once per architecture and depth. Its bar is not drawn."""
     import gguf  # the GGUF library loads where a file is converted: a start from a converted folder needs none
     import numpy
     from transformers import modeling_gguf_pytorch_utils as gguf_loading  # (loaded already: converting)
@@ -180,11 +179,16 @@ def _gguf_parsed_once():
 
     gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
     gguf.get_tensor_name_map = functools.cache(name_map)  # (transformers only reads the map)
+    # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it.
+    # Turned off where it is drawn, not by taking stderr from the whole process (another thread's line
+    # would go with it).
+    bar = gguf_loading.tqdm
+    gguf_loading.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
         gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = original, parse
-        gguf.get_tensor_name_map = name_map
+        gguf.get_tensor_name_map, gguf_loading.tqdm = name_map, bar
 
 
 def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
@@ -196,8 +200,7 @@ def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
 
     quiet_transformers()
     try:
-        # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it
-        with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():
+        with _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             model = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,

@@ -210,3 +210,28 @@ def test_gguf_pys_tensor_name_map_is_built_once_per_architecture_while_convertin
         first, second, deeper = get_tensor_name_map(1, 24), get_tensor_name_map(1, 24), get_tensor_name_map(1, 28)
     assert first is second and deeper is not first and built == [(1, 24), (1, 28)]
     assert gguf_package.get_tensor_name_map is counting_map  # put back afterwards
+
+
+def test_the_gguf_readers_bar_is_not_drawn_and_stderr_stays_the_processes(tmp_path, capfd, monkeypatch):
+    """transformers draws a tqdm bar of its own while it dequantizes a GGUF's tensors; the conversion
+    says its one line instead. The bar is turned off where it is drawn: stderr is not taken from the
+    whole process meanwhile, where another thread's line (an error among them) would go with it."""
+    import transformers
+
+    assert "tqdm(" in inspect.getsource(modeling_gguf_pytorch_utils.load_gguf_checkpoint)  # where it is drawn
+    drawn = modeling_gguf_pytorch_utils.tqdm
+
+    class Tokenizer:  # what transformers does while converting: its bar, and meanwhile another thread's line
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            for _ in modeling_gguf_pytorch_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+                pass
+            print("another thread's line", file=sys.stderr)
+            raise ValueError("stop here")
+
+    monkeypatch.setattr(transformers, "AutoTokenizer", Tokenizer)
+    with pytest.raises(ModelLoadError, match="stop here"):
+        conversion.write_hf_folder(tmp_path / "m.gguf", torch.bfloat16, tmp_path / "out")
+    assert modeling_gguf_pytorch_utils.tqdm is drawn  # put back afterwards
+    err = capfd.readouterr().err
+    assert "another thread's line" in err and "de-quantizing" not in err
