@@ -95,18 +95,24 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
 
 
 def test_a_curve_measured_on_a_busy_machine_or_of_no_machine_s_shape_is_not_kept(qwen_dir, monkeypatch):
-    target = load_tiny_target(qwen_dir)
+    """Not kept: measured again at the next start (a target loaded again), and taken as it is by the
+    same start's later calls (a tree's size, then its proposer), not measured twice."""
     shapes = iter([{1: 10.0, 4: 120.0, 8: 30.0}, {1: 10.0, 4: 12.0, 8: 15.0}, {1: 10.0, 4: 12.0, 8: 15.0}])
-    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: Curve(next(shapes)))
+    measured = []
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: measured.append(1) or Curve(next(shapes)))
     monkeypatch.setattr(calibrate, "other_processes_share", Load)
-    first = calibrate.cached_curve(target)  # 4 tokens dearer per token than 1: not kept, made monotonic
+    first_start = load_tiny_target(qwen_dir)
+    first = calibrate.cached_curve(first_start)  # 4 tokens dearer per token than 1: not kept, made monotonic
     assert first.milliseconds == {1: 10.0, 4: 120.0, 8: 120.0}
+    assert calibrate.cached_curve(first_start) is first and len(measured) == 1  # the same start: not measured again
     monkeypatch.setattr(Load, "share", 0.5)
-    assert calibrate.cached_curve(target).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}  # measured again, not kept
+    second = calibrate.cached_curve(load_tiny_target(qwen_dir))
+    assert second.milliseconds == {1: 10.0, 4: 12.0, 8: 15.0} and len(measured) == 2  # measured again, not kept
     monkeypatch.setattr(Load, "share", 0.0)
-    assert calibrate.cached_curve(target).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}  # measured again, kept
+    third = calibrate.cached_curve(load_tiny_target(qwen_dir))
+    assert third.milliseconds == {1: 10.0, 4: 12.0, 8: 15.0} and len(measured) == 3  # measured again, kept
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("kept: not measured again"))
-    assert calibrate.cached_curve(target).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}
+    assert calibrate.cached_curve(load_tiny_target(qwen_dir)).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}
 
 
 def test_live_forwards_rescale_a_curve_they_contradict_and_only_a_too_dear_one_is_kept():

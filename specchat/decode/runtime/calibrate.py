@@ -42,6 +42,7 @@ import json
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -236,9 +237,16 @@ def implausible(milliseconds: dict[int, float]) -> str | None:
     return None
 
 
+# A curve not kept is measured again at the next start, not at the next call of the same start: a
+# tree's size and then its proposer ask for it (two measurements, each seconds, on a machine already busy).
+_unkept_this_start: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its curve
+
+
 def cached_curve(target) -> Curve:
     """The curve for this machine and target, measured on first use (a few seconds), kept unless the
     machine was busy meanwhile or the curve's shape is implausible (the module docstring)."""
+    if (unkept := _unkept_this_start.get(target)) is not None:
+        return unkept
     path = cache_dir() / "verify-cost.json"
     key = _key(target)
     stored = _read(path).get(key)
@@ -258,6 +266,7 @@ def cached_curve(target) -> Curve:
         running = 0.0
         curve.milliseconds = {n: (running := max(running, ms)) for n, ms in sorted(curve.milliseconds.items())}
         curve.measured, curve.kept = dict(curve.milliseconds), dict(curve.milliseconds)
+        _unkept_this_start[target] = curve
     curve.on_rescaled = lambda rescaled: _keep(path, key, rescaled)
     return curve
 
