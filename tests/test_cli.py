@@ -64,6 +64,12 @@ def test_bad_invocations_fail_in_one_line(args, code, message, capsys, monkeypat
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args,shows", [([], "Commands:"), (["data"], "Commands:")])
+def test_a_group_without_its_command_shows_its_help_not_an_error(args, shows, capsys):
+    code, out, err = invoke(args, capsys)
+    assert code in (0, 2) and shows in out + err and "error" not in err and "(see --help)" not in err
+
+
 @pytest.mark.parametrize("variable,value,flag", [("SPECCHAT_TEMPERATURE", "warm", "--temperature"),
                                                  ("SPECCHAT_METHOD", "fastest", "--method")])
 def test_a_bad_environment_value_names_the_variable(variable, value, flag, capsys, monkeypatch):

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
 EXIT_RUNTIME, EXIT_USAGE, EXIT_TERMINATED = SpecchatError.exit_code, UsageError.exit_code, Terminated.exit_code
+# A group called without its command: click 8.2 and later raise this usage error, whose message is the
+# group's help (click 8.1 shows the help itself and exits; then nothing is caught here)
+NO_COMMAND_GIVEN = getattr(click.exceptions, "NoArgsIsHelpError", ())
 terminal_chat_ran = False  # set by `chat` when its terminal chat starts: main() then leaves at once
 piped_chat_ran = False  # set by `chat` when it answers a pipe: main() then leaves at once, run as the command itself
 
@@ -415,6 +418,9 @@ def run_command(argv: list[str] | None) -> None:
     except SpecchatError as error:
         click.echo(f"specchat: error: {error}", err=True)
         sys.exit(error.exit_code)
+    except NO_COMMAND_GIVEN as asked:  # `specchat` (or `specchat data`) alone: the help, not an error line
+        click.echo(asked.format_message(), err=True)
+        sys.exit(EXIT_USAGE)
     except click.UsageError as error:  # one line, like every other error (--help shows the usage)
         click.echo(f"specchat: error: {error.format_message()} (see --help)", err=True)
         sys.exit(EXIT_USAGE)
