@@ -1,5 +1,7 @@
 """The verify-cost curve and the tree size it picks."""
 
+import json
+
 import pytest
 
 from conftest import load_tiny_target
@@ -69,8 +71,6 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
     """A curve measured on a busy machine (monotonic, so it is not measured again at load) is far
     dearer than what live verify forwards take: the first reply rescales it, and the rescaled one
     is what the cache keeps."""
-    import json
-
     from conftest import random_head
     from specchat.decode.engine.engine import Engine, GenerationSettings
     from specchat.decode.drafting import heads
@@ -219,3 +219,14 @@ def test_a_right_curve_costs_a_few_probes_of_the_sizes_just_past_its_best():
     sizes = _copy_cycles(curve, steep, 20 * calibrate.PROBE_EVERY)
     assert sizes.count(3) == sizes.count(4) == calibrate.LIVE_EVIDENCE and set(sizes) == {2, 3, 4}
     assert curve.milliseconds == steep
+
+
+def test_the_cache_keeps_the_newest_curves_only(tmp_path, monkeypatch):
+    """A changed kernel or thread count keys every model anew: the cache keeps the KEPT_CURVES newest
+    (measured or healed) and drops the oldest, whatever else wrote it."""
+    path = tmp_path / "verify-cost.json"
+    monkeypatch.setattr(calibrate, "KEPT_CURVES", 3)
+    for n in range(5):
+        calibrate._keep(path, f"model-{n}", Curve({1: float(n + 1)}))
+    calibrate._keep(path, "model-2", Curve({1: 9.0}))  # healed again: the newest now
+    assert list(json.loads(path.read_text())) == ["model-3", "model-4", "model-2"]

@@ -73,6 +73,7 @@ BUSY_SHARE = 0.15  # other processes' share of the CPU while measuring above whi
 LIVE_WINDOW, LIVE_EVIDENCE = 5, 3
 TOO_CHEAP, TOO_DEAR = 0.6, 1.6
 SIZE_AGREES = (0.75, 1.33)  # a measured size's live median ratio outside these heals it (`Curve.observe`)
+KEPT_CURVES = 32  # curves the cache keeps, the most recently measured or healed
 PROBE_EVERY = 8  # cycles between probes of the size above those live forwards have confirmed (`Curve.probe`)
 
 
@@ -280,7 +281,10 @@ def _read(path) -> dict:
 
 def _keep(path, key: str, curve: Curve) -> None:
     """Store `curve` (what it keeps: `Curve.kept`) under `key` (read again first: another process may
-    have stored other keys)."""
+    have stored other keys), the newest last; the oldest beyond KEPT_CURVES go (a changed kernel or
+    thread count keys every model anew, and a model folder that is gone leaves its key behind)."""
     known = _read(path)
+    known.pop(key, None)
     known[key] = curve.kept
-    replace_atomically(path, lambda partial: partial.write_text(json.dumps(known, indent=1)))
+    kept = dict(list(known.items())[-KEPT_CURVES:])
+    replace_atomically(path, lambda partial: partial.write_text(json.dumps(kept, indent=1)))
