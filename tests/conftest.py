@@ -103,13 +103,29 @@ def core_messages():
     show_core_messages()
 
 
+def isolate(patch: pytest.MonkeyPatch, root) -> None:
+    """Caches, profiles and history under `root`, out of the user's home (the cache stays the real one
+    where SPECCHAT_TEST_REAL_CACHE asks for it)."""
+    if os.environ.get("SPECCHAT_TEST_REAL_CACHE") is None:
+        patch.setenv("SPECCHAT_CACHE_DIR", str(root / "cache"))
+    patch.setenv("XDG_CONFIG_HOME", str(root / "config"))
+    patch.setenv("XDG_STATE_HOME", str(root / "state"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_session_dirs(tmp_path_factory):
+    """What module- and session-scoped fixtures write (a chat opened once for a module's tests measured
+    its verify-cost curve into the user's cache) goes to the run's folders: they are set up before
+    any test's own."""
+    with pytest.MonkeyPatch.context() as patch:
+        isolate(patch, tmp_path_factory.mktemp("session-dirs"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def isolated_dirs(tmp_path, monkeypatch):
-    """Keep caches, profiles and history of tests out of the user's home."""
-    if os.environ.get("SPECCHAT_TEST_REAL_CACHE") is None:
-        monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    """Each test's caches, profiles and history in folders of its own."""
+    isolate(monkeypatch, tmp_path)
 
 
 LAYOUTS = {"growing": "off", "fixed": "on"}  # the engine's layouts, by the --cuda-graphs that gives each on a CPU

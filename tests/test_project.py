@@ -199,3 +199,17 @@ def test_a_foreign_drafters_package_is_named_not_used(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert run.returncode != 0
     assert "shadowed by another package of that name" in run.stderr and "pip uninstall drafters" in run.stderr
+
+
+@pytest.fixture(scope="module")
+def cache_a_module_fixture_sees():
+    return os.environ.get("SPECCHAT_CACHE_DIR")
+
+
+def test_module_fixtures_write_into_the_runs_folders_not_the_users_cache(cache_a_module_fixture_sees, tmp_path_factory):
+    """A module-scoped fixture is set up before a test's own folders are: test_serve's chat, opened
+    once for the module, measured its verify-cost curve into ~/.cache/specchat on every run."""
+    if os.environ.get("SPECCHAT_TEST_REAL_CACHE") is not None:
+        pytest.skip("the real cache was asked for")
+    assert cache_a_module_fixture_sees is not None
+    assert Path(cache_a_module_fixture_sees).is_relative_to(tmp_path_factory.getbasetemp())
