@@ -23,6 +23,14 @@ def process_start() -> float:
 PROCESS_START = process_start()
 
 
+class AnswerLine:
+    """Whether a streamed answer has left its line on the terminal unfinished (`ui.AnswerWriter` says):
+    a core message meanwhile (`--verbose`'s healed curve, a warning) then starts on a line of its own
+    rather than inside the answer's words, where stdout and stderr share one terminal."""
+
+    open = False
+
+
 class CoreLines(logging.Handler):
     """The decoding core's messages (`logging.getLogger("specchat")`) as one `specchat: ` line each on
     stderr, written to whatever stderr is at the time (a test's capture included); a debug line (a
@@ -32,6 +40,9 @@ class CoreLines(logging.Handler):
         line = record.getMessage()
         if record.levelno <= logging.DEBUG:
             line = f"{record.created - PROCESS_START:6.2f}s  {line}"
+        if AnswerLine.open and sys.stdout.isatty() and sys.stderr.isatty():
+            print(file=sys.stderr)  # off the answer's unfinished line; the answer goes on below
+            AnswerLine.open = False
         print(f"specchat: {line}", file=sys.stderr, flush=True)
 
 

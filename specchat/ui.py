@@ -22,6 +22,8 @@ from rich.text import Text
 from rich.tree import Tree
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from specchat.logs import AnswerLine
+
 PLAIN_INTERVAL = 30.0
 
 
@@ -148,6 +150,7 @@ class AnswerWriter:
         # Written directly rather than through rich, which would expand tabs and re-wrap lines.
         self.file.write(style.render(text, color_system=self.color_system) if style else text)
         self.file.flush()
+        AnswerLine.open = not text.endswith("\n")
 
 
 class ChatUI:
@@ -178,6 +181,7 @@ class ChatUI:
     def end_answer(self, interrupted: bool = False) -> None:
         self.out.file.write("\n")
         self.out.file.flush()
+        AnswerLine.open = False
         if interrupted:
             self.note("(interrupted; the partial answer stays in the conversation)")
 

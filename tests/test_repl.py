@@ -7,10 +7,12 @@ chat printed from a rich console on a string buffer.
 import dataclasses
 import io
 import json
+import logging
 import os
 import re
 import time
 from contextlib import closing
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -507,3 +509,30 @@ def test_sigterm_ends_the_chat_with_143(qwen_dir, env):
     terminal.process.send_signal(signal.SIGTERM)
     status, _ = terminal.exit_after(5)
     assert status == 143 and b"specchat: terminated" in terminal.screen, terminal.screen[-2000:]
+
+
+class SharedScreen(io.StringIO):
+    """stdout and stderr on one terminal."""
+
+    def isatty(self):
+        return True
+
+
+def test_a_core_message_mid_answer_starts_a_line_of_its_own_on_a_shared_terminal(monkeypatch):
+    """`--verbose`'s healed-curve line came inside the answer's words ("Naturespecchat: 3.36s live
+    verify ..."): on one terminal, a core message mid-line goes below the answer's unfinished line."""
+    screen = SharedScreen()
+    monkeypatch.setattr("sys.stdout", screen)
+    monkeypatch.setattr("sys.stderr", screen)
+    ui = ChatUI(Console(file=screen, soft_wrap=True, highlight=False))
+    writer = ui.answer()
+    core = logging.getLogger("specchat.decode")
+    writer.write(SimpleNamespace(text="Whispers of the sea,\n"))
+    core.warning("at a line's start")
+    writer.write(SimpleNamespace(text="Nature"))
+    core.warning("mid-line")
+    writer.write(SimpleNamespace(text="'s beauty."))
+    ui.end_answer()
+    core.warning("after the answer")
+    assert screen.getvalue() == ("Whispers of the sea,\nspecchat: at a line's start\nNature\nspecchat: mid-line\n"
+                                 "'s beauty.\nspecchat: after the answer\n")
