@@ -45,8 +45,7 @@ def test_a_category_below_plain_or_a_differing_answer_fails_its_row(out):
     results = json.loads(path.read_text())
     changed = copy.deepcopy(results)
     category = next(name for name in changed["summary"]["deagle"] if name != "overall")
-    plain = changed["summary"]["vanilla"][category]["decode_tokens_per_s"]
-    changed["summary"]["deagle"][category]["decode_tokens_per_s"] = 0.9 * plain
+    changed["summary"]["deagle"][category]["decode_speedup"] = 0.9  # (bench's decode rate over plain decoding's)
     changed["summary"]["deagle"]["overall"]["identical"] = 0.9
     path.write_text(json.dumps(changed))
     verdicts = by_target(targets.evaluate(out))
