@@ -121,12 +121,15 @@ def test_live_forwards_rescale_a_curve_they_contradict_and_only_a_too_dear_one_i
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 21.0)  # agrees: nothing changes
     assert curve.milliseconds == {1: 10.0, 4: 20.0} and not kept
+    assert curve.cost(2) == pytest.approx(10 + 10 / 3)
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 60.0)  # the machine is busy now: dearer for this session, not kept
     assert curve.milliseconds == {1: 30.0, 4: 60.0} and not kept
+    assert curve.cost(2) == pytest.approx(40.0)  # the costs read before are not reused
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 6.0)
     assert curve.milliseconds == {1: 3.0, 4: 6.0} and kept == [curve]
+    assert curve.cost(2) == pytest.approx(4.0) and curve.cost(8) == pytest.approx(10.0)
 
 
 def test_a_curve_wrong_in_its_shape_is_healed_size_by_size_and_the_sizes_above_with_it():

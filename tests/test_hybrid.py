@@ -91,6 +91,20 @@ def test_a_lookup_chain_merges_with_the_heads_nodes_where_they_agree():
     assert tree.depths[-1] >= 3 and Source.LOOKUP in tree.sources  # the chain goes past the head's depth
 
 
+def test_the_values_read_before_a_chain_joins_are_not_reused_after():
+    def head_nodes():
+        return Candidates(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2], probs=[0.5, 0.3, 0.5],
+                          scores=[-0.69, -1.2, -1.39])
+
+    read_early, fresh = head_nodes(), head_nodes()
+    assert read_early.values(0.8) == fresh.values(0.8)
+    for candidates in (read_early, fresh):  # merges with 5 and 7 (their scores rise) and adds a node
+        candidates.add_chain([5, 7, 9], [0.9] * 3, [6] * 3)
+    fresh = Candidates(fresh.tokens, fresh.parents, fresh.depths, fresh.probs, fresh.scores, fresh.sources,
+                       fresh.evidence, fresh.shares)
+    assert read_early.values(0.8) == fresh.values(0.8) and len(read_early.values(0.8)) == 4
+
+
 def test_the_budget_verifies_a_long_confident_chain_and_little_of_a_weak_one():
     def chain(accept):
         candidates = Candidates([], [], [], [], [])

@@ -123,10 +123,12 @@ class _SeededSteps(HeadSteps):
 
     def __init__(self, seed: int, vocab: int = 40, hidden: int = 8, entries: int = 64):
         generator = torch.Generator().manual_seed(seed)
-        self.embed = torch.randn(vocab, hidden, generator=generator)
+        self.embed = torch.randn(100 + vocab, hidden, generator=generator)  # by target id
         self.lm_head = torch.randn(hidden, vocab, generator=generator) * 2
         self.entry_vectors = torch.randn(entries, hidden, generator=generator) * 0.5
         self.floor = -1.5 - 2 * float(torch.rand((), generator=generator))
+        self.vocabulary = 100 + torch.randperm(vocab, generator=generator)  # draft ids -> target ids
+        self.target_ids = self.vocabulary.tolist()  # (`HeadSteps.to_target_on_host`)
 
     def feed(self, hidden, tokens, level, first_entry, entries, both=False):
         seen = entries.float() @ self.entry_vectors[: entries.shape[1]]
@@ -136,7 +138,7 @@ class _SeededSteps(HeadSteps):
         return torch.log_softmax(outputs @ self.lm_head, -1).topk(k, dim=-1)
 
     def to_target(self, draft_ids):
-        return draft_ids
+        return self.vocabulary[draft_ids]
 
     def stops(self, fired, growth):
         return bool(fired)

@@ -22,6 +22,9 @@ class HeadSteps(ABC):
 
     def __init__(self, head: DraftHead):
         self.head = head
+        # `to_target` on host lists (a growth on the host reads each level's ids anyway; a tensor lookup
+        # cost more than the level's Python around it)
+        self.target_ids = None if head.draft_to_target is None else head.draft_to_target.tolist()
 
     @abstractmethod
     def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, first_entry: int,
@@ -60,6 +63,10 @@ class HeadSteps(ABC):
         """Draft-vocabulary ids as target ids."""
         table = self.head.draft_to_target
         return draft_ids if table is None else table[draft_ids]
+
+    def to_target_on_host(self, draft_ids: list[int]) -> list[int]:
+        """`to_target` of host ids."""
+        return draft_ids if self.target_ids is None else [self.target_ids[i] for i in draft_ids]
 
 
 @dataclass

@@ -61,6 +61,9 @@ class Candidates:
     sources: list[Source] = field(default_factory=list)  # empty: all the head's
     evidence: list[int] = field(default_factory=list)  # per lookup node, its match's strength (else 0)
     shares: list[float] = field(default_factory=list)  # per lookup node, its continuation's share (else 1)
+    # `values` by (head trust, lookup trust), until a chain is added: a cycle's rate rule after its last
+    # draft level and its selection value the same candidates
+    _values: dict[tuple[float, float], list[float]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_table(cls, table: CandidateTable | HostTable) -> Candidates:
@@ -80,6 +83,7 @@ class Candidates:
         occurrences weighed (`LookupRates.along`; None: all of them); where the head or an earlier chain
         proposed the same token under the same parent, the node is shared."""
         shares = [1.0] * len(tokens) if shares is None else shares
+        self._values.clear()
         if not self.sources:
             self.sources = [Source.HEAD] * len(self.tokens)
             self.evidence = [0] * len(self.tokens)
@@ -127,6 +131,8 @@ class Candidates:
         parent) counts `lookup_trust` as often given its parent, and a node's children count at
         most one acceptance together (siblings exclude each other: one token follows a node), each
         scaled with its subtree."""
+        if (head_trust, lookup_trust) in self._values:
+            return self._values[(head_trust, lookup_trust)]
         sources = self.sources or [Source.HEAD] * len(self.scores)
         alone = [math.exp(score) * (head_trust if source == Source.HEAD else 1.0)
                  for score, source in zip(self.scores, sources)]
@@ -149,6 +155,7 @@ class Candidates:
         value = [0.0] * len(alone)
         for node, parent in enumerate(self.parents):  # parents come before their children
             value[node] = given[node] * (1.0 if parent < 0 else value[parent])
+        self._values[(head_trust, lookup_trust)] = value
         return value
 
     def rate_choice(self, curve: Curve, drafting_ms: float, max_nodes: int, kept: list[int] = (),

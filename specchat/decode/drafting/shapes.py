@@ -243,7 +243,8 @@ class DynamicTree:
         keep, device = self.verified(max_nodes), root_hidden.device
         top_logp, top_ids = (best[0, :k] for best in (root_top or steps.top(root_hidden[None], k)))
         scores = top_logp.tolist()
-        table = HostTable(steps.to_target(top_ids).tolist(), [-1] * k, [1] * k, list(scores), list(scores), vote)
+        table = HostTable(steps.to_target_on_host(top_ids.tolist()), [-1] * k, [1] * k, list(scores), list(scores),
+                          vote)
         beam, beam_scores = list(range(k)), [scores]
         if depth > 1:
             beam = steps.narrow_on_host(table, beam, 1)
@@ -271,7 +272,7 @@ class DynamicTree:
             out, child_logp, child_ids = steps.feed_top(hidden, torch.tensor([table.tokens[node] for node in beam],
                                                                              device=device),
                                                         level, entries_fed, torch.tensor(mask, device=device), k)
-            child_logp, child_ids = child_logp.tolist(), steps.to_target(child_ids).tolist()
+            child_logp, child_ids = child_logp.tolist(), [steps.to_target_on_host(ids) for ids in child_ids.tolist()]
             first_child = table.filled
             child_scores = [table.scores[node] + logp for node, logps in zip(beam, child_logp) for logp in logps]
             table.write([token for ids in child_ids for token in ids], [node for node in beam for _ in range(k)],

@@ -6,6 +6,8 @@ lookup node is accepted where the head drafted another child of its parent (`Con
 
 from __future__ import annotations
 
+import bisect
+
 from specchat.decode.drafting.lookup import Match
 from specchat.decode.drafting.tree import Cycle, Source
 
@@ -29,7 +31,7 @@ class LookupRates:
         self.counts = [list(self.PRIOR) for _ in self.BUCKETS]
 
     def _bucket(self, evidence: int) -> int:
-        return max(i for i, low in enumerate(self.BUCKETS) if evidence >= low or i == 0)
+        return max(0, bisect.bisect_right(self.BUCKETS, evidence) - 1)
 
     def estimate(self, evidence: int, share: float = 1.0) -> float:
         accepted, offered = self.counts[self._bucket(evidence)]

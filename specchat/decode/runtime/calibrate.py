@@ -92,9 +92,13 @@ class Curve:
     # long context or on a busy machine, stays so for this session only)
     kept: dict[int, float] = field(init=False, repr=False, compare=False)
     cycles: int = field(default=0, repr=False, compare=False)  # selections seen (`probe`)
+    # `cost` by n for the `milliseconds` it was read from: the rate rules ask for a dozen sizes at each
+    # draft level (the dict is replaced when the curve changes, never changed in place)
+    _costs: tuple[dict[int, float], dict[int, float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.measured, self.kept = dict(self.milliseconds), dict(self.milliseconds)
+        self._costs = (self.milliseconds, {})
 
     def observe(self, n: int, milliseconds: float) -> None:
         """A live forward of n tokens (a verify step) took `milliseconds`; a curve the latest ones
@@ -178,6 +182,14 @@ class Curve:
     def cost(self, n: int) -> float:
         """Milliseconds for a forward of n tokens: interpolated between measured sizes, extended
         linearly past the largest."""
+        read_from, costs = self._costs
+        if read_from is not self.milliseconds:
+            read_from, costs = self._costs = (self.milliseconds, {})
+        if n not in costs:
+            costs[n] = self._interpolated(n)
+        return costs[n]
+
+    def _interpolated(self, n: int) -> float:
         sizes = sorted(self.milliseconds)
         if n <= sizes[0]:
             return self.milliseconds[sizes[0]]
