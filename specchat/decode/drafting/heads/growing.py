@@ -85,7 +85,8 @@ class GrowingHead(HeadProposer):
     def context_pass(self, root: int, span: None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Feed the pending (feature, next token) pairs; return the output that predicts the root's
         children, with its top-k where the fused step computed them in the same call (else None)."""
-        features = self.pending_features[0] if len(self.pending_features) == 1 else torch.cat(self.pending_features)
+        pending = self.pending_features
+        features = pending[0] if len(pending) == 1 else torch.cat(pending)
         count = len(self.pending_tokens)
         next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
         positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
