@@ -54,6 +54,28 @@ def test_a_category_below_plain_or_a_differing_answer_fails_its_row(out):
     assert not verdicts["cpu10: answers identical to plain decoding's"].met
 
 
+def test_a_sampled_set_is_judged_whole_and_its_categories_are_listed(out):
+    """Sampled answers differ by method in length and text: a category's one or few answers are the
+    scope's figure, the set's over plain decoding the issue's."""
+    path = out / "b-cpu10-t1" / "results.json"
+    results = json.loads(path.read_text())
+    summary = results["summary"]["deagle"]
+    category = next(name for name in summary if name != "overall")
+    summary[category]["decode_speedup"] = 0.92
+    path.write_text(json.dumps(results))
+    verdicts = by_target(targets.evaluate(out))
+    below = verdicts["cpu10-t1: no category below plain (1 sampled answer a prompt)"]
+    assert not below.met and not below.done_when and below.measured == f"{category} 0.92x"
+    whole = verdicts["cpu10-t1: default over plain (T=1)"]
+    assert whole.met and whole.done_when and whole.measured == f"{summary['overall']['decode_speedup']:.2f}x"
+    summary["overall"]["decode_speedup"] = 0.98
+    results["meta"]["repeat"] = 3
+    path.write_text(json.dumps(results))
+    verdicts = by_target(targets.evaluate(out))
+    assert not verdicts["cpu10-t1: default over plain (T=1)"].met
+    assert "cpu10-t1: no category below plain (3 sampled answers a prompt)" in verdicts
+
+
 def test_the_class_is_the_kernel_path_the_benches_ran_and_one_for_all(out):
     assert targets.cpu_class("int5 weights, avx2 (forced) kernel, bfloat16 activations") == "avx2"
     assert targets.cpu_class("int5 weights, avx512 kernel, bfloat16 activations") == "avx512"

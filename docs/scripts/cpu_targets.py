@@ -39,6 +39,11 @@ class PromptSet:
     max_new_tokens: int
     temperature: float
     held_out: bool  # prompts no head or store was trained or tuned on (the issue's speed targets)
+    # Answers a prompt per method. Sampled answers differ from method to method in what they say and how
+    # long they run, and a step's cost grows with the context: one answer a prompt is a measure of its
+    # length as much as of the method (on the AVX2 path, 2026-11-29, the same two prompts' plain steps
+    # took 16.4-20.5 ms by answer), so a sampled set is answered several times
+    repeat: int = 1
 
 
 SETS = (
@@ -46,7 +51,7 @@ SETS = (
     PromptSet("humaneval20", "humaneval20", 256, 0.0, True),
     PromptSet("rewrite10", "rewrite10", 256, 0.0, False),
     PromptSet("cpu10", "cpu10", 128, 0.0, False),
-    PromptSet("cpu10-t1", "cpu10", 128, 1.0, False),
+    PromptSet("cpu10-t1", "cpu10", 128, 1.0, False, repeat=3),
     PromptSet("edit10", "edit10", 256, 0.0, False),
     PromptSet("low-copy10", "low-copy10", 128, 0.0, False),
 )
@@ -119,9 +124,17 @@ def drafts_verdicts(results: dict[str, dict], estimates: list[dict] | None) -> l
             verdicts.append(Verdict(47, f"{name}: default over plain", f"{over_plain:.2f}x", f">= {REWRITE_OVER_PLAIN}x",
                                     over_plain >= REWRITE_OVER_PLAIN))
         below = {category: value for category, value in by_category.items() if value < 1.0}
-        verdicts.append(Verdict(47, f"{name}: no category below plain" + (" (T=1)" if prompt_set.temperature else ""),
-                                ", ".join(f"{category} {value:.2f}x" for category, value in below.items()) or "none",
-                                ">= 1.0x each", not below))
+        listed = ", ".join(f"{category} {value:.2f}x" for category, value in below.items()) or "none"
+        if prompt_set.temperature:  # the set is the issue's figure; a category's few sampled answers, the scope's
+            over_plain = by_category["overall"]
+            verdicts.append(Verdict(47, f"{name}: default over plain (T={prompt_set.temperature:g})",
+                                    f"{over_plain:.2f}x", ">= 1.0x", over_plain >= 1.0))
+            answers = results[name]["meta"]["repeat"]
+            verdicts.append(Verdict(47, f"{name}: no category below plain ({answers} sampled answer"
+                                    f"{'s' if answers > 1 else ''} a prompt)", listed, ">= 1.0x each", not below,
+                                    done_when=False))
+        else:
+            verdicts.append(Verdict(47, f"{name}: no category below plain", listed, ">= 1.0x each", not below))
         if not prompt_set.temperature:
             same = summary[DEFAULT]["overall"]["identical"]
             verdicts.append(Verdict(47, f"{name}: answers identical to plain decoding's", f"{same:.0%}", "100%",
@@ -201,7 +214,8 @@ def measure_drafts(out: Path, env: dict, names: set[str]) -> None:
     for prompt_set in (prompt_set for prompt_set in SETS if prompt_set.name in names):
         specchat(["bench", str(PROMPTS / f"{prompt_set.prompts}.jsonl"), "--methods", f"{PLAIN},{DEFAULT},{LOOKUP}",
                   "--max-new-tokens", str(prompt_set.max_new_tokens), "--temperature", str(prompt_set.temperature),
-                  *(["--seed", "1"] if prompt_set.temperature else []), "--interleave", "--breakdown",
+                  *(["--seed", "1"] if prompt_set.temperature else []), "--repeat", str(prompt_set.repeat),
+                  "--interleave", "--breakdown",
                   "-o", str(out / f"b-{prompt_set.name}")], env)
     if "general10" not in names:
         return
