@@ -86,9 +86,15 @@ class GrowingKV:
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep positions [0, start) plus `start + keep`, in that order."""
-        # The gather on the right-hand side copies before the write, so overlapping ranges are safe.
-        for buffer in (self._key_buffer, self._value_buffer):
-            buffer[:, :, start : start + keep.numel()] = buffer[:, :, start + keep]
+        if keep.device.type == "cpu":
+            # Entries already in place stay (on a CPU reading `keep` costs nothing, a copy does): a tree's
+            # first nodes are often the accepted path (a chain), and often none was accepted.
+            positions = keep.tolist()
+            in_place = next((i for i, position in enumerate(positions) if position != i), len(positions))
+            start, keep = start + in_place, keep[in_place:] - in_place
+        if keep.numel():  # the gather on the right-hand side copies before the write: overlapping ranges are safe
+            for buffer in (self._key_buffer, self._value_buffer):
+                buffer[:, :, start : start + keep.numel()] = buffer[:, :, start + keep]
         self.length = start + keep.numel()
         self._refresh_views()
 

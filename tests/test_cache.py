@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import build_model
-from drafters.cache import CHUNK
+from drafters.cache import CHUNK, GrowingKV
 from specchat.decode.runtime.transformers_cache import KVCache, cache_argument
 
 
@@ -78,3 +78,18 @@ def test_compact_keeps_exactly_the_chosen_entries():
         run(model, prefix + branch_b, fresh)
         expected = run(model, [99], fresh)
     torch.testing.assert_close(continued, expected)
+
+
+def test_compaction_leaves_the_entries_already_in_place_and_moves_the_rest():
+    """The root's and a path's first nodes are often where compaction would put them: only the rest
+    move, and the cache holds what a gather of every kept entry gives."""
+    storage = GrowingKV()
+    keys, values = torch.randn(1, 2, 20, 4), torch.randn(1, 2, 20, 4)
+    for keep in ([0, 1, 2], [0, 1, 4, 7], [0, 3], [], [2, 3]):
+        storage.trim(0)
+        storage.append(keys, values)
+        storage.compact(10, torch.tensor(keep, dtype=torch.long))
+        rows = list(range(10)) + [10 + position for position in keep]
+        assert storage.length == len(rows)
+        torch.testing.assert_close(storage.keys, keys[:, :, rows], rtol=0, atol=0)
+        torch.testing.assert_close(storage.values, values[:, :, rows], rtol=0, atol=0)

@@ -64,7 +64,7 @@ def test_blockwise_argmax_and_margins_equal_torchs_ties_and_nan_included(vocab):
 @pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
                     reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [7, 256, 1003, 151936])
+@pytest.mark.parametrize("vocab", [7, 256, 1003, 1013, 151936])
 def test_the_kernels_one_pass_choice_and_margin_equal_torchs_ties_nan_and_infinity_included(vocab, dtype):
     woq_kernel.kernel()  # loaded: `choices_and_margins` takes the extension's pass
     generator = torch.Generator().manual_seed(vocab)
@@ -79,6 +79,11 @@ def test_the_kernels_one_pass_choice_and_margin_equal_torchs_ties_nan_and_infini
             logits[0, int(torch.randint(0, vocab, (), generator=generator))] = float("nan")
         if trial % 7 == 3:
             logits[-1, int(torch.randint(0, vocab, (), generator=generator))] = float("inf")
+        if trial % 6 == 2:  # the maximum (once, or tied with an earlier one) near the end: in a pass's tails
+            place = vocab - 1 - int(torch.randint(0, min(vocab, 40), (), generator=generator))
+            logits[0, place] = 50.0
+            if trial % 12 == 2:
+                logits[0, place // 2] = 50.0
         logits = logits.to(dtype)
         exact = logits.float()
         top = exact.topk(2, dim=-1).values
