@@ -22,6 +22,38 @@ def test_matches_transformers_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(ours, expected.softmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [50, 1000, 151936])
+def test_top_k_and_top_p_without_sorting_the_vocabulary_keep_what_the_sort_keeps(vocab):
+    """On a CPU the likeliest tokens are found by a pass and only they are sorted (a device sorts the
+    vocabulary): the same k-th largest logit; the nucleus that float64 sums give, but for tokens whose
+    mass before them is within float32 rounding of top_p (on a flat 152k-token row the sort's float32
+    cumulative sums miss by 2e-5, the candidates' by 1e-5), and the same probabilities within rounding.
+    The first guesses are wrong often enough here to be lowered (flat rows, rows of a few values)."""
+    generator = torch.Generator().manual_seed(vocab)
+    rounding = 1e-4  # of the mass: far below what a wrong rule would change
+    for trial in range(30):
+        rows = 1 + trial % 3
+        logits = torch.randn(rows, vocab, generator=generator) * (0.2 + trial % 5)
+        if trial % 4 == 0:  # exact ties across the nucleus's edge
+            logits = torch.randint(0, 4, (rows, vocab), generator=generator).float()
+        if trial % 6 == 1:
+            logits[:, : vocab // 3] = float("-inf")
+        k = 1 + int(torch.randint(0, min(vocab, 300), (), generator=generator))
+        assert torch.equal(sampling._kth_largest_on_host(logits, k), logits.topk(k, dim=-1).values[:, -1:])
+        top_p = [0.3, 0.8, 0.95, 0.999][trial % 4]
+        exact = logits.double().softmax(-1)
+        ordered, order = exact.sort(dim=-1, descending=True, stable=True)
+        mass_before = torch.zeros_like(exact).scatter(-1, order, ordered.cumsum(-1) - ordered)
+        sorted_rule = logits.masked_fill(sampling._outside_nucleus(logits, top_p), float("-inf")).softmax(-1)
+        on_host = sampling._nucleus_on_host(logits.softmax(-1), top_p)
+        for kept in (on_host > 0, sorted_rule > 0):
+            wrong = kept != (mass_before < top_p)
+            assert bool(((mass_before - top_p).abs() <= rounding)[wrong].all())
+            assert float((exact * wrong).sum(-1).max()) <= rounding
+        same = (on_host > 0) == (sorted_rule > 0)
+        torch.testing.assert_close(on_host[same.all(-1)], sorted_rule[same.all(-1)], rtol=1e-5, atol=1e-7)
+
+
 def test_greedy_is_a_point_mass_on_the_argmax():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
     assert target_probs(logits, SamplingParams()).tolist() == [0.0, 1.0, 0.0, 0.0]

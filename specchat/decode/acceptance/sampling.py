@@ -7,6 +7,7 @@ distribution plain decoding samples from, which is what makes them lossless.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -46,18 +47,66 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    on_host = logits.device.type == "cpu"  # (a device's steps may not read the host: they sort)
     if 0 < params.top_k < logits.shape[-1]:
-        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        kth_largest = _kth_largest_on_host(logits, params.top_k) if on_host else \
+            torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if params.top_p < 1 and on_host:
+        return _nucleus_on_host(logits.softmax(-1), params.top_p)
     if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the first token always stays.
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(_outside_nucleus(logits, params.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+def _outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens top-p drops: those the likelier ones before them already hold `top_p` of the mass
+    against (in descending order; the first token always stays), by sorting the whole vocabulary."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    return torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+
+
+# Top-k and top-p on a CPU without sorting the vocabulary: sorting 152k logits took 10.8 ms a row and
+# a top-k 0.9 ms (2 Xeon cores), next to a 15 ms forward, and a cycle samples at each row it visits.
+# Both keep the likeliest tokens, which lie above any value that enough of them reach: one pass finds
+# the tokens above a first guess (lowered until it holds them), and only those are sorted. The same
+# tokens as the sort's, ties in the order of the vocabulary as a stable sort leaves them; the cumulative
+# sums are over those tokens alone, so a token whose mass before it is within rounding of top_p may
+# fall on the other side (plain decoding and verification draw from the same function either way).
+NUCLEUS_GUESS = 1 / 1024  # the first guess: tokens at least this share of the likeliest one's probability
+TOP_K_GUESS = 8.0  # the first guess: tokens within this many logits of the largest (widened 4x at a time)
+
+
+def _kth_largest_on_host(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k-th largest logit [n, 1] (or [1] for one row), as `topk(k).values[..., -1:]`."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    kth = torch.empty(len(rows), 1)
+    for index, row in enumerate(rows):
+        gap, largest = TOP_K_GUESS, float(row.max())
+        while (above := row[row >= largest - gap]).numel() < k and gap < math.inf:
+            gap *= 4
+        kth[index] = (above if above.numel() >= k else row).topk(k).values[-1]  # (an infinite largest: all)
+    return kth.reshape(*logits.shape[:-1], 1)
+
+
+def _nucleus_on_host(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` [..., V] within the nucleus, renormalized (`_outside_nucleus`'s tokens dropped), sorting
+    only the likeliest tokens: those above a probability whose tokens hold `top_p` of the mass already
+    hold the nucleus."""
+    nucleus = torch.zeros_like(probs)
+    for row, kept in zip(probs.view(-1, probs.shape[-1]), nucleus.view(-1, probs.shape[-1])):
+        guess = float(row.max()) * NUCLEUS_GUESS
+        while True:
+            candidates = (row >= guess).nonzero()[:, 0]  # a prefix of the descending order
+            if guess == 0 or float(row[candidates].sum()) >= top_p:
+                break
+            guess = guess / 32 if guess > 1e-30 else 0.0
+        values, order = row[candidates].sort(descending=True, stable=True)
+        inside = values.cumsum(0) - values < top_p
+        kept[candidates[order[inside]]] = values[inside] / values[inside].sum()
+    return nucleus
 
 
 # Greedy choices over a large vocabulary on a CPU: torch's argmax and topk walk one long row
