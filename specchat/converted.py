@@ -22,7 +22,7 @@ import torch
 from filelock import FileLock
 
 from specchat import embedded
-from specchat.decode.runtime.machine import cache_dir
+from specchat.decode.runtime.machine import cache_dir, write_safetensors
 from specchat.decode.runtime.target import dtype_name
 from specchat.errors import ModelLoadError, first_line
 from specchat.inputs import file_sha256, write_atomically
@@ -146,7 +146,10 @@ def _gguf_parsed_once():
     slices through Python-level methods, and reading the 455k metadata parts of Qwen2.5's
     vocabulary that way took 17 s on a Zen 3 core (of a first start's 90 s). And gguf-py's map of
     tensor names, which transformers builds again for every module of the model (~2.3 s of a
-    0.5B's conversion on a Xeon core), is built once per architecture and depth. Its bar is not drawn."""
+    0.5B's conversion on a Xeon core), is built once per architecture and depth. transformers copies
+    each dequantized tensor before wrapping it (`np.copy`, which the read-only views of the file need):
+    a fresh array, which nothing else holds, is wrapped as it is (2.3 s of a 0.5B's conversion on a
+    Xeon core, of 20). Its bar is not drawn."""
     import gguf  # the GGUF library loads where a file is converted: a start from a converted folder needs none
     import numpy
     from transformers import modeling_gguf_pytorch_utils as gguf_loading  # (loaded already: converting)
@@ -177,8 +180,19 @@ def _gguf_parsed_once():
             parsed[os.fspath(path)] = parse(path, return_tensors=False)
         return copy.deepcopy(parsed[os.fspath(path)])  # (its callers may change what they get)
 
+    class FreshArraysUncopied:  # numpy, as transformers' GGUF loading calls it
+        def __getattr__(self, name):
+            return getattr(numpy, name)
+
+        @staticmethod
+        def copy(array, *args, **kwargs):
+            if isinstance(array, numpy.ndarray) and array.flags.writeable and not args and not kwargs:
+                return array  # dequantized into a fresh array (the file's map is read-only)
+            return numpy.copy(array, *args, **kwargs)
+
     gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
     gguf.get_tensor_name_map = functools.cache(name_map)  # (transformers only reads the map)
+    plain_numpy, gguf_loading.np = gguf_loading.np, FreshArraysUncopied()
     # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it.
     # Turned off where it is drawn, not by taking stderr from the whole process (another thread's line
     # would go with it).
@@ -188,7 +202,22 @@ def _gguf_parsed_once():
         yield
     finally:
         gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = original, parse
-        gguf.get_tensor_name_map, gguf_loading.tqdm = name_map, bar
+        gguf.get_tensor_name_map, gguf_loading.tqdm, gguf_loading.np = name_map, bar, plain_numpy
+
+
+@contextlib.contextmanager
+def _written_tensor_by_tensor():
+    """transformers writes the converted model with safetensors' writer, which builds the whole file in
+    memory first: `write_safetensors` writes each tensor as it lies (a 1 GB model 3.1 -> 0.3 s)."""
+    from transformers import modeling_utils  # (loaded already: converting)
+
+    original = modeling_utils.safe_save_file
+    modeling_utils.safe_save_file = lambda tensors, filename, metadata=None: write_safetensors(filename, tensors,
+                                                                                               metadata)
+    try:
+        yield
+    finally:
+        modeling_utils.safe_save_file = original
 
 
 def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
@@ -212,7 +241,8 @@ def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
     # The weights are plain tensors now; a saved quantization config would make loaders re-quantize.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(folder)
+    with _written_tensor_by_tensor():
+        model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 

@@ -18,6 +18,7 @@ from conftest import (CHATML_TEMPLATE, build_tokenizer, prefill_decode_and_tree,
 from drafters import save_head
 from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.runtime.packed import PackedModel
+from specchat.decode.runtime.machine import write_safetensors
 from specchat.decode.runtime.quantized import save_atomically
 from specchat.decode.runtime.target import ModelSpec
 from specchat.decode.runtime.tokenizer import SnapshotTokenizer, quick_merges, render_chat, snapshot
@@ -211,3 +212,31 @@ def test_a_piped_chat_from_the_packed_model_imports_no_transformers_compiler_or_
     assert run.stdout.strip().splitlines()[-1] == "[]"
     phases = [line for line in run.stderr.splitlines() if line.startswith("specchat: ") and "s  " in line]
     assert any("loaded the packed model" in line for line in phases) and "the first token" in phases[-1]
+
+
+def test_a_safetensors_file_written_tensor_by_tensor_reads_back_as_written(tmp_path):
+    """`write_safetensors` (the converted and packed models' writer) against safetensors' own reader:
+    every dtype the models hold, a scalar, an empty tensor, a view that is not contiguous, the
+    metadata; each tensor starts at a multiple of its element size."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "weight": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
+        "norm": torch.randn(5, generator=generator),
+        "half": torch.randn(3, generator=generator).half(),
+        "codes": torch.randint(0, 255, (9,), generator=generator, dtype=torch.uint8),
+        "ids": torch.arange(3),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "transposed": torch.randn(4, 6, generator=generator).t(),
+    }
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, tensors, {"format": "pt", "layout": "x"})
+    with safe_open(path, framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt", "layout": "x"}
+        assert set(handle.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(handle.get_tensor(name), tensor) and handle.get_tensor(name).dtype == tensor.dtype
+    header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    assert all(entry["data_offsets"][0] % tensors[name].element_size() == 0
+               for name, entry in header.items() if name != "__metadata__")

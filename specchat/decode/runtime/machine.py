@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import platform
 from collections.abc import Callable
@@ -30,6 +31,39 @@ def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     write(partial)
     os.replace(partial, path)
+
+
+# safetensors' own writer builds the whole file in memory first (each tensor's bytes, then one buffer):
+# 3.1 s for a 1 GB model on 2 Xeon cores, where writing each tensor's bytes as they lie took 0.3 s,
+# and a first start writes the converted model and the packed one. The format (safetensors' spec): the
+# header's length in 8 little-endian bytes, the JSON header padded with spaces to a multiple of 8, then
+# the tensors' bytes back to back in the order of their offsets.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def write_safetensors(path: Path | str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """`tensors` as a safetensors file at `path` (any reader of the format reads it), written tensor by
+    tensor: the widest elements first, so that each tensor starts at a multiple of its element size."""
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(encoded).to_bytes(8, "little"))
+        handle.write(encoded)
+        for name in order:
+            handle.write(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 @functools.cache

@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from specchat.decode.runtime.machine import cache_dir, replace_atomically
+from specchat.decode.runtime.machine import cache_dir, replace_atomically, write_safetensors
 from specchat.decode.runtime.woq_kernel import kernel_isa, traced_isa
 
 log = logging.getLogger(__name__)
@@ -296,8 +295,7 @@ def quantized_cache(source: str | Path, quantize: str, loaded_on=None) -> Path:
 
 def save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """`tensors` as a safetensors file at `path`, put in place whole (`replace_atomically`)."""
-    contiguous = {key: value.contiguous() for key, value in tensors.items()}
-    replace_atomically(path, lambda partial: save_file(contiguous, partial, metadata=metadata))
+    replace_atomically(path, lambda partial: write_safetensors(partial, tensors, metadata))
 
 
 def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None:
