@@ -45,7 +45,8 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def write_safetensors(path: Path | str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(path: Path | str, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:
     """`tensors` as a safetensors file at `path` (any reader of the format reads it), written tensor by
     tensor: the widest elements first, so that each tensor starts at a multiple of its element size."""
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
