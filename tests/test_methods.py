@@ -165,7 +165,7 @@ def test_deagle_trace_records_the_stop_depth_and_votes(bigram_dir):
 
 def test_jakiro_drafts_its_last_level_without_a_forward(bigram_dir):
     """Depth D costs D - 1 draft forwards; the last level hangs under the nodes expanded last (the
-    growing layout: the fixed one feeds the prompt through the head in a forward of its own)."""
+    growing layout; like the fixed one, it feeds the prompt through the head in a forward of its own)."""
     bigram = load_tiny_target(bigram_dir)
     head = random_head("jakiro", bigram)
     calls = []
@@ -182,9 +182,9 @@ def test_jakiro_drafts_its_last_level_without_a_forward(bigram_dir):
     engine = Engine(bigram, proposer)
     steps = list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=20)))
     tree = steps[1].cycle.tree
-    # Context pass, expansions of levels 1 and 2, expansion of level 3 with the two-ahead output:
-    # 4 forwards for 5 levels; the fifth call is the next cycle's context pass.
-    assert calls[:5] == ["forward", "forward", "forward", "both", "forward"]
+    # The prompt (read with it), then the context pass, expansions of levels 1 and 2, expansion of
+    # level 3 with the two-ahead output: 4 forwards for 5 levels; the sixth call is the next cycle's.
+    assert calls[:6] == ["forward", "forward", "forward", "forward", "both", "forward"]
     assert max(tree.depths) == 5
 
 

@@ -11,6 +11,7 @@ from conftest import (assert_samples_follow_the_target, exact_two_token_distribu
 from specchat.chat import ChatFormat, Conversation
 from specchat.decode.drafting import heads
 from specchat.decode.drafting.shapes import DynamicTree, DynamicTreeParams, StaticTree
+from specchat.decode.engine import engine as engine_module
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.drafting.tree import MC_SIM_7B_63
 
@@ -108,6 +109,24 @@ def test_multi_turn_and_interruptions_keep_draft_and_target_caches_consistent(bi
         fresh = tokens_of(Engine(bigram), prompt, settings)
         assert produced == fresh[: len(produced)]
         conversation.add_assistant(bigram.tokenizer.decode(produced, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("chunk", [16, 512])
+def test_the_head_reads_the_prompt_with_the_prefill_and_the_reply_equals_plain_decoding(bigram, chunk, monkeypatch):
+    """The growing layout feeds a prompt's positions through the head while the prompt is read (chunk
+    by chunk), all but the newest, which the first cycle's context pass pairs with the root."""
+    if bigram.envelope is not None:
+        pytest.skip("the fixed layout feeds the prompt at its first cycle")
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", chunk)
+    settings = GenerationSettings(max_new_tokens=20)
+    engine = Engine(bigram, proposer(oracle_head(bigram), bigram, "dynamic"))
+    prompt = PROMPTS[2]
+    stream = engine.generate(prompt, settings)
+    produced = next(stream).tokens  # the prefill's
+    head = engine.proposer
+    assert head.consumed == head.cache.length == len(prompt) - 1 and head.pending_tokens == prompt[-1:]
+    produced += [token for step in stream for token in step.tokens]
+    assert produced == tokens_of(Engine(bigram), prompt, settings)
 
 
 def test_greedy_cycles_report_what_was_drafted_and_accepted(bigram):
