@@ -54,6 +54,28 @@ def test_top_k_and_top_p_without_sorting_the_vocabulary_keep_what_the_sort_keeps
         torch.testing.assert_close(on_host[same.all(-1)], sorted_rule[same.all(-1)], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("vocab", [1000, 151936])  # 1000: no whole blocks, one cumulative sum
+def test_draws_follow_p_and_never_take_a_token_without_mass(vocab):
+    """`sample` over blocks (a 152k vocabulary) or whole: every token drawn has mass, and the frequencies
+    of a few likely tokens (in one block) among many unlikely ones are p's within six standard deviations
+    (a wrong inversion, of the blocks' sums or within the block drawn, moves them by hundreds)."""
+    generator = torch.Generator().manual_seed(vocab)
+    probs = torch.zeros(vocab)
+    block = vocab // sampling.BLOCK // 2 * sampling.BLOCK  # the likely tokens share a block (the draw within counts)
+    likely = block + torch.tensor([3, 17, 40, 41, 90, 127])
+    probs[likely] = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.05, 0.05])
+    spread = torch.randperm(vocab, generator=generator)[:200]
+    probs[spread] += 0.15 / 200
+    probs[: 3 * sampling.BLOCK] = 0  # whole blocks without mass, and mass at the vocabulary's ends
+    probs[-1] = 0.01
+    draws = torch.tensor([sample(probs, generator) for _ in range(20000)])
+    assert bool((probs[draws] > 0).all())
+    p = probs / probs.sum()
+    for token in [*likely.tolist(), vocab - 1]:
+        expected, sigma = 20000 * p[token], (20000 * p[token] * (1 - p[token])) ** 0.5
+        assert abs(int((draws == token).sum()) - expected) <= 6 * sigma + 1
+
+
 def test_greedy_is_a_point_mass_on_the_argmax():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
     assert target_probs(logits, SamplingParams()).tolist() == [0.0, 1.0, 0.0, 0.0]

