@@ -133,9 +133,8 @@ def drafts_verdicts(results: dict[str, dict], estimates: list[dict] | None) -> l
             verdicts.append(Verdict(47, f"{name}: no category below plain ({answers} sampled answer"
                                     f"{'s' if answers > 1 else ''} a prompt)", listed, ">= 1.0x each", not below,
                                     done_when=False))
-        else:
+        else:  # greedy: the same answers, so a category's figure is the method's
             verdicts.append(Verdict(47, f"{name}: no category below plain", listed, ">= 1.0x each", not below))
-        if not prompt_set.temperature:
             same = summary[DEFAULT]["overall"]["identical"]
             verdicts.append(Verdict(47, f"{name}: answers identical to plain decoding's", f"{same:.0%}", "100%",
                                     same == 1.0))

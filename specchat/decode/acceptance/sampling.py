@@ -100,10 +100,11 @@ def _nucleus_on_host(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         guess = float(row.max()) * NUCLEUS_GUESS
         while True:
             candidates = (row >= guess).nonzero()[:, 0]  # a prefix of the descending order
-            if guess == 0 or float(row[candidates].sum()) >= top_p:
+            chosen = row[candidates]
+            if guess == 0 or float(chosen.sum()) >= top_p:
                 break
             guess = guess / 32 if guess > 1e-30 else 0.0
-        values, order = row[candidates].sort(descending=True, stable=True)
+        values, order = chosen.sort(descending=True, stable=True)
         inside = values.cumsum(0) - values < top_p
         kept[candidates[order[inside]]] = values[inside] / values[inside].sum()
     return nucleus

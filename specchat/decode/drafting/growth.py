@@ -5,6 +5,7 @@ tensors; `HostTable`, its form on the host) and one cycle's growth (`Growth`).
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -22,9 +23,6 @@ class HeadSteps(ABC):
 
     def __init__(self, head: DraftHead):
         self.head = head
-        # `to_target` on host lists (a growth on the host reads each level's ids anyway; a tensor lookup
-        # cost more than the level's Python around it)
-        self.target_ids = None if head.draft_to_target is None else head.draft_to_target.tolist()
 
     @abstractmethod
     def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, first_entry: int,
@@ -63,6 +61,13 @@ class HeadSteps(ABC):
         """Draft-vocabulary ids as target ids."""
         table = self.head.draft_to_target
         return draft_ids if table is None else table[draft_ids]
+
+    @functools.cached_property
+    def target_ids(self) -> list[int] | None:
+        """`to_target`'s table as a host list, read once where a growth on the host first asks (a tensor
+        lookup cost more than the level's Python around it)."""
+        table = self.head.draft_to_target
+        return None if table is None else table.tolist()
 
     def to_target_on_host(self, draft_ids: list[int]) -> list[int]:
         """`to_target` of host ids."""

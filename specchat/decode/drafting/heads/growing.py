@@ -62,23 +62,31 @@ class GrowingHead(HeadProposer):
         (a 1,100-token prompt's pass took 60-80 ms on the AVX2 path, four plain steps)."""
         self.pending_tokens.extend(tokens)
         self.pending_features.append(features)
-        self.feed_pending(len(self.pending_tokens) - 1)
+        if len(self.pending_tokens) > 1:  # each but the newest, with the token after it
+            self.feed_context(*self.take_pending(self.pending_tokens[1:]))
 
-    def feed_pending(self, count: int) -> None:
-        """The first `count` pending (feature, next token) pairs into the head's cache."""
-        if count < 1:
-            return
-        pending = self.pending_features
+    def take_pending(self, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first len(`next_tokens`) pending positions, taken off the pending ones: their features,
+        the tokens after them (`next_tokens`) and their positions, as the head's inputs."""
+        count, pending = len(next_tokens), self.pending_features
         features = pending[0] if len(pending) == 1 else torch.cat(pending)
-        next_tokens = torch.tensor(self.pending_tokens[1 : count + 1], device=features.device)
-        positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
-        if self.fused is not None:  # (only the rows' cache entries are kept)
-            self.fused.step(features[:count], next_tokens, positions, self.cache, self.consumed, None, outputs=1)
+        self.pending_features = [features[count:]] if count < len(features) else []
+        self.pending_tokens = self.pending_tokens[count:]
+        return (features[:count], torch.tensor(next_tokens, device=features.device),
+                torch.arange(self.consumed, self.consumed + count, device=features.device))
+
+    def feed_context(self, features: torch.Tensor, next_tokens: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        """Committed positions into the head's cache after its `consumed` entries, the new rows seeing each
+        other causally; returns the last row's output (the only one read)."""
+        count = len(next_tokens)
+        if self.fused is not None:
+            out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None, outputs=1)
         else:
-            self.head(features[:count], next_tokens, positions, causal_mask(self.consumed, count, features.device),
-                      self.cache)
+            out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device),
+                            self.cache)
         self.consumed += count
-        self.pending_features, self.pending_tokens = [features[count:]], self.pending_tokens[count:]
+        return out
 
     def commit(self, tree: DraftTree, acceptance, root: int, features: torch.Tensor) -> None:
         self.pending_features.append(features)
@@ -107,24 +115,14 @@ class GrowingHead(HeadProposer):
     def context_pass(self, root: int, span: None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Feed the pending (feature, next token) pairs; return the output that predicts the root's
         children, with its top-k where the fused step computed them in the same call (else None)."""
-        pending = self.pending_features
-        features = pending[0] if len(pending) == 1 else torch.cat(pending)
-        count = len(self.pending_tokens)
-        next_tokens = torch.tensor(self.pending_tokens[1:] + [root], device=features.device)
-        positions = torch.arange(self.consumed, self.consumed + count, device=features.device)
-        root_top = None
-        if self.fused is not None and self.shape.grows_on_host:  # with its top-k, which the host growth reads
-            out, logps, ids = self.fused.draft(features, next_tokens, positions, self.cache, self.consumed, None,
-                                               outputs=1, k=self.top_k)
-            root_top = (logps, ids)
-        elif self.fused is not None:  # the new rows see each other causally; only the last one's output is read
-            out = self.fused.step(features, next_tokens, positions, self.cache, self.consumed, None, outputs=1)
-        else:
-            out = self.head(features, next_tokens, positions, causal_mask(self.consumed, count, features.device),
-                            self.cache)
-        self.consumed += count
-        self.pending_features, self.pending_tokens = [], []
-        return out[-1], root_top
+        features, next_tokens, positions = self.take_pending(self.pending_tokens[1:] + [root])
+        if self.fused is None or not self.shape.grows_on_host:
+            return self.feed_context(features, next_tokens, positions)[-1], None
+        # with its top-k, which the host growth reads
+        out, logps, ids = self.fused.draft(features, next_tokens, positions, self.cache, self.consumed, None,
+                                           outputs=1, k=self.top_k)
+        self.consumed += len(next_tokens)
+        return out[-1], (logps, ids)
 
     def grow(self, context: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]) -> CandidateTable | HostTable:
         """The shape's table from the context pass's output (and top-k), grown on host lists where the
