@@ -20,7 +20,7 @@ import drafters
 from specchat import converted, embedded
 from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.options import KERNEL_BITS
-from specchat.decode.runtime.machine import cache_dir
+from specchat.decode.runtime.machine import cache_dir, torch_threads
 from specchat.decode.runtime.target import (ModelSpec, Target, kernel_candidate, resolve_device, resolve_dtype,
                                             resolve_quantize)
 from specchat.errors import ModelLoadError, SpecchatError
@@ -28,6 +28,7 @@ from specchat import heads
 from specchat.hub import HUB_ID, HubError, hub_file, hub_folder
 
 log = logging.getLogger(__name__)
+
 
 class DraftHeadError(SpecchatError, ValueError):
     """A draft head cannot be found or loaded; the message names the file, key or mismatch."""
@@ -48,9 +49,12 @@ def load_target(spec: ModelSpec, packed_model: bool = False) -> Target:
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
     kernel_likely = kernel_candidate(spec, device, dtype) and not woq_kernel.missing_cpu_features()
-    if kernel_likely:
-        woq_kernel.start_build()
-    folder = locate(spec, torch.bfloat16 if kernel_likely else dtype)
+    compiling = kernel_likely and woq_kernel.start_build()
+    # While the kernel compiles on one core, torch's work here (a conversion's) takes one thread fewer:
+    # with all of them, each parallel region waits for the thread the compiler displaced (2-vCPU Xeon: a
+    # first start 34 s with the conversion's torch on two threads, 27-28 s on one).
+    with torch_threads(torch.get_num_threads() - 1 if compiling else None):
+        folder = locate(spec, torch.bfloat16 if kernel_likely else dtype)
     log.debug(f"found the model ({folder})")
     quantize = resolve_quantize(spec, device, dtype)
     if quantize in KERNEL_BITS:

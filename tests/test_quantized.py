@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,6 +58,20 @@ def test_the_last_build_is_loaded_directly_while_nothing_it_was_made_from_has_ch
     assert not woq_kernel._load_built()
     (woq_kernel.machine.cache_dir() / woq_kernel.BUILT).write_text("{")  # damaged
     assert not woq_kernel._load_built() and len(loaded) == 1
+
+
+def test_starting_the_build_says_whether_it_compiles(tmp_path, monkeypatch):
+    """Its caller leaves the compiler a core only while it compiles: where no current build is noted."""
+    started = []
+    monkeypatch.setattr(woq_kernel.threading, "Thread",
+                        lambda **kwargs: SimpleNamespace(start=lambda: started.append(1)))
+    library = tmp_path / "built.so"
+    library.write_bytes(b"")
+    assert woq_kernel.start_build() is True  # nothing noted yet
+    woq_kernel._note_built(str(library))
+    assert woq_kernel.start_build() is False and started == [1, 1]  # loaded on the thread all the same
+    monkeypatch.setattr(woq_kernel, "source_hash", lambda: "another")
+    assert woq_kernel.start_build() is True
 
 
 @needs_kernel

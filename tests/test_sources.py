@@ -235,3 +235,48 @@ def test_the_gguf_readers_bar_is_not_drawn_and_stderr_stays_the_processes(tmp_pa
     assert modeling_gguf_pytorch_utils.tqdm is drawn  # put back afterwards
     err = capfd.readouterr().err
     assert "another thread's line" in err and "de-quantizing" not in err
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_a_conversion_beside_the_kernels_compile_leaves_the_compiler_a_core(compiles, monkeypatch):
+    """Two cores shared by the compiler and torch's two threads made a first start slower (each parallel
+    region waits for the thread the compiler displaced): the model is found and converted on one
+    thread fewer while the kernel compiles, on all of them otherwise, and torch's count is put back."""
+    from specchat import sources
+    from specchat.decode.runtime.target import ModelSpec
+
+    monkeypatch.setattr(sources, "kernel_candidate", lambda spec, device, dtype: True)
+    monkeypatch.setattr(sources.woq_kernel, "missing_cpu_features", lambda: [])
+    monkeypatch.setattr(sources.woq_kernel, "start_build", lambda: compiles)
+    threads_while_found = []
+
+    def locate(spec, dtype):
+        threads_while_found.append(torch.get_num_threads())
+        raise ModelLoadError("found (the test stops here)")
+
+    monkeypatch.setattr(sources, "locate", locate)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(ModelLoadError, match="the test stops here"):
+            sources.load_target(ModelSpec(model="any", device="cpu", dtype="bfloat16"))
+        assert threads_while_found == [1 if compiles else 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_torch_threads_are_set_for_a_block_and_put_back_even_on_an_error():
+    from specchat.decode.runtime.machine import torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(KeyError):
+            with torch_threads(0):  # at least one
+                assert torch.get_num_threads() == 1
+                raise KeyError
+        assert torch.get_num_threads() == 2
+        with torch_threads(None):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -67,6 +67,19 @@ def write_safetensors(path: Path | str, tensors: dict[str, torch.Tensor],
             handle.write(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
+@contextlib.contextmanager
+def torch_threads(count: int | None):
+    """torch's intra-op threads set to `count` (at least one) for the block, then as they were; None: as they are."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(max(1, count))
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 @functools.cache
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields from /proc/cpuinfo (empty where there is none)."""

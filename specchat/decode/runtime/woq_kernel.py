@@ -131,10 +131,13 @@ def loaded() -> bool:
     return _built_kernel.cache_info().currsize > 0
 
 
-def start_build() -> None:
+def start_build() -> bool:
     """Compile (or load) the kernel on another thread: the first time it takes about a minute,
-    which then overlaps the model's conversion instead of following it."""
+    which then overlaps the model's conversion instead of following it. Whether it compiles (no
+    build of these sources, flags, torch and Python noted): the caller then leaves the compiler a core."""
+    compiles = _noted_build() is None
     threading.Thread(target=unavailable_reason, daemon=True, name="specchat-kernel-build").start()
+    return compiles
 
 
 @functools.cache
@@ -147,17 +150,28 @@ def _built_kernel():
     return torch.classes.specchat
 
 
-def _load_built() -> bool:
-    """Load the library the last build made (`BUILT`) if nothing it was made from has changed since:
-    a start then skips torch's build machinery, whose import (with setuptools) costs ~0.1 s of every
-    start, and its up-to-date check."""
+def _noted_build() -> Path | None:
+    """The library the last build made (`BUILT`), if nothing it was made from has changed since."""
     try:
         built = json.loads((machine.cache_dir() / BUILT).read_text())
         library = Path(built["library"])
         if built["from"] != _built_from() or library.stat().st_mtime_ns != built["mtime_ns"]:
-            return False
-        torch.ops.load_library(str(library))
+            return None
     except (OSError, ValueError, KeyError, TypeError):  # none yet, unreadable, or gone: built (or checked) again
+        return None
+    return library
+
+
+def _load_built() -> bool:
+    """Load the library the last build made if it is current (`_noted_build`): a start then skips
+    torch's build machinery, whose import (with setuptools) costs ~0.1 s of every start, and its
+    up-to-date check."""
+    library = _noted_build()
+    if library is None:
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:  # gone or damaged since: built (or checked) again
         return False
     return True
 
