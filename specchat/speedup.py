@@ -7,7 +7,7 @@ and not on the method, so including it would measure the cache rather than the s
 
 - The *estimate*: plain decoding would have spent one plain step per token after the first. Where
   the reply took enough plain steps itself (the pace takes them where drafting does not pay) their
-  mean time is that step; else a few plain steps are timed at the reply's context length (on the
+  median time is that step; else a few plain steps are timed at the reply's context length (on the
   engine's own cache, which is trimmed back afterwards), kept per context-length bucket, so a
   session pays for a handful of steps per bucket, not per reply. A timed step is a whole one (the
   forward and the choice of the token), as plain decoding takes it.
@@ -54,7 +54,7 @@ class PlainStepClock:
         self.seconds_by_bucket: dict[int, float] = {}
 
     def seconds_per_step(self, stats=None) -> float:
-        """The plain step time: the mean of a reply's own plain steps (`stats`, a `specchat.stats.Stats`)
+        """The plain step time: the median of a reply's own plain steps (`stats`, a `specchat.stats.Stats`)
         where it took OWN_PLAIN_STEPS or more, else at the engine's current context length (measured
         if not known)."""
         if stats is not None and stats.plain_steps >= OWN_PLAIN_STEPS:

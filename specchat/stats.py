@@ -13,6 +13,7 @@ up with `+=`, and the derived numbers are always computed from the sums.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass, field
 
 from specchat.decode import Arm, Source
@@ -38,7 +39,7 @@ class Stats:
     attention_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens per speculative cycle, bonus included
     arms: dict[str, int] = field(default_factory=dict)  # decoding steps by what drafted them (`Arm` values)
-    plain_seconds: float = 0.0  # of the decoding steps that verified no draft (arms["plain"] of them)
+    plain_step_times: list[float] = field(default_factory=list)  # seconds of each decoding step that verified no draft
     finish_reason: str | None = None  # of the latest reply counted
 
     def add_step(self, step) -> None:
@@ -60,7 +61,8 @@ class Stats:
         tree = None if step.cycle is None else step.cycle.tree
         arm = Arm.PLAIN if tree is None or not len(tree) else step.cycle.arm or Arm.HEAD  # (a proposer naming none: a head)
         self.arms[arm.value] = self.arms.get(arm.value, 0) + 1
-        self.plain_seconds += step.seconds if arm is Arm.PLAIN else 0.0
+        if arm is Arm.PLAIN:
+            self.plain_step_times.append(step.seconds)
         if tree is not None:
             self.accept_lengths.append(len(step.tokens))
             if tree.sources:  # the accepted nodes this step kept (an end of turn or the budget may cut the path)
@@ -124,8 +126,10 @@ class Stats:
 
     @property
     def plain_step_seconds(self) -> float | None:
-        """A plain step's mean time in this record (None without plain steps)."""
-        return self.plain_seconds / self.plain_steps if self.plain_steps else None
+        """A plain step's median time in this record (None without plain steps): one step that a
+        neighbour's work or a page fault slowed 1.5x moves it nothing (the mean of a reply's four
+        moved its estimated speedup 17% off the measured one)."""
+        return statistics.median(self.plain_step_times) if self.plain_step_times else None
 
     def arm_shares(self) -> dict[str, float]:
         """Each arm's share of the decoding steps (after the prefill), largest first."""

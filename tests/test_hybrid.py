@@ -390,6 +390,7 @@ def test_every_arm_the_pace_takes_leaves_greedy_output_plain(bigram, kind):
     for step in steps:
         stats.add_step(step)
     assert set(stats.arms) == {"head", "plain", "lookup"}
+    assert len(stats.plain_step_times) == stats.plain_steps
     if kind == "right":
         assert sum(step.drafted.count(True) for step in steps) >= 5
         lookup_alone = [step for step in steps[1:] if step.cycle.arm is Arm.LOOKUP]
@@ -412,3 +413,13 @@ def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(big
         growth = Growth(table, beam=torch.arange(3), beam_hidden=None, beam_entries=torch.zeros(3, 6, dtype=torch.bool),
                         beam_scores=[probs.log()])
         assert proposer.narrow(growth, torch.arange(3), depth=1).tolist() == expanded
+
+
+def test_a_plain_step_is_the_median_of_a_records_own_so_one_slowed_step_moves_no_estimate():
+    """The estimate takes a reply's own plain steps for plain decoding's (`PlainStepClock`): their mean
+    let one step slowed by a neighbour move a reply's estimate 17% off the measured speedup."""
+    first, second = Stats(plain_step_times=[0.015, 0.016]), Stats(plain_step_times=[0.015, 0.045])
+    assert first.plain_step_seconds == 0.0155
+    first += second
+    assert first.plain_step_times == [0.015, 0.016, 0.015, 0.045] and first.plain_step_seconds == 0.0155
+    assert Stats().plain_step_seconds is None
