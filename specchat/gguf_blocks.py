@@ -45,7 +45,7 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:  # d, qs[16]: w = d * (nibble -
     return _halves(blocks, 0) * q.float()
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:  # d, qh[4], qs[16]: w = d * (nibble | bit << 4 - 16)
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:  # d, qh[4], qs[16]: w = d * ((nibble | bit << 4) - 16)
     n = blocks.shape[0]
     high = _BIT_OF_BYTE[blocks[:, 2:6].long()].reshape(n, 32)  # qh's 32 bits, low first
     low = (_shifted(blocks[:, 6:], [0, 4]) & 0x0F).reshape(n, 32)
@@ -56,29 +56,27 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:  # d, qs[32] int8: w = d * q
     return _halves(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
 
 
-def _k_scales_and_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's and Q5_K's twelve bytes of eight 6-bit scales and eight 6-bit mins (gguf-py's get_scale_min)."""
-    n = scales.shape[0]
-    d, m, m_d = scales.reshape(n, 3, 4).unbind(1)
-    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mins = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mins
-
-
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:  # d, dmin, scales[12], qs[128]: w = d*sc * q - dmin*m
+def _k_steps(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's d * scale and dmin * min for each of a block's eight sub-blocks [n, 8, 1]: d, dmin,
+    then twelve bytes of eight 6-bit scales and eight 6-bit mins (gguf-py's get_scale_min)."""
     n = blocks.shape[0]
-    sc, mins = _k_scales_and_mins(blocks[:, 4:16])
-    d = (_halves(blocks, 0) * sc.float()).reshape(n, 8, 1)
-    dm = (_halves(blocks, 2) * mins.float()).reshape(n, 8, 1)
+    d, m, m_d = blocks[:, 4:16].reshape(n, 3, 4).unbind(1)
+    scales = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return ((_halves(blocks, 0) * scales.float()).reshape(n, 8, 1),
+            (_halves(blocks, 2) * mins.float()).reshape(n, 8, 1))
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:  # d, dmin, scales[12], qs[128]: w = d*scale * q - dmin*min
+    n = blocks.shape[0]
+    d, dm = _k_steps(blocks)
     q = (_shifted(blocks[:, 16:].reshape(n, 4, 32), [0, 4]) & 0x0F).reshape(n, 8, 32).float()
     return (d * q - dm).reshape(n, 256)
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:  # d, dmin, scales[12], qh[32], qs[128]
     n = blocks.shape[0]
-    sc, mins = _k_scales_and_mins(blocks[:, 4:16])
-    d = (_halves(blocks, 0) * sc.float()).reshape(n, 8, 1)
-    dm = (_halves(blocks, 2) * mins.float()).reshape(n, 8, 1)
+    d, dm = _k_steps(blocks)
     low = (_shifted(blocks[:, 48:].reshape(n, 4, 32), [0, 4]) & 0x0F).reshape(n, 8, 32)
     high = (_shifted(blocks[:, 16:48].reshape(n, 1, 32), list(range(8))) & 0x01).reshape(n, 8, 32)
     return (d * (low | (high << 4)).float() - dm).reshape(n, 256)
