@@ -249,6 +249,23 @@ def test_the_largest_codes_times_the_largest_int8_sum_exactly_on_every_tiling(is
         assert torch.equal(got, torch.full((rows, N), sign * 31 * K)), rows
 
 
+@needs_kernel
+def test_x_is_quantized_as_llama_cpp_does_ties_to_even_zero_groups_to_zero(isa):
+    """Each group of x: the largest magnitude to 127, every value rounded to nearest, ties to even
+    (2.5 -> 2, 3.5 -> 4, -2.5 -> -2), a group of zeros all zeros. With the largest at 127 the step is
+    1, weights of small integers make every product and sum exact, so the output is those integers'
+    dot product, whatever the order of the kernel's operations."""
+    N, K = 16, 64
+    codes = torch.zeros(N, K, dtype=torch.uint8)
+    codes[:, :4] = torch.tensor([1, 3, 5, 7], dtype=torch.uint8)  # x's first group: 127, 2.5, 3.5, -2.5
+    ones, zeros = torch.ones(N, K // quantized.GROUP).half(), torch.zeros(N, K // quantized.GROUP).half()
+    layer = quantized.QuantizedLinear(K, N, 5, quantized.pack(codes, ones, zeros, 5), None, torch.float32)
+    x = torch.zeros(2, K)
+    x[0, :4] = torch.tensor([127.0, 2.5, 3.5, -2.5])
+    x[1, :4] = torch.tensor([-127.0, 0.5, 1.5, -0.5])  # 0, 2, -0
+    assert torch.equal(layer(x), torch.tensor([[127 + 3 * 2 + 5 * 4 - 7 * 2.0], [-127.0 + 5 * 2]]).expand(2, N))
+
+
 def test_weights_from_a_q5_0_file_are_reproduced_exactly():
     """llama.cpp's Q5_0 stores w = d * (q - 16) with the largest magnitude at q = 0: the symmetric grid hits it."""
     torch.manual_seed(0)
