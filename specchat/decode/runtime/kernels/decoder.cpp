@@ -325,8 +325,9 @@ struct Layer : torch::CustomClassHolder {
     T* attended_ptr = attended.data_ptr<T>();
     const auto attend_all = [&] {
       // Tasks take rows from both ends in turn: a causal row's cost grows with its place, and each
-      // thread's run of tasks then holds as many late rows as early ones (a prefill of 2,048 tokens
-      // gave its second thread three times the first one's attention).
+      // thread's run of tasks then holds as many late rows as early ones (in order, a causal forward's
+      // second half of rows reads three times the keys of its first, and parallel_for gives each
+      // thread one run).
       at::parallel_for(0, kept * kv_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<int64_t> marked;
         std::vector<float> scores;
