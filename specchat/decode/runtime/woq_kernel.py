@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 KERNELS = Path(__file__).parent / "kernels"
 # the products; the layers around them (one call per forward)
 SOURCES = (KERNELS / "woq_linear.cpp", KERNELS / "decoder.cpp")
-HEADERS = (KERNELS / "woq_linear.h",)
+HEADERS = (KERNELS / "woq_linear.h", KERNELS / "vectors.h")
 UNIT = KERNELS / "extension.cpp"  # what is compiled: SOURCES as one translation unit (it says why)
 FILES = (UNIT, *SOURCES, *HEADERS)  # everything the build reads (what `source_hash` covers)
 EXTENSION = "specchat_woq_isa"  # torch's build folder; the single-ISA kernel was "specchat_woq"

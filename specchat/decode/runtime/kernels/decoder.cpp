@@ -19,6 +19,7 @@
 // residual sum, SiLU and product); attention in float32 over keys and values read in their own
 // dtype. Head sizes 16, 32, 64 and 128 (the Python side checks).
 
+#include "vectors.h"
 #include "woq_linear.h"
 
 #include <ATen/Parallel.h>
@@ -40,11 +41,6 @@ inline float f32(c10::BFloat16 v) { return static_cast<float>(v); }
 template <typename T>
 inline T narrow(float v) { return static_cast<T>(v); }  // bf16: to nearest even, as torch rounds
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
 
 // e^x, Cephes' single-precision polynomial after reducing x by multiples of ln 2 (~1 ulp);
 // arguments are clamped to where the result is a normal float.

@@ -48,6 +48,7 @@
 
 #ifndef WOQ_ISA  // ================================ the shared part ================================
 
+#include "vectors.h"
 #include "woq_linear.h"
 
 #include <ATen/Parallel.h>
@@ -76,13 +77,6 @@ struct QuantizedRows {
   std::vector<float> scale, sum;
 };
 
-// Eight values of x as float32 (bf16 widened exactly).
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
 // Every |q| <= 127 (the largest magnitude maps to 127), which the AVX2 path's int16 sums rely on.
 // A group's eight lanes at a time: the largest magnitude ignores NaNs as std::fmax does (vmaxps
 // returns its second operand where either is NaN), each q is the same product rounded to nearest
@@ -103,7 +97,7 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
     const T* group = x + i * kGroup;
     __m256 values[4], largest = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
-      values[j] = widen8(group + 8 * j);
+      values[j] = specchat::load8(group + 8 * j);
       largest = _mm256_max_ps(_mm256_and_ps(values[j], magnitude), largest);
     }
     alignas(32) float lanes[8];
