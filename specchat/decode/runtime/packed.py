@@ -1,9 +1,10 @@
 """The packed model: what specchat's fused CPU forward runs, kept in one file, so that a later
 start loads it without building transformers' model or importing transformers.
 
-A start through transformers (`specchat.decode.runtime.loading`) reads the bf16 folder, converts
-it, replaces every linear layer by a quantized one and stacks them; on 2 Zen 3 cores that and the
-imports it needs took most of a 10-13 s start. Once a target has loaded that way and runs the fused
+A start through transformers (`specchat.decode.runtime.loading`) reads the bf16 folder (or takes a
+GGUF converted in memory: `specchat.converted.InMemory`), converts it, replaces every linear layer
+by a quantized one and stacks them; on 2 Zen 3 cores that and the imports it needs took most of a
+10-13 s start. Once a target has loaded that way and runs the fused
 forward (`cpu_decoder`), `save` writes what that forward reads: the packed layers (q, k and v
 stacked, gate and up stacked), the norms, the embedding in the activation dtype, the LM head,
 the rotary embedding's inverse frequencies as transformers computed them, and a snapshot of the
@@ -12,8 +13,9 @@ pages are read as the forward first touches them) into modules with transformers
 `Target` and `DecoderForward` take it as they take transformers' model: the same operations on the
 same values, so the same logits (the tests compare them).
 
-The file is keyed by the model folder's weight files (as the quantized layers' cache is), the
-quantization and the dtype; inside, by its format, the kernel's layout and sources and the
+The file is keyed by the model's weights (`sources.source_key`: an embedded model's or a GGUF
+file's sha256, a folder's weight files as the quantized layers' cache is), the quantization and
+the dtype; inside, by its format, the kernel's layout and sources and the
 transformers that built it: any of them changed, the next start goes through transformers again
 and writes it anew. It is written atomically (`quantized.save_atomically`).
 """
@@ -28,6 +30,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -36,7 +39,7 @@ from specchat.decode.options import KERNEL_BITS
 from specchat.decode.runtime import cpu_decoder, tokenizer, woq_kernel
 from specchat.decode.runtime.machine import cache_dir
 from specchat.decode.runtime.quantized import (LAYOUT, PACKED_PARTS, GatedMLP, QuantizedLinear, save_atomically,
-                                               shared_projections, weights_key)
+                                               shared_projections)
 from specchat.decode.runtime.target import ModelSpec, Target, compiles, dtype_name, fixed_steps, note_forced_isa
 
 log = logging.getLogger(__name__)
@@ -47,9 +50,17 @@ PRODUCTS = ("qkv", "o_proj", "gate_up", "down_proj")
 TOKENIZER = "tokenizer"  # the tokenizer's backend (its tokenizers JSON) as UTF-8 bytes; the rest of it in the metadata
 
 
-def path(folder: str | Path, quantize: str, dtype: torch.dtype) -> Path:
-    """Where the packed model of a model folder is kept, for `quantize` and activations in `dtype`."""
-    return cache_dir() / "packed" / f"{weights_key(folder)}-{quantize}-{dtype_name(dtype)}.safetensors"
+def path(key: str, quantize: str, dtype: torch.dtype) -> Path:
+    """Where the packed model of the weights `key` names (`sources.source_key`) is kept, for `quantize`
+    and activations in `dtype`."""
+    return cache_dir() / "packed" / f"{key}-{quantize}-{dtype_name(dtype)}.safetensors"
+
+
+def making_lock(destination: Path) -> FileLock:
+    """Held while a packed model is looked for and made: a second process started at the same time
+    waits for the first one's file instead of converting and packing the model again."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(destination.with_name(destination.name + ".lock"))
 
 
 def applies(spec: ModelSpec, device: torch.device, quantize: str) -> bool:
@@ -154,7 +165,8 @@ class PackedConfig:
     scaling: float  # attention's, the scores' factor
     attention_scaling: float  # the rotary embedding's, cos and sin's factor
     qkv_sizes: list[int]  # the stacked q, k and v projections' widths
-    name_or_path: str  # the folder transformers loaded it from (draft heads' caches are keyed by it)
+    name_or_path: str  # the folder transformers loaded it from, or the packed file where it was converted in
+    # memory (draft heads' caches are keyed by it)
 
     def get_text_config(self) -> PackedConfig:
         return self

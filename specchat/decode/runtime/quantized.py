@@ -245,19 +245,22 @@ def packable(layer: nn.Linear) -> bool:
     return N % BLOCK == 0 and K % GROUP == 0
 
 
-def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, what: str = "the linear layers") -> None:
+def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, what: str = "the linear layers",
+                     say_packing: bool = False) -> None:
     """Replace every linear layer of a model in place by a `bits`-bit one: a causal LM's LM head too
     (a quarter of a small model's weights; docs/cpu-runtime.md gives what that costs in fidelity),
     and draft heads on a quantized target (they run every cycle). A layer whose shape does not tile
     into 16 rows and groups of 32 stays as it is.
 
     Quantizing takes seconds per hundred million weights, so the packed layers are kept in
-    `cache` (a safetensors file) and read from there on later starts. Gated MLPs then run gate
-    and up as one layer (`fuse_gated_mlps`), attentions q, k and v (`share_projections`).
+    `cache` (a safetensors file) and read from there on later starts; packing is said in one line
+    where they are kept, or where `say_packing` (a model packed once for its packed model's file).
+    Gated MLPs then run gate and up as one layer (`fuse_gated_mlps`), attentions q, k and v
+    (`share_projections`).
     """
     kernel_isa()  # fail before touching the model
     stored = _read_cache(cache, bits)
-    if stored is None and cache is not None:
+    if stored is None and (cache is not None or say_packing):
         log.info(f"packing {what} into {bits} bits once (seconds per hundred million weights)...")
     fresh = {}
     for module, name, child, key in _linears(model):

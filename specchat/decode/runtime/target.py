@@ -100,6 +100,11 @@ def kernel_candidate(spec: ModelSpec, device: torch.device, dtype: torch.dtype) 
     return spec.quantize == AUTO and device.type == "cpu" and dtype in KERNEL_DTYPES and spec.dtype != "float32"
 
 
+def kernel_quantize(spec: ModelSpec) -> str:
+    """The kernel's quantization `spec` asks for where the kernel runs: the one named, else int5 (auto's)."""
+    return spec.quantize if spec.quantize in KERNEL_BITS else "int5"
+
+
 def resolve_quantize(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
     """`auto`: specchat's 5-bit kernel where `kernel_candidate` and the kernel runs, else the dtype's
     own weights; any choice that is not the fastest here is said in one line.
@@ -127,7 +132,7 @@ def resolve_quantize(spec: ModelSpec, device: torch.device, dtype: torch.dtype) 
         log.warning(f"{dtype_name(dtype)} weights, not the 5-bit kernel ({reason}): decoding is several times "
                     f"slower")
         return "none"
-    return "int5"
+    return kernel_quantize(spec)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
