@@ -266,6 +266,64 @@ def test_x_is_quantized_as_llama_cpp_does_ties_to_even_zero_groups_to_zero(isa):
     assert torch.equal(layer(x), torch.tensor([[127 + 3 * 2 + 5 * 4 - 7 * 2.0], [-127.0 + 5 * 2]]).expand(2, N))
 
 
+def reference_quantize(weight: torch.Tensor, bits: int):
+    """The quantizer as torch's elementwise operations (what specchat ran before kernels/quantize.cpp):
+    codes, scales and offsets, and each group's squared error on either grid in float64."""
+    N, K = weight.shape
+    groups = weight.float().reshape(N, K // 32, 32)
+    top, half = 2**bits - 1, 2 ** (bits - 1)
+    low, high = groups.amin(-1), groups.amax(-1)
+    extreme = torch.where(high.abs() > low.abs(), high, low)
+    results = []
+    for scale, offset in (((high - low) / top, low), (-extreme / half, extreme)):
+        scale = torch.where(scale.abs() < 1e-7, 1e-7, scale).half()
+        step, base = scale.float()[..., None], offset.half().float()[..., None]
+        codes = groups.sub(base).div(step).round().clamp(0, top)
+        error = (codes.double() * step.double() + base.double() - groups.double()).square().sum(-1)
+        results.append((codes.to(torch.uint8), scale, offset.half(), error))
+    (codes, scale, offset, error), (codes2, scale2, offset2, error2) = results
+    second = error2 < error
+    return (torch.where(second[..., None], codes2, codes).reshape(N, K), torch.where(second, scale2, scale),
+            torch.where(second, offset2, offset), error, error2)
+
+
+def reference_pack(codes, scale, offset, bits):
+    """The kernel's layout as torch's reshapes (kernels/woq_linear.cpp's top comment)."""
+    N, K = codes.shape
+    quads = codes.reshape(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).reshape(N // 16, K // 4, 64)
+    nibbles = (quads & 15).reshape(N // 16, K // 8, 2, 64)
+    fifth = (quads >> 4).reshape(N // 16, K // 4, 8, 8).int()
+    high = sum(fifth[..., t] << t for t in range(8)).to(torch.uint8) if bits == 5 else torch.zeros(0, dtype=torch.uint8)
+    per_group = lambda t: t.reshape(N // 16, 16, K // 32).transpose(1, 2)  # noqa: E731
+    return {"low": nibbles[:, :, 0] | (nibbles[:, :, 1] << 4), "high": high, "scale": per_group(scale),
+            "bias": per_group(offset)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_quantizer_chooses_the_better_grid_and_packs_the_kernels_layout(bits, dtype):
+    """Each group on whichever grid reconstructs it better, its codes the nearest (ties to even) in
+    range, then in the kernel's layout: as torch's elementwise version computes them, except where
+    the two grids' errors are within the rounding of their sums (whose order is the quantizer's own)."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 512) * torch.rand(64, 16, 1).repeat_interleave(32, -1).reshape(64, 512)
+    weight[:8] += 3 * torch.rand(8, 512)  # skewed groups: the min-max grid wins
+    weight[8:16, :64] = 0.25  # constant groups
+    weight = weight.to(dtype)
+    codes, scale, offset = quantized.quantize(weight, bits)
+    expected, expected_scale, expected_offset, error, error2 = reference_quantize(weight, bits)
+    tie = (error - error2).abs() <= 1e-6 * error.maximum(error2)
+    same = (codes.reshape(64, 16, 32) == expected.reshape(64, 16, 32)).all(-1) & (scale == expected_scale) & \
+        (offset == expected_offset)
+    assert (same | tie).all() and same.float().mean() > 0.99
+    assert (error2 < error).any() and (error < error2).any()
+    packed = quantized.pack(codes, scale, offset, bits)
+    for name, value in reference_pack(codes, scale, offset, bits).items():
+        assert packed[name].shape == value.shape and torch.equal(packed[name], value), name
+
+
+@needs_kernel
 def test_weights_from_a_q5_0_file_are_reproduced_exactly():
     """llama.cpp's Q5_0 stores w = d * (q - 16) with the largest magnitude at q = 0: the symmetric grid hits it."""
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from specchat.decode.runtime.machine import cache_dir, replace_atomically, write_safetensors
-from specchat.decode.runtime.woq_kernel import kernel_isa, traced_isa
+from specchat.decode.runtime.woq_kernel import kernel, kernel_isa, traced_isa
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,6 @@ LAYOUT = "woq2"  # the packed format below; a cached model in another layout is 
 GROUP = 32  # weights per scale and offset, along the input dimension
 BLOCK = 16  # output rows per kernel block (one AVX-512 register of fp32)
 PACKED_PARTS = ("low", "high", "scale", "bias")  # a layer's buffers in that format (`pack`)
-QUANTIZE_ELEMENTS = 1 << 18  # weights quantized at once (`quantize`)
 
 
 def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,38 +41,13 @@ def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 
     Each group gets whichever of two grids reconstructs it better: llama.cpp's symmetric one
     (Q4_0/Q5_0: the largest magnitude maps to code 0, so weights that came from such a GGUF are
-    reproduced exactly) or the asymmetric min-max grid (better for skewed groups).
+    reproduced exactly) or the asymmetric min-max grid (better for skewed groups). In the kernel's
+    extension (`kernels/quantize.cpp`, which says how): a model is quantized once, at its first start.
     """
-    # A few rows at a time: the dozen float32 temporaries of a whole weight would each cross the
-    # memory bus; a slice's stay in the caches (each group is quantized on its own either way).
-    rows = max(1, QUANTIZE_ELEMENTS // weight.shape[1])
-    codes, scales, offsets = zip(*(_quantize_rows(part, bits) for part in weight.split(rows)))
-    return torch.cat(codes), torch.cat(scales), torch.cat(offsets)
-
-
-def _quantize_rows(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    N, K = weight.shape
-    groups = weight.float().reshape(N, K // GROUP, GROUP)
-    top, half = 2**bits - 1, 2 ** (bits - 1)
-    low, high = groups.amin(-1), groups.amax(-1)
-    extreme = torch.where(high.abs() > low.abs(), high, low)  # signed value of the largest magnitude
-    candidates = [((high - low) / top, low), (-extreme / half, extreme)]  # (scale, offset)
-    best_codes, best_scale, best_offset, best_error = None, None, None, None
-    for scale, offset in candidates:
-        scale = torch.where(scale.abs() < 1e-7, 1e-7, scale).half()  # a constant group still needs a step
-        offset = offset.half()
-        step, base = scale.float()[..., None], offset.float()[..., None]
-        # in place after the first operation of each: the same values, half the time of fresh temporaries
-        codes = groups.sub(base).div_(step).round_().clamp_(0, top)
-        error = codes.mul(step).add_(base).sub_(groups).square_().sum(-1)
-        if best_error is None:
-            best_codes, best_scale, best_offset, best_error = codes, scale, offset, error
-        else:
-            better = error < best_error
-            best_codes = torch.where(better[..., None], codes, best_codes)
-            best_scale, best_offset = torch.where(better, scale, best_scale), torch.where(better, offset, best_offset)
-            best_error = torch.minimum(error, best_error)
-    return best_codes.to(torch.uint8).reshape(N, K), best_scale, best_offset
+    kernel()
+    weight = weight.detach()
+    return torch.ops.specchat.quantize(weight if weight.dtype in (torch.bfloat16, torch.float32) else weight.float(),
+                                       bits)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -84,21 +58,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
-    """The kernel's layout (see the comment at the top of kernels/woq_linear.cpp)."""
-    N, K = codes.shape
-    # [N, K] -> [blocks, quads, 64]: byte 4r + b of quad j is row r, column 4j + b.
-    quads = codes.reshape(N // BLOCK, BLOCK, K // 4, 4).permute(0, 2, 1, 3).reshape(N // BLOCK, K // 4, 4 * BLOCK)
-    nibbles = (quads & 15).reshape(N // BLOCK, K // 8, 2, 4 * BLOCK)
-    low = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).contiguous()
-    high = torch.zeros(0, dtype=torch.uint8)
-    if bits == 5:  # bit t of quad j's little-endian 64-bit word: byte t's fifth bit
-        # (shifted and or-ed in uint8, eight strided passes: a sum over int32 took 7x as long)
-        fifth = (quads >> 4).reshape(N // BLOCK, K // 4, 8, 8)
-        high = fifth[..., 0].clone()
-        for t in range(1, 8):
-            high |= fifth[..., t] << t
-    per_group = lambda t: t.reshape(N // BLOCK, BLOCK, K // GROUP).transpose(1, 2).contiguous()  # noqa: E731
-    return {"low": low, "high": high, "scale": per_group(scale), "bias": per_group(offset)}
+    """The kernel's layout (see the comment at the top of kernels/woq_linear.cpp; made by kernels/quantize.cpp)."""
+    kernel()
+    low, high, scales, offsets = torch.ops.specchat.pack(codes, scale, offset, bits)
+    return {"low": low, "high": high, "scale": scales, "bias": offsets}
 
 
 class QuantizedLinear(nn.Module):

@@ -34,8 +34,8 @@ from specchat.errors import first_line
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
-# the products; the layers around them (one call per forward)
-SOURCES = (KERNELS / "woq_linear.cpp", KERNELS / "decoder.cpp")
+# the products; the layers around them (one call per forward); the weights quantized into the products' layout
+SOURCES = (KERNELS / "woq_linear.cpp", KERNELS / "decoder.cpp", KERNELS / "quantize.cpp")
 HEADERS = (KERNELS / "woq_linear.h", KERNELS / "vectors.h")
 UNIT = KERNELS / "extension.cpp"  # what is compiled: SOURCES as one translation unit (it says why)
 FILES = (UNIT, *SOURCES, *HEADERS)  # everything the build reads (what `source_hash` covers)

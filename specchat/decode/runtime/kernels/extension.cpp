@@ -6,3 +6,4 @@
 // with decoder.cpp's layer compiled once per dtype rather than per dtype and head size.
 #include "woq_linear.cpp"
 #include "decoder.cpp"
+#include "quantize.cpp"

@@ -1,0 +1,187 @@
+// The weights quantized for the kernel (specchat/decode/runtime/quantized.py's `quantize` and `pack`):
+// codes, scales and offsets per group of 32 weights along K, then the kernel's layout (woq_linear.cpp's
+// top comment). A model is quantized once, at its first start, after the kernel's compile: in torch
+// that took ~4.4 ns a weight on two Xeon vCPUs (two dozen elementwise passes a group), 8 s of the
+// 1.5B's first start with the 0.5B that drafts for it, and moving the codes into the layout 2-3 more.
+//
+// Each group gets whichever of two grids reconstructs it better: llama.cpp's symmetric one
+// (Q4_0/Q5_0: the largest magnitude maps to code 0, so weights that came from such a GGUF are
+// reproduced exactly) or the asymmetric min-max grid (better for skewed groups). Every value is the
+// float32 operation torch's elementwise version made (a subtraction, a division, rounding to nearest
+// even, the clamp; each correctly rounded, so the same in any vector width); only the order in which
+// a group's 32 squared errors are summed is this file's own, fixed (torch's depends on its vector
+// width), so two grids within rounding of each other may be chosen the other way than torch would.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#include "vectors.h"
+
+namespace specchat {
+namespace {
+
+constexpr int64_t kQuantizeGroup = 32;  // weights per group along K (woq_linear.cpp's kGroup)
+constexpr int64_t kBlockRows = 16;      // output rows per block of the layout
+
+struct Grid {
+  float scale, offset;
+};
+
+// The group's codes on `grid` (its scale and offset as fp16 hold them) and their squared error.
+inline float codes_on(const __m256 (&values)[4], Grid grid, float top, __m256 (&codes)[4]) {
+  const __m256 step = _mm256_set1_ps(grid.scale), base = _mm256_set1_ps(grid.offset);
+  __m256 errors[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 quotient = _mm256_div_ps(_mm256_sub_ps(values[j], base), step);
+    const __m256 rounded = _mm256_round_ps(quotient, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    codes[j] = _mm256_min_ps(_mm256_max_ps(rounded, _mm256_setzero_ps()), _mm256_set1_ps(top));
+    const __m256 error = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(codes[j], step), base), values[j]);
+    errors[j] = _mm256_mul_ps(error, error);
+  }
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(errors[0], errors[1]), _mm256_add_ps(errors[2], errors[3]));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// A scale as fp16 holds it, a step of at least 1e-7 (a constant group still needs one), and an offset.
+inline Grid grid(float scale, float offset) {
+  if (std::fabs(scale) < 1e-7f) scale = 1e-7f;
+  return {static_cast<float>(c10::Half(scale)), static_cast<float>(c10::Half(offset))};
+}
+
+// The smallest and largest of a vector's lanes (order does not matter: both are exact).
+inline float lowest(__m256 v) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_min_ss(m, _mm_movehdup_ps(m)));
+}
+inline float highest(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+template <typename T>
+void quantize_group(const T* weights, int64_t bits, uint8_t* codes, c10::Half* scale, c10::Half* offset) {
+  __m256 values[4];
+  for (int j = 0; j < 4; ++j) values[j] = load8(weights + 8 * j);
+  const float low = lowest(_mm256_min_ps(_mm256_min_ps(values[0], values[1]), _mm256_min_ps(values[2], values[3])));
+  const float high = highest(_mm256_max_ps(_mm256_max_ps(values[0], values[1]), _mm256_max_ps(values[2], values[3])));
+  const float top = static_cast<float>((1 << bits) - 1), half = static_cast<float>(1 << (bits - 1));
+  const float extreme = std::fabs(high) > std::fabs(low) ? high : low;  // the largest magnitude, signed
+  const Grid asymmetric = grid((high - low) / top, low), symmetric = grid(-extreme / half, extreme);
+  __m256 first[4], second[4];
+  const float first_error = codes_on(values, asymmetric, top, first);
+  const bool better = codes_on(values, symmetric, top, second) < first_error;
+  const __m256(&chosen)[4] = better ? second : first;
+  // each code (0-31) is the low byte of its int32: the four vectors' bytes gathered into 32
+  __m256i integers[4];
+  for (int j = 0; j < 4; ++j) integers[j] = _mm256_cvtps_epi32(chosen[j]);
+  const __m256i words = _mm256_packus_epi16(_mm256_packs_epi32(integers[0], integers[1]),
+                                            _mm256_packs_epi32(integers[2], integers[3]));
+  // (the packs interleave 128-bit lanes: 32-bit pieces 0, 4, 1, 5, 2, 6, 3, 7 back in order)
+  const __m256i in_order = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), in_order);
+  const Grid kept = better ? symmetric : asymmetric;
+  *scale = c10::Half(kept.scale);
+  *offset = c10::Half(kept.offset);
+}
+
+// codes [N, K] uint8, scale and offset [N, K / 32] fp16, for weight [N, K] (bf16 or float32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& weight, int64_t bits) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % kQuantizeGroup == 0, "quantize: weight [N, K], K a multiple of 32");
+  TORCH_CHECK(bits == 4 || bits == 5, "quantize: 4 or 5 bits");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), groups = K / kQuantizeGroup;
+  at::Tensor codes = at::empty({N, K}, w.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({N, groups}, w.options().dtype(at::kHalf));
+  at::Tensor offset = at::empty({N, groups}, w.options().dtype(at::kHalf));
+  const auto run = [&](const auto* first) {
+    uint8_t* code = codes.data_ptr<uint8_t>();
+    c10::Half *s = scale.data_ptr<c10::Half>(), *o = offset.data_ptr<c10::Half>();
+    at::parallel_for(0, N * groups, 1024, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        quantize_group(first + g * kQuantizeGroup, bits, code + g * kQuantizeGroup, s + g, o + g);
+    });
+  };
+  if (w.scalar_type() == at::kFloat) run(w.data_ptr<float>());
+  else if (w.scalar_type() == at::kBFloat16) run(w.data_ptr<c10::BFloat16>());
+  else TORCH_CHECK(false, "quantize: bf16 or float32 weights");
+  return {codes, scale, offset};
+}
+
+// The codes in the kernel's layout: low [N/16][K/8][64] (the low nibbles of quads 2p and 2p + 1),
+// high [N/16][K/4][8] (5 bits: bit t of quad j's word is byte t's fifth bit; empty for 4), and the
+// scales and offsets as [N/16][K/32][16]. Quad j of a block: byte 4r + b is row r, k = 4j + b.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& codes_in, const at::Tensor& scale_in,
+                                                                const at::Tensor& offset_in, int64_t bits) {
+  const at::Tensor codes = codes_in.contiguous(), scale = scale_in.contiguous(), offset = offset_in.contiguous();
+  const int64_t N = codes.size(0), K = codes.size(1), blocks = N / kBlockRows, groups = K / kQuantizeGroup;
+  TORCH_CHECK(N % kBlockRows == 0 && K % kQuantizeGroup == 0, "pack: N a multiple of 16, K of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
+                  offset.scalar_type() == at::kHalf, "pack: uint8 codes, fp16 scales and offsets");
+  at::Tensor low = at::empty({blocks, K / 8, 4 * kBlockRows}, codes.options());
+  at::Tensor high = bits == 5 ? at::empty({blocks, K / 4, 8}, codes.options()) : at::empty({0}, codes.options());
+  at::Tensor scales = at::empty({blocks, groups, kBlockRows}, scale.options());
+  at::Tensor offsets = at::empty({blocks, groups, kBlockRows}, offset.options());
+  const uint8_t* code = codes.data_ptr<uint8_t>();
+  uint8_t *lows = low.data_ptr<uint8_t>(), *highs = bits == 5 ? high.data_ptr<uint8_t>() : nullptr;
+  const c10::Half *s = scale.data_ptr<c10::Half>(), *o = offset.data_ptr<c10::Half>();
+  c10::Half *ss = scales.data_ptr<c10::Half>(), *os = offsets.data_ptr<c10::Half>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) uint8_t quads[2][4 * kBlockRows];  // quads 2p and 2p + 1 of a block
+    const __m256i nibble = _mm256_set1_epi8(15);
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* rows = code + b * kBlockRows * K;
+      for (int64_t p = 0; p < K / 8; ++p) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t j = 2 * p + h;
+          for (int64_t r = 0; r < kBlockRows; ++r) std::memcpy(quads[h] + 4 * r, rows + r * K + 4 * j, 4);
+          if (highs != nullptr) {  // bit 4 of each byte to bit 7 (16-bit shifts carry nothing into it), gathered
+            const __m256i first = _mm256_load_si256(reinterpret_cast<const __m256i*>(quads[h]));
+            const __m256i second = _mm256_load_si256(reinterpret_cast<const __m256i*>(quads[h] + 32));
+            const uint32_t lower = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(first, 3)));
+            const uint32_t upper = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(second, 3)));
+            const uint64_t word = lower | static_cast<uint64_t>(upper) << 32;
+            std::memcpy(highs + (b * (K / 4) + j) * 8, &word, 8);
+          }
+        }
+        uint8_t* out = lows + (b * (K / 8) + p) * 4 * kBlockRows;
+        for (int half = 0; half < 2; ++half) {
+          const __m256i even = _mm256_load_si256(reinterpret_cast<const __m256i*>(quads[0] + 32 * half));
+          const __m256i odd = _mm256_load_si256(reinterpret_cast<const __m256i*>(quads[1] + 32 * half));
+          const __m256i both = _mm256_or_si256(_mm256_and_si256(even, nibble),
+                                               _mm256_slli_epi16(_mm256_and_si256(odd, nibble), 4));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * half), both);
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t r = 0; r < kBlockRows; ++r) {
+          ss[(b * groups + g) * kBlockRows + r] = s[(b * kBlockRows + r) * groups + g];
+          os[(b * groups + g) * kBlockRows + r] = o[(b * kBlockRows + r) * groups + g];
+        }
+    }
+  });
+  return {low, high, scales, offsets};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specchat, m) {
+  m.def("quantize(Tensor weight, int bits) -> (Tensor, Tensor, Tensor)");
+  m.impl("quantize", c10::DispatchKey::CPU, &quantize);
+  m.def("pack(Tensor codes, Tensor scale, Tensor offset, int bits) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.impl("pack", c10::DispatchKey::CPU, &pack);
+}
+
+}  // namespace specchat
