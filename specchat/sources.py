@@ -79,9 +79,10 @@ def _packed_target(spec: ModelSpec, source: Source, stored: Path, device: torch.
     outdated one): from the source's converted folder where there is a whole one, else from the
     source converted in memory."""
     if stored.is_file():
+        log.debug(f"found the model ({stored})")
         quantize = _resolved_quantize(spec, device, dtype)
         if quantize == kernel_quantize(spec) and (target := packed.load(stored, spec, dtype, quantize)) is not None:
-            log.debug(f"loaded the packed model ({target.runtime}; {stored})")
+            log.debug(f"loaded the packed model ({target.runtime})")
             return target
     with _beside_compiler(compiling):
         found = locate_source(source, conversion_dtype, in_memory=True)
