@@ -415,6 +415,28 @@ def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(big
         assert proposer.narrow(growth, torch.arange(3), depth=1).tolist() == expanded
 
 
+def test_a_short_replys_plain_step_is_the_median_of_those_kept_for_its_context_not_one_early_timing():
+    """A reply with too few plain steps of its own takes those kept for its context length: timed ones
+    where there are too few, then what later replies took there, so one slow early timing does not
+    decide every later short reply's estimate."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from specchat.speedup import KEPT_STEPS, TIMED_STEPS, WARMUP_STEPS, PlainStepClock
+
+    timings = []
+    engine = SimpleNamespace(cache=SimpleNamespace(length=50),
+                             plain_step_seconds=lambda steps: timings.append(steps) or [0.1] + [0.020] * (steps - 1))
+    clock = PlainStepClock(engine)
+    assert clock.seconds_per_step(Stats()) == 0.020 and timings == [WARMUP_STEPS + TIMED_STEPS]  # timed (slow)
+    assert clock.seconds_per_step(Stats(plain_step_times=[0.014] * 6)) == 0.014  # a long reply's own
+    assert clock.seconds_per_step(Stats(plain_step_times=[0.015])) == 0.014  # a short one's: the kept median
+    assert len(timings) == 1  # timed once
+    engine.cache.length = 300  # another bucket: timed there
+    assert clock.seconds_per_step(Stats()) == 0.020 and len(timings) == 2
+    assert isinstance(clock.steps_by_bucket[64], deque) and clock.steps_by_bucket[64].maxlen == KEPT_STEPS
+
+
 def test_a_plain_step_is_the_median_of_a_records_own_so_one_slowed_step_moves_no_estimate():
     """The estimate takes a reply's own plain steps for plain decoding's (`PlainStepClock`): their mean
     let one step slowed by a neighbour move a reply's estimate 17% off the measured speedup."""
