@@ -215,7 +215,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, wha
     and draft heads on a quantized target (they run every cycle). A layer whose shape does not tile
     into 16 rows and groups of 32 stays as it is.
 
-    Quantizing takes seconds per hundred million weights, so the packed layers are kept in
+    Quantizing takes a second or two per billion weights, so the packed layers are kept in
     `cache` (a safetensors file) and read from there on later starts; packing is said in one line
     where they are kept, or where `say_packing` (a model packed once for its packed model's file).
     Gated MLPs then run gate and up as one layer (`fuse_gated_mlps`), attentions q, k and v
@@ -224,7 +224,7 @@ def quantize_linears(model: nn.Module, bits: int, cache: Path | None = None, wha
     kernel_isa()  # fail before touching the model
     stored = _read_cache(cache, bits)
     if stored is None and (cache is not None or say_packing):
-        log.info(f"packing {what} into {bits} bits once (seconds per hundred million weights)...")
+        log.info(f"packing {what} into {bits} bits once (a second or two per billion weights)...")
     fresh = {}
     for module, name, child, key in _linears(model):
         if not packable(child):  # the kernel's tiling does not fit (a draft head's odd vocabulary): as it is
