@@ -147,4 +147,3 @@ def compare_plainly(plain: Engine, prompt_ids: list[int], settings: GenerationSe
     speedup = method_rate / plain_rate if method_rate is not None and plain_rate else None
     return Comparison(plain_tokens, plain_seconds, plain_prefill, speedup,
                       divergence(tokens, plain_tokens, plain_margins))
-

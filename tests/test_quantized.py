@@ -365,7 +365,8 @@ def test_a_cpu_without_native_bf16_runs_the_kernel_on_float32_and_says_what_runs
     assert target.dtype == torch.float32 and target.spec.quantize == "int5"
     assert target.runtime == f"int5 weights, {woq_kernel.kernel_isa()} kernel, float32 activations"
     said = capsys.readouterr().err.splitlines()
-    assert said and all(line.endswith("once (a second or two per billion weights)...") for line in said)  # progress only
+    # progress only
+    assert said and all(line.endswith("once (a second or two per billion weights)...") for line in said)
     explicit = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cpu", quantize="int5"))
     assert explicit.spec.quantize == "int5" and explicit.runtime == target.runtime
 
