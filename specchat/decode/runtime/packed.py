@@ -4,8 +4,8 @@ start loads it without building transformers' model or importing transformers.
 A start through transformers (`specchat.decode.runtime.loading`) reads the bf16 folder (or takes a
 GGUF converted in memory: `specchat.converted.InMemory`), converts it, replaces every linear layer
 by a quantized one and stacks them; on 2 Zen 3 cores that and the imports it needs took most of a
-10-13 s start. Once a target has loaded that way and runs the fused
-forward (`cpu_decoder`), `save` writes what that forward reads: the packed layers (q, k and v
+10-13 s start. Once a target has loaded that way and runs the fused forward (`cpu_decoder`), `save`
+writes what that forward reads: the packed layers (q, k and v
 stacked, gate and up stacked), the norms, the embedding in the activation dtype, the LM head,
 the rotary embedding's inverse frequencies as transformers computed them, and a snapshot of the
 tokenizer (`specchat.decode.runtime.tokenizer`). `load` memory-maps it (safetensors maps the file:
@@ -165,8 +165,9 @@ class PackedConfig:
     scaling: float  # attention's, the scores' factor
     attention_scaling: float  # the rotary embedding's, cos and sin's factor
     qkv_sizes: list[int]  # the stacked q, k and v projections' widths
-    name_or_path: str  # the folder transformers loaded it from, or the packed file where it was converted in
-    # memory (draft heads' caches are keyed by it)
+    # where it came from (draft heads' caches are keyed by it): the folder transformers loaded it from,
+    # or for a model converted in memory, the packed file itself
+    name_or_path: str
 
     def get_text_config(self) -> PackedConfig:
         return self
