@@ -5,19 +5,19 @@ A start through transformers (`specchat.decode.runtime.loading`) reads the bf16 
 GGUF converted in memory: `specchat.converted.InMemory`), converts it, replaces every linear layer
 by a quantized one and stacks them; on 2 Zen 3 cores that and the imports it needs took most of a
 10-13 s start. Once a target has loaded that way and runs the fused forward (`cpu_decoder`), `save`
-writes what that forward reads: the packed layers (q, k and v
-stacked, gate and up stacked), the norms, the embedding in the activation dtype, the LM head,
-the rotary embedding's inverse frequencies as transformers computed them, and a snapshot of the
-tokenizer (`specchat.decode.runtime.tokenizer`). `load` memory-maps it (safetensors maps the file:
-pages are read as the forward first touches them) into modules with transformers' names, so
-`Target` and `DecoderForward` take it as they take transformers' model: the same operations on the
-same values, so the same logits (the tests compare them).
+writes what that forward reads: the packed layers (q, k and v stacked, gate and up stacked), the
+norms, the embedding in the activation dtype, the LM head, the rotary embedding's inverse
+frequencies as transformers computed them, and a snapshot of the tokenizer
+(`specchat.decode.runtime.tokenizer`). `load` memory-maps it (safetensors maps the file: pages are
+read as the forward first touches them) into modules with transformers' names, so `Target` and
+`DecoderForward` take it as they take transformers' model: the same operations on the same values,
+so the same logits (the tests compare them).
 
-The file is keyed by the model's weights (`sources.source_key`: an embedded model's or a GGUF
-file's sha256, a folder's weight files as the quantized layers' cache is), the quantization and
-the dtype; inside, by its format, the kernel's layout and sources and the
-transformers that built it: any of them changed, the next start goes through transformers again
-and writes it anew. It is written atomically (`quantized.save_atomically`).
+The file is keyed by the model's weights (`sources.source_key`: an embedded model's or a GGUF file's
+sha256, a folder's weight files as the quantized layers' cache is), the quantization and the dtype;
+inside, by its format, the kernel's layout and sources and the transformers that built it: any of
+them changed, the next start goes through transformers again and writes it anew. It is written
+atomically (`quantized.save_atomically`).
 """
 
 from __future__ import annotations
