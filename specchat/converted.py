@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 
 from specchat import embedded
-from specchat.decode.runtime.machine import cache_dir, write_safetensors
+from specchat.decode.runtime.machine import cache_dir, lock_beside, write_safetensors
 from specchat.decode.runtime.target import dtype_name
 from specchat.errors import ModelLoadError, first_line
 from specchat.inputs import file_sha256, write_atomically
@@ -293,13 +292,13 @@ def _write_whole(destination: Path, source: dict, write: Callable[[Path], None])
     return destination
 
 
-def _say_converting(gguf_path: Path, dtype: torch.dtype) -> None:
+def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict,
+                 in_memory: bool = False) -> Path | InMemory:
+    """Dequantize a GGUF file into a Hugging Face folder at `destination`, which appears whole
+    (`in_memory`: into memory instead, the folder to be written only if asked: `InMemory.keep`)."""
     log.info(f"converting {gguf_path.name} to {dtype_name(dtype)} once (about a minute)...")
-
-
-def convert_gguf(gguf_path: Path, dtype: torch.dtype, destination: Path, source: dict) -> Path:
-    """Dequantize a GGUF file into a Hugging Face folder at `destination`, which appears whole."""
-    _say_converting(gguf_path, dtype)
+    if in_memory:
+        return InMemory(*gguf_model(gguf_path, dtype), destination, source)
     return _write_whole(destination, source, lambda work: write_hf_folder(gguf_path, dtype, work))
 
 
@@ -333,7 +332,7 @@ class InMemory:
 
     def keep(self) -> Path:
         """The converted folder, written from the model in memory unless a whole one is there."""
-        with conversion_lock(self.folder):
+        with lock_beside(self.folder):
             if _usable(self.folder) is None:
                 _write_whole(self.folder, self.source, lambda work: save_folder(self.model, self.tokenizer, work))
         return self.folder
@@ -345,20 +344,10 @@ def gguf_folder(gguf_path: Path, dtype: torch.dtype, in_memory: bool = False) ->
     sha = gguf_sha256(gguf_path)
     folder = cache_dir() / "models" / f"gguf-{sha[:16]}-{dtype_name(dtype)}"
     source = {"gguf": str(gguf_path), "sha256": sha, "dtype": dtype_name(dtype)}
-    with conversion_lock(folder):
+    with lock_beside(folder):
         if _usable(folder) is not None:
             return folder
-        if in_memory:
-            _say_converting(gguf_path, dtype)
-            return InMemory(*gguf_model(gguf_path, dtype), folder, source)
-        return convert_gguf(gguf_path, dtype, folder, source)
-
-
-def conversion_lock(folder: Path) -> FileLock:
-    """Held while a converted folder is checked and made: a second process started at the same
-    time waits for the first one's conversion instead of racing it."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(folder.with_name(folder.name + ".lock"))
+        return convert_gguf(gguf_path, dtype, folder, source, in_memory)
 
 
 def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype, in_memory: bool = False) -> Path | InMemory:
@@ -369,7 +358,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype, in_memory
     except embedded.EmbeddedModelError as error:
         raise ModelLoadError(str(error)) from error
     folder = cache_dir() / "models" / f"{model.name}-{dtype_name(dtype)}"
-    with conversion_lock(folder):
+    with lock_beside(folder):
         stamp, installed = _usable(folder), embedded.fingerprint(chunks)
         if stamp and stamp.get("sha256") == model.sha256:
             if stamp.get("chunks") == installed:
@@ -388,10 +377,7 @@ def embedded_folder(model: embedded.EmbeddedModel, dtype: torch.dtype, in_memory
         assemble(model, gguf_path)
         source = {"embedded": model.name, "sha256": model.sha256, "dtype": dtype_name(dtype), "chunks": installed}
         try:
-            if in_memory:
-                _say_converting(gguf_path, dtype)
-                return InMemory(*gguf_model(gguf_path, dtype), folder, source)
-            return convert_gguf(gguf_path, dtype, folder, source)
+            return convert_gguf(gguf_path, dtype, folder, source, in_memory)
         finally:
             gguf_path.unlink(missing_ok=True)  # the converted folder (or model) replaces it
 

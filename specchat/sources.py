@@ -22,7 +22,7 @@ import drafters
 from specchat import converted, embedded
 from specchat.decode.runtime import packed, woq_kernel
 from specchat.decode.options import KERNEL_BITS
-from specchat.decode.runtime.machine import cache_dir, torch_threads
+from specchat.decode.runtime.machine import cache_dir, lock_beside, torch_threads
 from specchat.decode.runtime.quantized import weights_key
 from specchat.decode.runtime.target import (ModelSpec, Target, kernel_candidate, kernel_quantize, resolve_device,
                                             resolve_dtype, resolve_quantize)
@@ -59,8 +59,8 @@ def load_target(spec: ModelSpec, packed_model: bool = False) -> Target:
     likely = kernel_quantize(spec)
     if packed_model and kernel_likely and packed.applies(spec, device, likely):
         stored = packed.path(source_key(source), likely, dtype)
-        with packed.making_lock(stored):  # a second first start waits for this one's file
-            return _packed_target(spec, source, stored, device, dtype, conversion_dtype, compiling)
+        with lock_beside(stored):  # a second first start waits for this one's file
+            return _packed_target(spec, source, stored, likely, device, dtype, conversion_dtype, compiling)
     with _beside_compiler(compiling):
         folder = locate_source(source, conversion_dtype)
     log.debug(f"found the model ({folder})")
@@ -73,15 +73,15 @@ def load_target(spec: ModelSpec, packed_model: bool = False) -> Target:
     return target
 
 
-def _packed_target(spec: ModelSpec, source: Source, stored: Path, device: torch.device, dtype: torch.dtype,
-                   conversion_dtype: torch.dtype, compiling: bool) -> Target:
-    """The target from its packed model at `stored`, made there first where there is none (or an
-    outdated one): from the source's converted folder where there is a whole one, else from the
-    source converted in memory."""
+def _packed_target(spec: ModelSpec, source: Source, stored: Path, likely: str, device: torch.device,
+                   dtype: torch.dtype, conversion_dtype: torch.dtype, compiling: bool) -> Target:
+    """The target from its packed model at `stored` (quantized as `likely`, where the kernel runs),
+    made there first where there is none (or an outdated one): from the source's converted folder
+    where there is a whole one, else from the source converted in memory."""
     if stored.is_file():
         log.debug(f"found the model ({stored})")
         quantize = _resolved_quantize(spec, device, dtype)
-        if quantize == kernel_quantize(spec) and (target := packed.load(stored, spec, dtype, quantize)) is not None:
+        if quantize == likely and (target := packed.load(stored, spec, dtype, quantize)) is not None:
             log.debug(f"loaded the packed model ({target.runtime})")
             return target
     with _beside_compiler(compiling):
@@ -89,7 +89,7 @@ def _packed_target(spec: ModelSpec, source: Source, stored: Path, device: torch.
     in_memory = isinstance(found, converted.InMemory)
     log.debug(f"found the model ({f'{spec.model}, converted in memory' if in_memory else found})")
     quantize = _resolved_quantize(spec, device, dtype)
-    packs = quantize == kernel_quantize(spec)  # (else the kernel is not there after all)
+    packs = quantize == likely  # (else the kernel is not there after all)
     # transformers loads here, where its model is built: a start from the packed model imports none of it
     from specchat.decode.runtime.loading import load_folder, load_model
 
@@ -218,7 +218,7 @@ def source_gguf(spec: ModelSpec) -> Path | None:
     if source.embedded is None:
         return source.gguf
     path = cache_dir() / "gguf" / f"{source.embedded.name}.gguf"
-    with converted.conversion_lock(path):
+    with lock_beside(path):
         if not path.is_file() or path.stat().st_size != source.embedded.size:
             converted.assemble(source.embedded, path)
     return path

@@ -69,7 +69,7 @@ class PlainStepClock:
         own = stats.plain_step_times if stats is not None else []
         kept.extend(own)
         if len(own) >= OWN_PLAIN_STEPS:
-            return statistics.median(own)
+            return stats.plain_step_seconds
         if len(kept) < TIMED_STEPS:
             kept.extend(self.engine.plain_step_seconds(WARMUP_STEPS + TIMED_STEPS)[WARMUP_STEPS:])
         return statistics.median(kept)

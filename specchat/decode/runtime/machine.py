@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 
 def cache_dir() -> Path:
@@ -65,6 +66,13 @@ def write_safetensors(path: Path | str, tensors: dict[str, torch.Tensor],
         handle.write(encoded)
         for name in order:
             handle.write(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def lock_beside(path: Path) -> FileLock:
+    """A lock file beside a cache entry (`path` + ".lock"), held while the entry is looked for and made:
+    a second process started at the same time waits for the first one's instead of making it again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(path.with_name(path.name + ".lock"))
 
 
 @contextlib.contextmanager

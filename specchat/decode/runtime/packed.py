@@ -30,7 +30,6 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -54,13 +53,6 @@ def path(key: str, quantize: str, dtype: torch.dtype) -> Path:
     """Where the packed model of the weights `key` names (`sources.source_key`) is kept, for `quantize`
     and activations in `dtype`."""
     return cache_dir() / "packed" / f"{key}-{quantize}-{dtype_name(dtype)}.safetensors"
-
-
-def making_lock(destination: Path) -> FileLock:
-    """Held while a packed model is looked for and made: a second process started at the same time
-    waits for the first one's file instead of converting and packing the model again."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(destination.with_name(destination.name + ".lock"))
 
 
 def applies(spec: ModelSpec, device: torch.device, quantize: str) -> bool:

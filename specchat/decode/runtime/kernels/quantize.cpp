@@ -25,12 +25,10 @@
 #include <tuple>
 
 #include "vectors.h"
+#include "woq_linear.h"
 
 namespace specchat {
 namespace {
-
-constexpr int64_t kQuantizeGroup = 32;  // weights per group along K (woq_linear.cpp's kGroup)
-constexpr int64_t kBlockRows = 16;      // output rows per block of the layout
 
 struct Grid {
   float scale, offset;
@@ -84,14 +82,9 @@ void quantize_group(const T* weights, int64_t bits, uint8_t* codes, c10::Half* s
   const float first_error = codes_on(values, asymmetric, top, first);
   const bool better = codes_on(values, symmetric, top, second) < first_error;
   const __m256(&chosen)[4] = better ? second : first;
-  // each code (0-31) is the low byte of its int32: the four vectors' bytes gathered into 32
-  __m256i integers[4];
-  for (int j = 0; j < 4; ++j) integers[j] = _mm256_cvtps_epi32(chosen[j]);
-  const __m256i words = _mm256_packus_epi16(_mm256_packs_epi32(integers[0], integers[1]),
-                                            _mm256_packs_epi32(integers[2], integers[3]));
-  // (the packs interleave 128-bit lanes: 32-bit pieces 0, 4, 1, 5, 2, 6, 3, 7 back in order)
-  const __m256i in_order = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), in_order);
+  __m256i codes_as_integers[4];
+  for (int j = 0; j < 4; ++j) codes_as_integers[j] = _mm256_cvtps_epi32(chosen[j]);
+  store_bytes32(codes_as_integers, codes);
   const Grid kept = better ? symmetric : asymmetric;
   *scale = c10::Half(kept.scale);
   *offset = c10::Half(kept.offset);
@@ -99,10 +92,10 @@ void quantize_group(const T* weights, int64_t bits, uint8_t* codes, c10::Half* s
 
 // codes [N, K] uint8, scale and offset [N, K / 32] fp16, for weight [N, K] (bf16 or float32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& weight, int64_t bits) {
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % kQuantizeGroup == 0, "quantize: weight [N, K], K a multiple of 32");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % kGroup == 0, "quantize: weight [N, K], K a multiple of 32");
   TORCH_CHECK(bits == 4 || bits == 5, "quantize: 4 or 5 bits");
   const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), groups = K / kQuantizeGroup;
+  const int64_t N = w.size(0), K = w.size(1), groups = K / kGroup;
   at::Tensor codes = at::empty({N, K}, w.options().dtype(at::kByte));
   at::Tensor scale = at::empty({N, groups}, w.options().dtype(at::kHalf));
   at::Tensor offset = at::empty({N, groups}, w.options().dtype(at::kHalf));
@@ -111,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& weight
     c10::Half *s = scale.data_ptr<c10::Half>(), *o = offset.data_ptr<c10::Half>();
     at::parallel_for(0, N * groups, 1024, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
-        quantize_group(first + g * kQuantizeGroup, bits, code + g * kQuantizeGroup, s + g, o + g);
+        quantize_group(first + g * kGroup, bits, code + g * kGroup, s + g, o + g);
     });
   };
   if (w.scalar_type() == at::kFloat) run(w.data_ptr<float>());
@@ -126,8 +119,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& weight
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& codes_in, const at::Tensor& scale_in,
                                                                 const at::Tensor& offset_in, int64_t bits) {
   const at::Tensor codes = codes_in.contiguous(), scale = scale_in.contiguous(), offset = offset_in.contiguous();
-  const int64_t N = codes.size(0), K = codes.size(1), blocks = N / kBlockRows, groups = K / kQuantizeGroup;
-  TORCH_CHECK(N % kBlockRows == 0 && K % kQuantizeGroup == 0, "pack: N a multiple of 16, K of 32");
+  const int64_t N = codes.size(0), K = codes.size(1), blocks = N / kBlockRows, groups = K / kGroup;
+  TORCH_CHECK(N % kBlockRows == 0 && K % kGroup == 0, "pack: N a multiple of 16, K of 32");
   TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
                   offset.scalar_type() == at::kHalf, "pack: uint8 codes, fp16 scales and offsets");
   at::Tensor low = at::empty({blocks, K / 8, 4 * kBlockRows}, codes.options());

@@ -64,7 +64,8 @@
 
 namespace {
 
-constexpr int kGroup = 32;               // weights per quantization group along K
+using specchat::kBlockRows;
+using specchat::kGroup;
 constexpr int kPairsPerGroup = kGroup / 8;  // 64-byte nibble vectors (two quads each) per group
 // The codes are read this many 64-byte vectors (4 KB) ahead: the hardware prefetcher alone left a
 // forward at ~27 GB/s; with this, one token's linear layers take 10 ms instead of 12 and eight
@@ -80,7 +81,7 @@ struct QuantizedRows {
 // Every |q| <= 127 (the largest magnitude maps to 127), which the AVX2 path's int16 sums rely on.
 // A group's eight lanes at a time: the largest magnitude ignores NaNs as std::fmax does (vmaxps
 // returns its second operand where either is NaN), each q is the same product rounded to nearest
-// even (as std::nearbyintf in the default mode) and kept as its low byte, and the int32 sum is exact
+// even (as std::nearbyintf in the default mode) and stored as a byte, and the int32 sum is exact
 // in any order, so every row gets the bits the scalar loop gave it. That loop called fmaxf for every
 // value: on a 2-vCPU Xeon a 512-token prefill's products took 1.01 s with it and 0.75 s without,
 // sixteen verified rows' 39.1 ms and 32.3, one decoding step's 13.5 ms and 12.9.
@@ -90,9 +91,6 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup;
   QuantizedRows rows{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  // the low byte of each int32, gathered into the low 4 bytes of each 128-bit lane
-  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   for (int64_t i = 0; i < M * groups; ++i) {
     const T* group = x + i * kGroup;
     __m256 values[4], largest = _mm256_setzero_ps();
@@ -106,18 +104,14 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
     for (const float lane : lanes) top = std::max(top, lane);  // (no lane is NaN)
     const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
     const __m256 inverses = _mm256_set1_ps(inverse);
-    __m256i total = _mm256_setzero_si256();
+    __m256i q[4], total = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256 rounded =
           _mm256_round_ps(_mm256_mul_ps(values[j], inverses), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m256i q = _mm256_cvttps_epi32(rounded);
-      total = _mm256_add_epi32(total, q);
-      const __m256i bytes = _mm256_shuffle_epi8(q, low_bytes);
-      const uint32_t first = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 0));
-      const uint32_t second = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
-      const uint64_t packed = first | (static_cast<uint64_t>(second) << 32);
-      std::memcpy(rows.q.data() + i * kGroup + 8 * j, &packed, 8);
+      q[j] = _mm256_cvttps_epi32(rounded);
+      total = _mm256_add_epi32(total, q[j]);
     }
+    specchat::store_bytes32(q, rows.q.data() + i * kGroup);
     alignas(32) int32_t sums[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
     int32_t sum = 0;
@@ -219,7 +213,7 @@ template <typename T>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
                      const at::Tensor& scale, const at::Tensor& offset, const c10::optional<at::Tensor>& bias,
                      int64_t N, int64_t bits, MultiplyRows multiply) {
-  const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup, blocks = N / 16;
+  const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup, blocks = N / kBlockRows;
   auto y = at::empty({M, N}, x.options());
   const QuantizedRows rows = quantize_rows(x.data_ptr<T>(), M, K);
   const auto* low_ptr = low.data_ptr<uint8_t>();
@@ -259,7 +253,7 @@ at::Tensor specchat::woq_linear(const at::Tensor& x, const at::Tensor& low, cons
                                 int64_t N, int64_t bits, const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x: contiguous bf16 or float32 [M, K]");
-  TORCH_CHECK(x.size(1) % kGroup == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
+  TORCH_CHECK(x.size(1) % kGroup == 0 && N % kBlockRows == 0, "K must be a multiple of 32 and N of 16");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "bias: contiguous float32 [N]");
   TORCH_CHECK(bits == 4 || bits == 5, "bits must be 4 or 5");

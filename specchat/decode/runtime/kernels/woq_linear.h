@@ -10,6 +10,10 @@
 
 namespace specchat {
 
+// The weights' layout (woq_linear.cpp's top comment; made by quantize.cpp).
+constexpr int kGroup = 32;      // weights per quantization group along K
+constexpr int kBlockRows = 16;  // output rows per block
+
 // y = x @ dequant(W).T (+ bias) for x [M, K] bf16 or float32, on the instruction set `isa`.
 at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scale,
                       const at::Tensor& offset, const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits,
