@@ -119,7 +119,7 @@ def expected_in_wheel() -> set[str]:
 def test_the_wheel_holds_every_package_kernel_source_profile_and_head(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = expected_in_wheel()
-    assert {"specchat/decode/engine/__init__.py", "specchat/decode/runtime/kernels/decoder.cpp",
+    assert {"specchat/decode/engine/__init__.py", "specchat/decode/runtime/kernels/layers.cpp",
             "specchat/profiles/default.toml"} <= expected, "the walk of the source tree must see them"
     assert not sorted(expected - names), f"missing from the wheel: {sorted(expected - names)}"
     tops = {name.split("/")[0] for name in names}

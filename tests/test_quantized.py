@@ -25,15 +25,22 @@ needs_kernel = pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
 RUNNABLE = woq_kernel.runnable_isas()  # every path this machine runs (avx-vnni only without AVX-512)
 
 
-def test_the_compiled_unit_includes_every_kernel_source_and_the_hash_covers_every_file():
-    """The extension is compiled as one translation unit (`woq_kernel.UNIT`): a source it does not
-    include would be left out of the build, a file the hash misses would leave packed models made
-    by another build looking current."""
-    text = woq_kernel.UNIT.read_text()
-    for source in woq_kernel.SOURCES:
-        assert f'#include "{source.name}"' in text
+def test_every_kernel_source_is_compiled_and_hashed_and_only_the_torch_face_includes_torch():
+    """Each .cpp is compiled (`woq_kernel.UNITS`) or included by arithmetic.cpp (`woq_kernel.SOURCES`):
+    one left out would be missing from the build; a file the hash misses would leave packed models made
+    by another build looking current. Only extension.cpp includes torch's headers (the arithmetic
+    compiles beside it, on a user's first start): the rest take c10's number types and ATen's
+    parallel_for only."""
     kernel_files = {path.name for path in woq_kernel.KERNELS.iterdir() if path.suffix in (".cpp", ".h")}
+    arithmetic = (woq_kernel.KERNELS / "arithmetic.cpp").read_text()
+    assert {path.name for path in woq_kernel.SOURCES} == set(re.findall(r'#include "(\w+\.cpp)"', arithmetic))
+    assert {path.name for path in (*woq_kernel.UNITS, *woq_kernel.SOURCES)} == \
+        {name for name in kernel_files if name.endswith(".cpp")}
     assert {path.name for path in woq_kernel.FILES} == kernel_files
+    light = {"<ATen/Parallel.h>", "<c10/util/BFloat16.h>", "<c10/util/Half.h>"}
+    for path in woq_kernel.FILES:
+        torch_headers = set(re.findall(r"#include (<(?:torch|ATen|c10)/[^>]+>)", path.read_text()))
+        assert path.name == "extension.cpp" or torch_headers <= light, (path.name, torch_headers - light)
 
 
 def test_the_last_build_is_loaded_directly_while_nothing_it_was_made_from_has_changed(tmp_path, monkeypatch):
@@ -86,17 +93,18 @@ def test_a_start_after_a_build_loads_the_kernel_without_torchs_build_machinery(t
 
 
 def test_the_head_sizes_python_takes_are_those_the_attention_is_compiled_for():
-    """`cpu_decoder.HEAD_SIZES` decides which models take the fused forward; decoder.cpp's
-    `attend_heads` compiles one attention loop per size, and its layer checks the size early. A
-    size in one list only would fail at the first forward, or send a model the kernel takes to
-    the slower path."""
-    source = (woq_kernel.KERNELS / "decoder.cpp").read_text()
+    """`cpu_decoder.HEAD_SIZES` decides which models take the fused forward; layers.cpp's
+    `attend_heads` compiles one attention loop per size, and extension.cpp's layer checks the size
+    early (layers.h's `head_size_supported`). A size in one list only would fail at the first
+    forward, or send a model the kernel takes to the slower path."""
+    source = (woq_kernel.KERNELS / "layers.cpp").read_text()
     switch = source[source.index("void attend_heads("):]
     switch = switch[: switch.index("\n}\n")]
     compiled = tuple(int(size) for size in re.findall(r"case (\d+): return attend_group", switch))
-    checked = re.search(r"TORCH_CHECK\(((?:D == \d+(?: \|\| )?)+), \"head sizes", source).group(1)
+    header = (woq_kernel.KERNELS / "layers.h").read_text()
+    checked = re.search(r"head_size_supported\(int64_t d\) \{ return ([^;]+);", header).group(1)
     assert compiled == cpu_decoder.HEAD_SIZES
-    assert tuple(int(size) for size in re.findall(r"D == (\d+)", checked)) == cpu_decoder.HEAD_SIZES
+    assert tuple(int(size) for size in re.findall(r"d == (\d+)", checked)) == cpu_decoder.HEAD_SIZES
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ target's linear layers and its LM head), attention, the rest of the target's for
 rotary, residuals, its calls between them), the draft steps, and the engine's bookkeeping (the
 tree's mask and positions, acceptance, cache compaction, statistics: the cycle's wall time less
 the forward and the drafting). The products and attention are timed inside the forward
-(`Target.profiling`: the extension's clocks in `kernels/decoder.cpp`, the LM head's around it);
+(`Target.profiling`: the extension's clocks in `kernels/extension.cpp`, the LM head's around it);
 a runtime without those clocks (transformers' forward, specchat's Python forward) gives the
 forward as a whole. Figures are milliseconds per cycle, after each turn's prefill.
 """

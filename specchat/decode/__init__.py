@@ -46,7 +46,8 @@ tree type):
       envelope.py      the fixed shapes: capacity, buckets, spans, windows, declared host inputs
       graphs.py        fixed-shape steps captured as CUDA graphs and replayed
       quantized.py     weight-only int5/int4 linear layers for the CPU: the packed format, the layers
-      woq_kernel.py    their kernel (kernels/: woq_linear.cpp, decoder.cpp, one unit: extension.cpp), its CPU path
+      woq_kernel.py    their kernel (kernels/: extension.cpp, torch's face; arithmetic.cpp: woq_linear.cpp,
+                       layers.cpp, quantize.cpp), its CPU path
       calibrate.py     this machine's cost of verifying n tokens, which sizes CPU trees (healed by live forwards)
       machine.py       the CPU, devices, the cache folder, other processes' load
     options.py         what the core can be asked for, and its defaults (torch-free)

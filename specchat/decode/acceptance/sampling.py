@@ -189,7 +189,7 @@ def draw_rows(logits: torch.Tensor, sampling: SamplingParams, generator: torch.G
 
 def choices_and_margins(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """`argmax` and `margins` of [n, V] logits at once: in one pass over each row where the kernel's
-    extension is loaded (`choose` in kernels/decoder.cpp: a CPU with the quantized runtime), else
+    extension is loaded (`choose` in kernels/layers.cpp: a CPU with the quantized runtime), else
     by torch's calls."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and woq_kernel.loaded():
         choices, row_margins = torch.ops.specchat.choose(logits.contiguous())

@@ -4,10 +4,10 @@ one call per draft step (`fuse_head`), an EAGLE-3 head's whole step and top-k so
 
 Between its products a decoding step of the 0.5B spends about as long again in small torch calls
 (norms, rotary, the cache write, attention's steps, SwiGLU, residuals: ~40 per layer); the
-kernel's extension (`kernels/decoder.cpp`) runs each layer as its four products and plain loops
-between them, on the same weights and the same KV buffers as `specchat.decode.runtime.forward`, with every
-row computed on its own (a verified draft token gets plain decoding's bits). The embedding and the
-rotary angles stay torch calls, once per forward.
+kernel's extension (`kernels/extension.cpp`; the arithmetic in `kernels/layers.cpp`) runs each layer as
+its four products and plain loops between them, on the same weights and the same KV buffers as
+`specchat.decode.runtime.forward`, with every row computed on its own (a verified draft token gets
+plain decoding's bits). The embedding and the rotary angles stay torch calls, once per forward.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from drafters.layers import DecoderLayer
 from specchat.decode.runtime import woq_kernel
 from specchat.decode.runtime.quantized import GatedMLP, QuantizedLinear, SharedProjection
 
-HEAD_SIZES = (16, 32, 64, 128)  # the attention loops decoder.cpp is compiled for
+HEAD_SIZES = (16, 32, 64, 128)  # the attention loops layers.cpp is compiled for
 MOST_HEADS_PER_KV_HEAD = 16
 
 
@@ -121,7 +121,7 @@ class FusedEagle3Step:
     draft LM head, log-softmax, top-k): `GrowingHead`'s context pass, tree levels and top-k. In torch
     calls the step and its top-k took ~25 small calls around the products, ~0.5 ms of a 1.4 ms step
     on 2 Zen 3 cores. Its numbers only draft, and every draft is verified: they follow the torch
-    code's arithmetic, not its every rounding (`kernels/decoder.cpp`'s Eagle3Step). Built on the
+    code's arithmetic, not its every rounding (`kernels/extension.cpp`'s Eagle3Step). Built on the
     layer's `FusedBlock` (`fuse_head` first), whose products and cache room it shares."""
 
     def __init__(self, head: Eagle3Head):

@@ -34,11 +34,14 @@ from specchat.errors import first_line
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
-# the products; the layers around them (one call per forward); the weights quantized into the products' layout
-SOURCES = (KERNELS / "woq_linear.cpp", KERNELS / "decoder.cpp", KERNELS / "quantize.cpp")
-HEADERS = (KERNELS / "woq_linear.h", KERNELS / "vectors.h")
-UNIT = KERNELS / "extension.cpp"  # what is compiled: SOURCES as one translation unit (it says why)
-FILES = (UNIT, *SOURCES, *HEADERS)  # everything the build reads (what `source_hash` covers)
+# What is compiled: two translation units, in parallel. extension.cpp is the operators and classes
+# torch sees, the only file that includes torch's headers (it says why); arithmetic.cpp is the
+# arithmetic they call: the products, the layers' work around them (one call per forward) and the
+# weights' quantization into the products' layout (SOURCES, which it includes).
+UNITS = (KERNELS / "extension.cpp", KERNELS / "arithmetic.cpp")
+SOURCES = (KERNELS / "woq_linear.cpp", KERNELS / "layers.cpp", KERNELS / "quantize.cpp")
+HEADERS = (KERNELS / "woq_linear.h", KERNELS / "layers.h", KERNELS / "vectors.h")
+FILES = (*UNITS, *SOURCES, *HEADERS)  # everything the build reads (what `source_hash` covers)
 EXTENSION = "specchat_woq_isa"  # torch's build folder; the single-ISA kernel was "specchat_woq"
 BUILT = "kernel.json"  # in the cache folder: the library the last build made, and what it was made from
 ISA_VARIABLE = "SPECCHAT_CPU_ISA"
@@ -200,13 +203,14 @@ def _build() -> None:
         with FileLock(build / "specchat-build.lock"):
             (build / "lock").unlink(missing_ok=True)
             # Loaded as a library of torch operators and classes (torch.ops.specchat, torch.classes.specchat),
-            # not a Python module: its sources then need no pybind11 (kernels/woq_linear.h says why).
-            # (ninja rebuilds it when an included source changes: torch's build asks the compiler for its dependencies)
-            library = cpp_extension.load(name=EXTENSION, sources=[str(UNIT)], extra_include_paths=[str(KERNELS)],
-                                         extra_cflags=COMPILE_FLAGS, is_python_module=False,
-                                         verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
+            # not a Python module: its sources then need no pybind11 (kernels/extension.cpp says why).
+            # (ninja rebuilds what a changed source or header touches: torch's build asks the compiler for
+            # each file's dependencies, and runs the compiles in parallel)
+            library = cpp_extension.load(name=EXTENSION, sources=[str(path) for path in UNITS],
+                                         extra_include_paths=[str(KERNELS)], extra_cflags=COMPILE_FLAGS,
+                                         is_python_module=False, verbose=bool(os.environ.get("SPECCHAT_DEBUG_BUILD")))
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, no headers, a failed build
-        raise KernelUnavailable(f"cannot compile {UNIT.name} ({first_line(error)}; SPECCHAT_DEBUG_BUILD=1 shows the "
+        raise KernelUnavailable(f"cannot compile the kernel ({first_line(error)}; SPECCHAT_DEBUG_BUILD=1 shows the "
                                 f"compiler's output)") from error
     _note_built(library)
 

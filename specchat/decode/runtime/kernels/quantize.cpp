@@ -12,20 +12,16 @@
 // a group's 32 squared errors are summed is this file's own, fixed (torch's depends on its vector
 // width), so two grids within rounding of each other may be chosen the other way than torch would.
 
+#include "vectors.h"
+#include "woq_linear.h"
+
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
-
-#include "vectors.h"
-#include "woq_linear.h"
 
 namespace specchat {
 namespace {
@@ -90,47 +86,26 @@ void quantize_group(const T* weights, int64_t bits, uint8_t* codes, c10::Half* s
   *offset = c10::Half(kept.offset);
 }
 
-// codes [N, K] uint8, scale and offset [N, K / 32] fp16, for weight [N, K] (bf16 or float32).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& weight, int64_t bits) {
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % kGroup == 0, "quantize: weight [N, K], K a multiple of 32");
-  TORCH_CHECK(bits == 4 || bits == 5, "quantize: 4 or 5 bits");
-  const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), groups = K / kGroup;
-  at::Tensor codes = at::empty({N, K}, w.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({N, groups}, w.options().dtype(at::kHalf));
-  at::Tensor offset = at::empty({N, groups}, w.options().dtype(at::kHalf));
-  const auto run = [&](const auto* first) {
-    uint8_t* code = codes.data_ptr<uint8_t>();
-    c10::Half *s = scale.data_ptr<c10::Half>(), *o = offset.data_ptr<c10::Half>();
-    at::parallel_for(0, N * groups, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g)
-        quantize_group(first + g * kGroup, bits, code + g * kGroup, s + g, o + g);
-    });
-  };
-  if (w.scalar_type() == at::kFloat) run(w.data_ptr<float>());
-  else if (w.scalar_type() == at::kBFloat16) run(w.data_ptr<c10::BFloat16>());
-  else TORCH_CHECK(false, "quantize: bf16 or float32 weights");
-  return {codes, scale, offset};
+}  // namespace
+
+template <typename T>
+void quantize(const T* weight, int64_t N, int64_t K, int bits, uint8_t* codes, c10::Half* scale, c10::Half* offset) {
+  at::parallel_for(0, N * (K / kGroup), 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      quantize_group(weight + g * kGroup, bits, codes + g * kGroup, scale + g, offset + g);
+  });
 }
+
+template void quantize(const float*, int64_t, int64_t, int, uint8_t*, c10::Half*, c10::Half*);
+template void quantize(const c10::BFloat16*, int64_t, int64_t, int, uint8_t*, c10::Half*, c10::Half*);
 
 // The codes in the kernel's layout: low [N/16][K/8][64] (the low nibbles of quads 2p and 2p + 1),
 // high [N/16][K/4][8] (5 bits: bit t of quad j's word is byte t's fifth bit; empty for 4), and the
 // scales and offsets as [N/16][K/32][16]. Quad j of a block: byte 4r + b is row r, k = 4j + b.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& codes_in, const at::Tensor& scale_in,
-                                                                const at::Tensor& offset_in, int64_t bits) {
-  const at::Tensor codes = codes_in.contiguous(), scale = scale_in.contiguous(), offset = offset_in.contiguous();
-  const int64_t N = codes.size(0), K = codes.size(1), blocks = N / kBlockRows, groups = K / kGroup;
-  TORCH_CHECK(N % kBlockRows == 0 && K % kGroup == 0, "pack: N a multiple of 16, K of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
-                  offset.scalar_type() == at::kHalf, "pack: uint8 codes, fp16 scales and offsets");
-  at::Tensor low = at::empty({blocks, K / 8, 4 * kBlockRows}, codes.options());
-  at::Tensor high = bits == 5 ? at::empty({blocks, K / 4, 8}, codes.options()) : at::empty({0}, codes.options());
-  at::Tensor scales = at::empty({blocks, groups, kBlockRows}, scale.options());
-  at::Tensor offsets = at::empty({blocks, groups, kBlockRows}, offset.options());
-  const uint8_t* code = codes.data_ptr<uint8_t>();
-  uint8_t *lows = low.data_ptr<uint8_t>(), *highs = bits == 5 ? high.data_ptr<uint8_t>() : nullptr;
-  const c10::Half *s = scale.data_ptr<c10::Half>(), *o = offset.data_ptr<c10::Half>();
-  c10::Half *ss = scales.data_ptr<c10::Half>(), *os = offsets.data_ptr<c10::Half>();
+void pack(const uint8_t* code, const c10::Half* s, const c10::Half* o, int64_t N, int64_t K, int bits,
+          uint8_t* lows, uint8_t* highs, c10::Half* ss, c10::Half* os) {
+  const int64_t blocks = N / kBlockRows, groups = K / kGroup;
+  if (bits != 5) highs = nullptr;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(32) uint8_t quads[2][4 * kBlockRows];  // quads 2p and 2p + 1 of a block
     const __m256i nibble = _mm256_set1_epi8(15);
@@ -165,16 +140,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor
         }
     }
   });
-  return {low, high, scales, offsets};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(specchat, m) {
-  m.def("quantize(Tensor weight, int bits) -> (Tensor, Tensor, Tensor)");
-  m.impl("quantize", c10::DispatchKey::CPU, &quantize);
-  m.def("pack(Tensor codes, Tensor scale, Tensor offset, int bits) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.impl("pack", c10::DispatchKey::CPU, &pack);
 }
 
 }  // namespace specchat

@@ -52,9 +52,7 @@
 #include "woq_linear.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -124,7 +122,7 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
 
 // One instruction set's product of all rows of x with one block of 16 output rows: y[M][16].
 using MultiplyRows = void (*)(const uint8_t* low, const uint8_t* high, const QuantizedRows& x, int64_t M,
-                              int64_t K, const at::Half* scale, const at::Half* offset, float* y);
+                              int64_t K, const c10::Half* scale, const c10::Half* offset, float* y);
 
 }  // namespace
 
@@ -201,7 +199,7 @@ inline __m256i round_to_bf16(__m256 v) {  // eight bf16 in the low halves of eig
   return _mm256_blendv_epi8(out, _mm256_and_si256(truncated, _mm256_set1_epi32(0x8000)), tiny);
 }
 
-inline void store_outputs(at::BFloat16* out, const float* tile, const float* bias) {
+inline void store_outputs(c10::BFloat16* out, const float* tile, const float* bias) {
   const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(tile), bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps());
   const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(tile + 8), bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps());
   // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7); the permute restores the order.
@@ -209,87 +207,60 @@ inline void store_outputs(at::BFloat16* out, const float* tile, const float* bia
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xd8));
 }
 
+// The paths in `isa_names`' order (WOQ_HAS_AVX_VNNI: whether this compiler built avx-vnni).
+struct Path {
+  const char* name;
+  MultiplyRows four, five;
+};
+const Path kPaths[] = {
+    {"avx512", avx512::multiply_rows<4>, avx512::multiply_rows<5>},
+#if WOQ_HAS_AVX_VNNI
+    {"avx-vnni", avx_vnni::multiply_rows<4>, avx_vnni::multiply_rows<5>},
+#endif
+    {"avx-vnni-evex", avx_vnni_evex::multiply_rows<4>, avx_vnni_evex::multiply_rows<5>},
+    {"avx2", avx2::multiply_rows<4>, avx2::multiply_rows<5>},
+};
+
+// All rows of x against every block (the caller has checked the sizes).
 template <typename T>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
-                     const at::Tensor& scale, const at::Tensor& offset, const c10::optional<at::Tensor>& bias,
-                     int64_t N, int64_t bits, MultiplyRows multiply) {
-  const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup, blocks = N / kBlockRows;
-  auto y = at::empty({M, N}, x.options());
-  const QuantizedRows rows = quantize_rows(x.data_ptr<T>(), M, K);
-  const auto* low_ptr = low.data_ptr<uint8_t>();
-  const auto* high_ptr = bits == 5 ? high.data_ptr<uint8_t>() : nullptr;
-  const auto* scale_ptr = scale.data_ptr<at::Half>();
-  const auto* offset_ptr = offset.data_ptr<at::Half>();
-  auto* y_ptr = y.data_ptr<T>();
-  const float* bias_ptr = bias ? bias->data_ptr<float>() : nullptr;
+void linear(const T* x, int64_t M, const specchat::PackedLinear& w, MultiplyRows multiply, T* y) {
+  const int64_t K = w.K, N = w.N, groups = K / kGroup, blocks = N / kBlockRows;
+  const QuantizedRows rows = quantize_rows(x, M, K);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(M * 16);
     for (int64_t nb = begin; nb < end; ++nb) {
-      multiply(low_ptr + nb * K * 8, high_ptr ? high_ptr + nb * K * 2 : nullptr, rows, M, K,
-               scale_ptr + nb * groups * 16, offset_ptr + nb * groups * 16, tile.data());
+      multiply(w.low + nb * K * 8, w.bits == 5 ? w.high + nb * K * 2 : nullptr, rows, M, K,
+               w.scale + nb * groups * 16, w.offset + nb * groups * 16, tile.data());
       // The bias joins in float32, so each output is rounded once (and no separate add runs).
       for (int64_t m = 0; m < M; ++m)
-        store_outputs(y_ptr + m * N + nb * 16, tile.data() + m * 16, bias_ptr ? bias_ptr + nb * 16 : nullptr);
+        store_outputs(y + m * N + nb * 16, tile.data() + m * 16, w.bias ? w.bias + nb * 16 : nullptr);
     }
   });
-  return y;
-}
-
-MultiplyRows multiply_rows(const std::string& isa, int64_t bits) {
-  if (isa == "avx512") return bits == 5 ? avx512::multiply_rows<5> : avx512::multiply_rows<4>;
-#if WOQ_HAS_AVX_VNNI
-  if (isa == "avx-vnni") return bits == 5 ? avx_vnni::multiply_rows<5> : avx_vnni::multiply_rows<4>;
-#endif
-  if (isa == "avx-vnni-evex") return bits == 5 ? avx_vnni_evex::multiply_rows<5> : avx_vnni_evex::multiply_rows<4>;
-  TORCH_CHECK(isa == "avx2", "isa must be one of the compiled ones (isas()), not ", isa);
-  return bits == 5 ? avx2::multiply_rows<5> : avx2::multiply_rows<4>;
 }
 
 }  // namespace
 
-// The caller (specchat/quantized.py) has checked that the CPU has `isa`'s instructions.
-at::Tensor specchat::woq_linear(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
-                                const at::Tensor& scale, const at::Tensor& offset, const c10::optional<at::Tensor>& bias,
-                                int64_t N, int64_t bits, const std::string& isa) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "x: contiguous bf16 or float32 [M, K]");
-  TORCH_CHECK(x.size(1) % kGroup == 0 && N % kBlockRows == 0, "K must be a multiple of 32 and N of 16");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "bias: contiguous float32 [N]");
-  TORCH_CHECK(bits == 4 || bits == 5, "bits must be 4 or 5");
-  const MultiplyRows multiply = multiply_rows(isa, bits);
-  if (x.scalar_type() == at::kFloat) return linear<float>(x, low, high, scale, offset, bias, N, bits, multiply);
-  return linear<at::BFloat16>(x, low, high, scale, offset, bias, N, bits, multiply);
-}
-
-namespace {
-
-// The operator's signature spells the ISA as a string_view.
-at::Tensor woq_linear_op(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scale,
-                         const at::Tensor& offset, const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits,
-                         c10::string_view isa) {
-  return specchat::woq_linear(x, low, high, scale, offset, bias, N, bits, std::string(isa));
-}
-
-std::vector<std::string> isas() {
-  std::vector<std::string> names{"avx512"};
-  if (WOQ_HAS_AVX_VNNI) names.push_back("avx-vnni");
-  names.push_back("avx-vnni-evex");
-  names.push_back("avx2");
+std::vector<std::string> specchat::isa_names() {
+  std::vector<std::string> names;
+  for (const Path& path : kPaths) names.emplace_back(path.name);
   return names;
 }
 
-}  // namespace
-
-// The kernel as torch operators: torch.ops.specchat.woq_linear (which torch.compile captures inside
-// a graph, specchat/decode/runtime/quantized.py giving it its shape function) and .isas (the instruction
-// sets this build has a path for, best first). decoder.cpp adds its classes to the same library.
-TORCH_LIBRARY(specchat, m) {
-  m.def("woq_linear(Tensor x, Tensor low, Tensor high, Tensor scale, Tensor offset, Tensor? bias, int N, int bits, "
-        "str isa) -> Tensor");
-  m.impl("woq_linear", c10::DispatchKey::CPU, &woq_linear_op);
-  m.def("isas() -> str[]", &isas);
+int specchat::isa_index(const std::string& name) {
+  for (int i = 0; i < static_cast<int>(std::size(kPaths)); ++i)
+    if (name == kPaths[i].name) return i;
+  return -1;
 }
+
+// The caller (extension.cpp) has checked the sizes, and (specchat/decode/runtime/woq_kernel.py) that
+// the CPU has `isa`'s instructions.
+template <typename T>
+void specchat::woq_linear(const T* x, int64_t M, const PackedLinear& weights, int isa, T* y) {
+  linear(x, M, weights, weights.bits == 5 ? kPaths[isa].five : kPaths[isa].four, y);
+}
+
+template void specchat::woq_linear(const float*, int64_t, const PackedLinear&, int, float*);
+template void specchat::woq_linear(const c10::BFloat16*, int64_t, const PackedLinear&, int, c10::BFloat16*);
 
 #else  // ====================== one instruction set: WOQ_ISA, compiled for WOQ_TARGET ======================
 
@@ -339,7 +310,7 @@ inline void dot(Ints& first, Ints& second, const Codes& codes, int32_t x0, int32
   second = _mm512_dpbusd_epi32(second, codes.second, _mm512_set1_epi32(x1));
 }
 
-inline Floats load_fp16(const at::Half* p) {
+inline Floats load_fp16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
@@ -439,7 +410,7 @@ inline void dot(Ints& first, Ints&, const Codes& codes, int32_t x0, int32_t x1) 
 }
 #endif
 
-inline Floats load_fp16(const at::Half* p) {
+inline Floats load_fp16(const c10::Half* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
@@ -503,7 +474,7 @@ constexpr int kUnpackedRows = 5;
 
 template <int BITS>
 void multiply_unpacked(const uint8_t* low, const uint8_t* high, const QuantizedRows& x, int64_t M, int64_t K,
-                       const at::Half* scale, const at::Half* offset, float* y) {
+                       const c10::Half* scale, const c10::Half* offset, float* y) {
   const int64_t groups = K / kGroup;
   Codes codes[kPairsPerGroup];
   for (int64_t m = 0; m < M; ++m) store(y + m * 16, zero_floats());
@@ -529,7 +500,7 @@ void multiply_unpacked(const uint8_t* low, const uint8_t* high, const QuantizedR
 // y[r] = sum over groups of scale * s[r] * (q[r] . codes) + offset * s[r] * sum(q[r]), for ROWS rows.
 template <int BITS, int ROWS>
 void multiply_block(const uint8_t* low, const uint8_t* high, const int8_t* q, const float* q_scale,
-                    const float* q_sum, int64_t K, const at::Half* scale, const at::Half* offset, float* y) {
+                    const float* q_sum, int64_t K, const c10::Half* scale, const c10::Half* offset, float* y) {
   constexpr int SPLIT = ROWS <= kSplitRows ? 2 : 1;  // independent dot chains per row
   const int64_t groups = K / kGroup;
   Floats acc[ROWS];
@@ -558,7 +529,7 @@ void multiply_block(const uint8_t* low, const uint8_t* high, const int8_t* q, co
 
 template <int BITS, int ROWS>
 void multiply_tile(const uint8_t* low, const uint8_t* high, const QuantizedRows& x, int64_t row, int64_t K,
-                   const at::Half* scale, const at::Half* offset, float* y) {
+                   const c10::Half* scale, const c10::Half* offset, float* y) {
   const int64_t groups = K / kGroup;
   multiply_block<BITS, ROWS>(low, high, x.q.data() + row * K, x.scale.data() + row * groups,
                              x.sum.data() + row * groups, K, scale, offset, y + row * 16);
@@ -567,7 +538,7 @@ void multiply_tile(const uint8_t* low, const uint8_t* high, const QuantizedRows&
 // The last 1 .. ROWS rows in one pass.
 template <int BITS, int ROWS>
 void multiply_rest(const uint8_t* low, const uint8_t* high, const QuantizedRows& x, int64_t row, int64_t left,
-                   int64_t K, const at::Half* scale, const at::Half* offset, float* y) {
+                   int64_t K, const c10::Half* scale, const c10::Half* offset, float* y) {
   if constexpr (ROWS > 0) {
     if (left == ROWS) return multiply_tile<BITS, ROWS>(low, high, x, row, K, scale, offset, y);
     multiply_rest<BITS, ROWS - 1>(low, high, x, row, left, K, scale, offset, y);
@@ -578,7 +549,7 @@ void multiply_rest(const uint8_t* low, const uint8_t* high, const QuantizedRows&
 // pass unpacks the block's codes again, which is much of the cost for a few rows).
 template <int BITS>
 void multiply_rows(const uint8_t* low, const uint8_t* high, const QuantizedRows& x, int64_t M, int64_t K,
-                   const at::Half* scale, const at::Half* offset, float* y) {
+                   const c10::Half* scale, const c10::Half* offset, float* y) {
 #if WOQ_WIDTH != 512
   if (M >= kUnpackedRows) return multiply_unpacked<BITS>(low, high, x, M, K, scale, offset, y);
 #endif
