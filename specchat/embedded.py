@@ -53,6 +53,20 @@ EMBEDDED_MODELS = {
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 
+def embedded_name(model: str) -> str | None:
+    """The embedded model that `model` (a --model value) is, or None: its own name; the hub id of the
+    model its GGUF quantizes, in any case (`Qwen/Qwen2.5-Coder-0.5B-Instruct`), or of its publisher's GGUF
+    repository (`...-Instruct-GGUF`); or a folder or file of either in the hub's cache
+    (`.../models--Qwen--Qwen2.5-Coder-0.5B-Instruct/snapshots/<revision>`). What was made for the embedded
+    model (its bundled draft heads) serves those as well: the same weights, or their quantization."""
+    if model in EMBEDDED_MODELS:
+        return model
+    cached = [part.removeprefix("models--").replace("--", "/") for part in Path(model).parts
+              if part.startswith("models--")]
+    names = {name.lower().removesuffix("-gguf") for name in (model, *cached)}
+    return next((entry.name for entry in EMBEDDED_MODELS.values() if entry.hub_id.lower() in names), None)
+
+
 class EmbeddedModelError(RuntimeError):
     """A chunk package is missing or the assembled file is not the published one."""
 

@@ -105,9 +105,11 @@ def needs_draft(name: str) -> str | None:
 
 def default_draft(name: str, target_name: str) -> str | None:
     """The draft a method uses when none is given: a head bundled for this target, or (sps and
-    hf-assisted on the 1.5B) the smaller embedded model that shares its tokenizer."""
+    hf-assisted on the 1.5B) the smaller embedded model that shares its tokenizer. The target named
+    as an embedded model or as the published model it quantizes (by hub id, or its snapshot in the
+    hub's cache: `embedded.embedded_name`) has the same drafts."""
     entry = METHODS[name]
-    draft = entry.bundled.get(target_name)
+    draft = entry.bundled.get(embedded.embedded_name(target_name) or target_name)
     if entry.draft == HEAD and draft not in heads.bundled_heads():
         return None
     return draft

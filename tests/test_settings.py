@@ -3,7 +3,7 @@
 import pytest
 
 from specchat import embedded, settings
-from specchat.methods import QWEN_05B, QWEN_15B, drafted_for_model
+from specchat.methods import QWEN_05B, QWEN_15B, drafted_for_model, effective_draft
 from specchat.settings import ProfileError, resolve
 
 
@@ -66,3 +66,31 @@ def test_a_model_without_the_profiles_draft_drafts_with_what_it_has(monkeypatch)
     drafted, note = drafted_for_model(chosen, given)
     assert drafted.method == "pld" and "prompt lookup alone (pld;" in note
     assert drafted_for_model(resolve({**given, "method": "pld"}, None)[0], {**given, "method": "pld"})[1] is None
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-Coder-0.5B-Instruct", "qwen/qwen2.5-coder-0.5b-instruct",
+                                   "/home/me/.cache/huggingface/hub/models--Qwen--Qwen2.5-Coder-0.5B-Instruct/"
+                                   "snapshots/0eb",
+                                   "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+                                   "/hf/models--Qwen--Qwen2.5-Coder-0.5B-Instruct-GGUF/snapshots/1/qwen2.5-coder-0.5b-"
+                                   "instruct-q4_k_m.gguf"])
+def test_the_published_model_the_embedded_one_quantizes_drafts_with_its_bundled_head(model):
+    """--model naming the embedded model's published original (its hub id, its publisher's GGUF
+    repository, a snapshot of either in the hub's cache) keeps the profile's method and the head
+    trained for it, where any other model would fall back to what it has (prompt lookup here)."""
+    given = {"model": model}
+    chosen, _ = resolve(given, None)
+    drafted, note = drafted_for_model(chosen, given)
+    assert (drafted.method, note) == ("deagle", None)
+    assert effective_draft(drafted) == "qwen2.5-coder-0.5b-eagle3"
+    assert embedded.embedded_name(model) == QWEN_05B
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B", "./my-finetune",
+                                   "/hf/models--me--Qwen2.5-Coder-0.5B-Instruct/snapshots/1"])
+def test_another_model_of_the_same_size_does_not_take_the_bundled_head(model, monkeypatch):
+    monkeypatch.setattr(embedded, "installed", lambda name: False)
+    given = {"model": model}
+    drafted, note = drafted_for_model(resolve(given, None)[0], given)
+    assert embedded.embedded_name(model) is None
+    assert drafted.method == "pld" and note.startswith(f"no deagle draft for {model}:")
