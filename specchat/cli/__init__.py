@@ -30,7 +30,7 @@ from rich.console import Console
 
 from specchat import serve as serving
 from specchat import settings as settings_mod
-from specchat.cli import heads
+from specchat.cli import cache, heads
 from specchat.errors import SpecchatError, Terminated, UsageError, summary
 from specchat.inputs import atomic_output, check_outputs, read_prediction, read_prompts, read_stdin
 from specchat.logs import show_core_messages
@@ -335,6 +335,7 @@ def runtime_check_command(args):
 cli.add_command(heads.data)
 cli.add_command(heads.train_command)
 cli.add_command(heads.export_head_command)
+cli.add_command(cache.cache)
 
 
 def debug_wanted() -> bool:

@@ -40,6 +40,7 @@ from specchat.decode.runtime.machine import cache_dir
 from specchat.decode.runtime.quantized import (LAYOUT, PACKED_PARTS, GatedMLP, QuantizedLinear, save_atomically,
                                                shared_projections)
 from specchat.decode.runtime.target import ModelSpec, Target, compiles, dtype_name, fixed_steps, note_forced_isa
+from specchat.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,18 @@ def _stamp(bits: int) -> dict[str, str]:
     """What a packed model's bytes depend on besides the model: checked on every load."""
     return {"format": FORMAT, "layout": f"{LAYOUT}-{bits}", "kernel": woq_kernel.source_hash(),
             "transformers": metadata.version("transformers")}
+
+
+def stale_reason(path: Path) -> str | None:
+    """Why no start of this specchat would load the packed model at `path` as it is (its format, layout,
+    kernel sources or transformers changed: the next start of its model writes it anew), or None."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            found = handle.metadata() or {}
+    except (OSError, SafetensorError) as error:
+        return f"unreadable ({first_line(error)})"
+    bits = found.get("layout", "").rpartition("-")[2]
+    return _check(_stamp(int(bits)), found) if bits in ("4", "5") else f"its layout is {found.get('layout')!r}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from torch import nn
 
 from specchat.decode.runtime.machine import cache_dir, replace_atomically, write_safetensors
 from specchat.decode.runtime.woq_kernel import kernel, kernel_isa, traced_isa
+from specchat.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,17 @@ def quantized_cache(source: str | Path, quantize: str, loaded_on=None) -> Path:
 def save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """`tensors` as a safetensors file at `path`, put in place whole (`replace_atomically`)."""
     replace_atomically(path, lambda partial: write_safetensors(partial, tensors, metadata))
+
+
+def stale_reason(cache: Path) -> str | None:
+    """Why no start of this specchat would read the quantized layers' cache at `cache` (packed in
+    another layout: the next load of its model packs them anew), or None."""
+    try:
+        with safe_open(cache, framework="pt") as handle:
+            layout = (handle.metadata() or {}).get("layout", "")
+    except (OSError, SafetensorError) as error:
+        return f"unreadable ({first_line(error)})"
+    return None if layout in (f"{LAYOUT}-4", f"{LAYOUT}-5") else f"its layout is {layout!r}, not {LAYOUT!r}'s"
 
 
 def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None:
