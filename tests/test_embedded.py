@@ -3,6 +3,7 @@
 import hashlib
 import json
 
+import numpy
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -98,3 +99,47 @@ def test_chunks_that_changed_under_an_old_conversion_are_an_error(fake_chunks, t
     _converted_folder(tmp_path / "cache", model, [])
     with pytest.raises(ModelLoadError, match="pip install --force-reinstall"):
         converted.embedded_folder(model, torch.float32)
+
+
+def test_the_shared_reader_makes_gguf_pys_fields_and_transformers_values(tmp_path):
+    """A conversion reads a GGUF's arrays (a vocabulary's tokens, merges, token types) in one loop, and
+    decodes a string at once (`converted._gguf_parsed_once`): the same fields, parts and parsed values
+    as gguf-py's reader and transformers' parse, for every kind of value a GGUF holds."""
+    import gguf
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    path = tmp_path / "fields.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", "ünïcode ✓")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "", "Ġthe", "✓✓", "\n"])
+    writer.add_array("tokenizer.ggml.token_type", [1, 2, 3, 1, 6])
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.25, 3.0, 0.0, 1e-3])
+    writer.add_array("empty", [])
+    writer.add_array("nested", [[1, 2], [3]])
+    writer.add_bool("flag", True)
+    writer.add_uint64("big", 2**40)
+    writer.add_tensor("w", numpy.arange(8, dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def values(reader, parse):  # (transformers parses no array of arrays: that one's parts are compared below)
+        return {name: [parse(field.parts[i], field.types) for i in field.data]
+                for name, field in reader.fields.items() if len(field.types) <= 2}
+
+    expected = gguf.GGUFReader(path)
+    expected_values = values(expected, _gguf_parse_value)
+    with converted._gguf_parsed_once():
+        from transformers import modeling_gguf_pytorch_utils as gguf_loading
+
+        reader = gguf.GGUFReader(path)
+        parsed = values(reader, gguf_loading._gguf_parse_value)
+    assert list(reader.fields) == list(expected.fields) and parsed == expected_values
+    assert parsed["tokenizer.ggml.tokens"] == ["a", "", "Ġthe", "✓✓", "\n"] and parsed["general.name"] == ["ünïcode ✓"]
+    for name, field in expected.fields.items():
+        other = reader.fields[name]
+        assert (other.offset, other.data, other.types) == (field.offset, field.data, field.types), name
+        assert [(p.dtype, p.shape, p.tobytes()) for p in other.parts] == \
+            [(p.dtype, p.shape, p.tobytes()) for p in field.parts], name
+    assert [t.data.tobytes() for t in reader.tensors] == [t.data.tobytes() for t in expected.tensors]
