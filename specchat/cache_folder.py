@@ -24,8 +24,8 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from specchat import converted
+from specchat.decode import cache_dir
 from specchat.decode.runtime import packed, quantized
-from specchat.decode.runtime.machine import cache_dir
 from specchat.errors import first_line
 
 ANSWERS = "answers"  # the answer index's folder: the user's own answers (`specchat.answers`)

@@ -55,7 +55,8 @@ tree type):
 Code outside the core imports it through this face (`from specchat.decode import Engine`): the
 names in FACE, each loaded from the module below that defines it on first use, so that importing
 the face costs nothing (the command line reads `options` before torch loads). Only the BUILDERS
-reach below it: they assemble the core's parts (targets, proposers) or check them one by one.
+reach below it: they assemble the core's parts (targets, proposers) or check them (and their cached
+files) one by one.
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ MODULES = ("options", "drafting.deagle", "drafting.lookup")
 # Name -> (module below, attribute; None: the module itself).
 FACE = {**{name: (module, name) for module, names in EXPORTS.items() for name in names},
         **{module.rpartition(".")[2]: (module, None) for module in MODULES}}
-# The modules outside the core that import below this face.
-BUILDERS = ("specchat.proposers", "specchat.sources", "specchat.converted", "specchat.runtime_check")
+# The modules outside the core that import below this face (`specchat.cache_folder` checks the core's
+# cached files, each kind by the module that writes it).
+BUILDERS = ("specchat.proposers", "specchat.sources", "specchat.converted", "specchat.runtime_check",
+            "specchat.cache_folder")
 
 __all__ = sorted(FACE)
 
