@@ -78,7 +78,8 @@ inline __m256 round8<c10::BFloat16>(__m256 v) {
   const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
                                         _mm256_set1_epi32(0x7fff));
   const __m256 nearest = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32(-65536)));
-  return _mm256_blendv_ps(nearest, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+  return _mm256_blendv_ps(nearest, quiet_nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
 // Stores eight floats that are already T's values (round8<T>'s results).
@@ -164,7 +165,8 @@ void attend_group(const T* q, int64_t G, const T* keys, const T* values, const S
       _mm256_storeu_ps(weights + 8 * t, e);
       total = _mm256_add_ps(total, e);
     }
-    for (int64_t t = 0; t < count; ++t) _mm256_storeu_ps(weights + 8 * t, _mm256_div_ps(_mm256_loadu_ps(weights + 8 * t), total));
+    for (int64_t t = 0; t < count; ++t)
+      _mm256_storeu_ps(weights + 8 * t, _mm256_div_ps(_mm256_loadu_ps(weights + 8 * t), total));
     for (int c = 0; c < D; c += 8) {
       __m256 acc[8];
       for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
