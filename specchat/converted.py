@@ -224,7 +224,15 @@ def _gguf_parsed_once():
 
     def metadata_once(path, return_tensors=False, **kwargs):
         if return_tensors or kwargs:  # the weights (read once anyway)
-            return parse(path, return_tensors, **kwargs)
+            architecture = shared_reader(path).fields["general.architecture"]
+            plain = gguf_loading.TENSOR_PROCESSORS.get(architecture.contents(), gguf_loading.TensorProcessor)
+            # Where transformers passes each tensor on as it is and rounds it to a dtype at once (no
+            # processor of its own for the architecture), the tensor is dequantized into that dtype.
+            into[0] = kwargs.get("torch_dtype") if plain is gguf_loading.TensorProcessor else None
+            try:
+                return parse(path, return_tensors, **kwargs)
+            finally:
+                into[0] = None
         if os.fspath(path) not in parsed:
             parsed[os.fspath(path)] = parse(path, return_tensors=False)
         return copy.deepcopy(parsed[os.fspath(path)])  # (its callers may change what they get)
@@ -235,15 +243,28 @@ def _gguf_parsed_once():
 
         @staticmethod
         def copy(array, *args, **kwargs):
+            if isinstance(array, torch.Tensor):
+                return array  # dequantized into its dtype (`into`)
             if isinstance(array, numpy.ndarray) and array.flags.writeable and not args and not kwargs:
                 return array  # dequantized into a fresh array (the file's map is read-only)
             return numpy.copy(array, *args, **kwargs)
 
+    class TensorsAsTheyAre:  # torch, as transformers' GGUF loading calls it
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def from_numpy(array):
+            return array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+
+    into = [None]  # the dtype the weights being loaded are dequantized into, where they can be
+
     gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
     gguf_loading._gguf_parse_value = parsed_value
     gguf.get_tensor_name_map = functools.cache(name_map)  # (transformers only reads the map)
-    gguf.dequantize = gguf_blocks.dequantize
+    gguf.dequantize = lambda data, qtype: gguf_blocks.dequantize(data, qtype, into[0])
     plain_numpy, gguf_loading.np = gguf_loading.np, FreshArraysUncopied()
+    plain_torch, gguf_loading.torch = gguf_loading.torch, TensorsAsTheyAre()
     # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it.
     # Turned off where it is drawn, not by taking stderr from the whole process (another thread's line
     # would go with it).
@@ -255,6 +276,7 @@ def _gguf_parsed_once():
         gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = original, parse
         gguf_loading._gguf_parse_value = parse_value
         gguf.get_tensor_name_map, gguf_loading.tqdm, gguf_loading.np = name_map, bar, plain_numpy
+        gguf_loading.torch = plain_torch
         gguf.dequantize = numpy_dequantize
 
 

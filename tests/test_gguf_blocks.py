@@ -4,6 +4,7 @@ import warnings
 
 import numpy
 import pytest
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as numpy_dequantize
 
@@ -37,6 +38,18 @@ def test_each_format_dequantizes_to_gguf_pys_floats_bit_for_bit(qtype, monkeypat
     assert got.dtype == numpy.float32 and got.shape == expected.shape
     assert numpy.array_equal(got.view(numpy.uint32), expected.view(numpy.uint32))
     assert got.flags.writeable  # a fresh array, which transformers wraps uncopied
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("qtype", list(gguf_blocks.FORMATS), ids=lambda qtype: qtype.name)
+def test_each_format_dequantizes_into_a_dtype_as_its_floats_round_to_it(qtype, dtype, monkeypatch):
+    """Into a dtype chunk by chunk (a conversion's weights), the values `Tensor.to` gives the float32 ones."""
+    monkeypatch.setattr(gguf_blocks, "WEIGHTS_PER_CHUNK", 5 * 32)
+    data = random_blocks(qtype, rows=3, blocks_per_row=4, seed=qtype.value)
+    expected = torch.from_numpy(numpy_dequantize(data, qtype)).to(dtype)
+    got = gguf_blocks.dequantize(data, qtype, dtype)
+    assert got.dtype == dtype and got.shape == expected.shape and torch.equal(got.view(torch.int16),
+                                                                            expected.view(torch.int16))
 
 
 def test_a_read_only_map_is_read_without_a_warning():
