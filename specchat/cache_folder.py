@@ -26,6 +26,7 @@ from filelock import FileLock, Timeout
 from specchat import converted
 from specchat.decode import cache_dir
 from specchat.decode.runtime import packed, quantized
+from specchat.decode.runtime.machine import PARTIAL, lock_beside, partial_writer
 from specchat.errors import first_line
 
 ANSWERS = "answers"  # the answer index's folder: the user's own answers (`specchat.answers`)
@@ -81,13 +82,13 @@ def _size(path: Path) -> int:
 
 
 def _stale(folder: str, path: Path) -> str | None:
-    if path.name.endswith(".partial"):
+    if path.name.endswith(PARTIAL):
         return _unfinished_write(path)
     if folder == "packed" and path.suffix == ".safetensors":
         return packed.stale_reason(path)
     if folder == "quantized" and path.suffix == ".safetensors":
         return quantized.stale_reason(path)
-    if folder == "models" and ".tmp-" in path.name:
+    if folder == "models" and converted.WORK in path.name:
         return None if _held(path) else "a conversion that did not finish"
     if folder == "models" and path.is_dir() and not _held(path):
         damage = converted.damage(path)
@@ -105,11 +106,11 @@ def _held(path: Path) -> bool:
 
 
 def _unfinished_write(path: Path) -> str | None:
-    """A `.partial` file (`machine.replace_atomically`: `<name>.<pid>.partial`) whose writer is gone."""
-    pid = path.name.removesuffix(".partial").rpartition(".")[2]
-    if pid.isdigit():
+    """A `.partial` file (`machine.replace_atomically`) whose writer is gone, or None while it writes."""
+    pid = partial_writer(path)[1]
+    if pid is not None:
         try:
-            os.kill(int(pid), 0)
+            os.kill(pid, 0)
             return None  # (being written)
         except ProcessLookupError:
             pass
@@ -121,10 +122,9 @@ def _unfinished_write(path: Path) -> str | None:
 def _lock_of(path: Path) -> FileLock:
     """The lock an entry is made under (`machine.lock_beside`); a conversion's work folder is made under
     its folder's, a `.partial` file under its target's."""
-    name = path.name.split(".tmp-")[0]
-    if name.endswith(".partial"):
-        name = name.removesuffix(".partial").rpartition(".")[0]
-    return FileLock(path.with_name(name + ".lock"))
+    if path.name.endswith(PARTIAL):
+        return lock_beside(partial_writer(path)[0])
+    return lock_beside(path.with_name(path.name.split(converted.WORK)[0]))
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class Removal:
 
     @property
     def freed(self) -> int:
-        return sum(entry.size for entry in self.removed)
+        return total(self.removed)
 
 
 def remove(chosen: list[Entry]) -> Removal:
@@ -170,6 +170,11 @@ def clearable(found: list[Entry], answers: bool = False) -> list[Entry]:
     return [entry for entry in found if answers or entry.path.parent.name != ANSWERS]
 
 
+def total(found: list[Entry]) -> int:
+    """The entries' bytes together."""
+    return sum(entry.size for entry in found)
+
+
 def human(size: int) -> str:
     """A size as `du -h --si` says it: 630.2 MB."""
     if size < 1000:
@@ -196,5 +201,5 @@ def table(found: list[Entry], root: Path | None = None) -> Iterator[str]:
         stale = f"  stale: {entry.stale}" if entry.stale is not None else ""
         yield f"  {human(entry.size):>9}  {entry.path.name}{said}{stale}"
     stale = prunable(found)
-    yield (f"{human(sum(e.size for e in found))} in {len(found)} entries under {root}; "
-           f"{human(sum(e.size for e in stale))} in {len(stale)} stale (`specchat cache prune` deletes them)")
+    yield (f"{human(total(found))} in {len(found)} entries under {root}; "
+           f"{human(total(stale))} in {len(stale)} stale (`specchat cache prune` deletes them)")

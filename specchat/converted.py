@@ -31,6 +31,7 @@ from specchat.inputs import file_sha256, write_atomically
 
 log = logging.getLogger(__name__)
 
+WORK = ".tmp-"  # a conversion's work folder beside its converted folder: `<folder>.tmp-<random>`
 STAMP = "specchat-source.json"  # written last into a converted folder: its presence means "complete"
 
 
@@ -131,7 +132,7 @@ def damage(folder: Path) -> str | None:
 def _usable(folder: Path) -> dict | None:
     """The stamp of a whole converted folder; a damaged one is removed (saying so) and None returned.
     Call with the folder's conversion lock held."""
-    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # left by a process killed mid-conversion:
+    for stale in folder.parent.glob(f"{folder.name}{WORK}*"):  # left by a process killed mid-conversion:
         shutil.rmtree(stale, ignore_errors=True)  # a living one would hold the lock we hold
     if not folder.exists():
         return None
@@ -174,6 +175,7 @@ def _gguf_parsed_once():
     numpy_dequantize = gguf.dequantize
     parse, parsed = gguf_loading.load_gguf_checkpoint, {}
     parse_value = gguf_loading._gguf_parse_value
+    into = None  # the dtype the weights being loaded are dequantized into, where they can be
     name_map = gguf.get_tensor_name_map  # (transformers imports it from gguf at each call: patched there)
 
     class PlainReader(original):
@@ -228,11 +230,12 @@ def _gguf_parsed_once():
             plain = gguf_loading.TENSOR_PROCESSORS.get(architecture.contents(), gguf_loading.TensorProcessor)
             # Where transformers passes each tensor on as it is and rounds it to a dtype at once (no
             # processor of its own for the architecture), the tensor is dequantized into that dtype.
-            into[0] = kwargs.get("torch_dtype") if plain is gguf_loading.TensorProcessor else None
+            nonlocal into
+            into = kwargs.get("torch_dtype") if plain is gguf_loading.TensorProcessor else None
             try:
                 return parse(path, return_tensors, **kwargs)
             finally:
-                into[0] = None
+                into = None
         if os.fspath(path) not in parsed:
             parsed[os.fspath(path)] = parse(path, return_tensors=False)
         return copy.deepcopy(parsed[os.fspath(path)])  # (its callers may change what they get)
@@ -257,12 +260,10 @@ def _gguf_parsed_once():
         def from_numpy(array):
             return array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
 
-    into = [None]  # the dtype the weights being loaded are dequantized into, where they can be
-
     gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
     gguf_loading._gguf_parse_value = parsed_value
     gguf.get_tensor_name_map = functools.cache(name_map)  # (transformers only reads the map)
-    gguf.dequantize = lambda data, qtype: gguf_blocks.dequantize(data, qtype, into[0])
+    gguf.dequantize = lambda data, qtype: gguf_blocks.dequantize(data, qtype, into)
     plain_numpy, gguf_loading.np = gguf_loading.np, FreshArraysUncopied()
     plain_torch, gguf_loading.torch = gguf_loading.torch, TensorsAsTheyAre()
     # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it.
@@ -335,7 +336,7 @@ def _write_whole(destination: Path, source: dict, write: Callable[[Path], None])
     """`write(folder)` into a folder that appears at `destination` whole (atomically: its files and
     their sizes recorded in the stamp written last)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + ".tmp-"))
+    work = Path(tempfile.mkdtemp(dir=destination.parent, prefix=destination.name + WORK))
     try:
         try:
             write(work)

@@ -50,7 +50,7 @@ def clear(answers, yes, dry_run):
     if chosen and not (yes or dry_run):
         if sys.stdin is None or not sys.stdin.isatty():
             raise UsageError("specchat cache clear deletes the whole cache: say --yes (stdin is not a terminal)")
-        click.confirm(f"Delete {len(chosen)} entries ({cache_folder.human(sum(e.size for e in chosen))}) "
+        click.confirm(f"Delete {len(chosen)} entries ({cache_folder.human(cache_folder.total(chosen))}) "
                       f"under {cache_folder.cache_dir()}?", abort=True, err=True)
     delete(chosen, dry_run)
 
@@ -63,7 +63,7 @@ def delete(chosen: list, dry_run: bool) -> None:
     if dry_run:
         for entry in chosen:
             click.echo(f"would delete {entry.path.relative_to(root)} ({cache_folder.human(entry.size)})")
-        click.echo(f"{cache_folder.human(sum(e.size for e in chosen))} in {len(chosen)} entries would be freed")
+        click.echo(f"{cache_folder.human(cache_folder.total(chosen))} in {len(chosen)} entries would be freed")
         return
     done = cache_folder.remove(chosen)
     for entry in done.removed:

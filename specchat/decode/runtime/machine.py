@@ -25,13 +25,26 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+PARTIAL = ".partial"  # a file being written: `<name>.<the writer's pid>.partial`, beside the file it becomes
+
+
 def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """`write` a file beside `path`, then put it in `path`'s place: a reader sees the old file or the
     whole new one, never a part (a process killed meanwhile leaves a `.partial` behind)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL}")
     write(partial)
     os.replace(partial, path)
+
+
+def partial_writer(partial: Path) -> tuple[Path, int | None]:
+    """The file a `.partial` file of `replace_atomically` was to become, and the pid of its writer
+    (None where its name holds none)."""
+    stem = partial.name.removesuffix(PARTIAL)
+    name, _, pid = stem.rpartition(".")
+    if name and pid.isdigit():
+        return partial.with_name(name), int(pid)
+    return partial.with_name(stem), None
 
 
 # safetensors' own writer builds the whole file in memory first (each tensor's bytes, then one buffer):

@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from specchat.decode.options import KERNEL_BITS
 from specchat.decode.runtime.machine import cache_dir, replace_atomically, write_safetensors
 from specchat.decode.runtime.woq_kernel import kernel, kernel_isa, traced_isa
 from specchat.errors import first_line
@@ -273,7 +274,8 @@ def stale_reason(cache: Path) -> str | None:
             layout = (handle.metadata() or {}).get("layout", "")
     except (OSError, SafetensorError) as error:
         return f"unreadable ({first_line(error)})"
-    return None if layout in (f"{LAYOUT}-4", f"{LAYOUT}-5") else f"its layout is {layout!r}, not {LAYOUT!r}'s"
+    current = {f"{LAYOUT}-{bits}" for bits in KERNEL_BITS.values()}
+    return None if layout in current else f"its layout is {layout!r}, not {LAYOUT!r}'s"
 
 
 def _read_cache(cache: Path | None, bits: int) -> dict[str, torch.Tensor] | None:
