@@ -132,7 +132,7 @@ struct Linear : torch::CustomClassHolder {
 
 // The attention's shape and what every layer shares.
 struct Shape {
-  int64_t heads, kv_heads, head_dim;
+  Heads attention;
   double eps, scaling;
   std::string isa;
 };
@@ -175,8 +175,8 @@ struct Layer : torch::CustomClassHolder {
                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                      const at::Tensor& values, const Span& span, Timings* timings, int64_t outputs = -1) const {
     double* products = timings ? &timings->products : nullptr;
-    const int64_t n = attention_input.size(0), heads = shape.heads, kv_heads = shape.kv_heads, G = heads / kv_heads;
-    const int64_t D = shape.head_dim;
+    const int64_t n = attention_input.size(0), heads = shape.attention.heads, kv_heads = shape.attention.kv_heads;
+    const int64_t G = heads / kv_heads, D = shape.attention.head_dim;
     TORCH_CHECK(head_size_supported(D), "head sizes 16, 32, 64 and 128 only, not ", D);
     const int64_t skipped = outputs < 0 ? 0 : n - outputs;  // rows that stop at their keys and values
     TORCH_CHECK(skipped >= 0 && skipped < n, "outputs: 1 to the rows given");
@@ -185,15 +185,14 @@ struct Layer : torch::CustomClassHolder {
     TORCH_CHECK(G <= 16 && heads % kv_heads == 0, "at most 16 query heads per KV head");
     at::Tensor projected = timed(products, [&] { return (*qkv)(attention_input, shape.isa); });  // [n, (h + 2 kv) * D]
     T* rows = projected.data_ptr<T>();
-    const Heads heads_shape{heads, kv_heads, D};
     const LayerCache<T> cache{keys.data_ptr<T>(), values.data_ptr<T>(), capacity};
-    rotate_into_cache(rows, n, heads_shape, q_norm ? q_norm->data_ptr<T>() : nullptr,
+    rotate_into_cache(rows, n, shape.attention, q_norm ? q_norm->data_ptr<T>() : nullptr,
                       k_norm ? k_norm->data_ptr<T>() : nullptr, shape.eps, cos.data_ptr<T>(), sin.data_ptr<T>(),
                       cache, first);
     const int64_t kept = n - skipped;  // the rows that go on: skipped .. n
     at::Tensor attended = at::empty({kept, heads * D}, attention_input.options());
     timed(timings ? &timings->attention : nullptr, [&] {
-      attend(rows, n, skipped, heads_shape, cache, span, shape.scaling, attended.data_ptr<T>());
+      attend(rows, n, skipped, shape.attention, cache, span, shape.scaling, attended.data_ptr<T>());
       return 0;
     });
     at::Tensor h = timed(products, [&] { return (*o)(attended, shape.isa); });
@@ -240,7 +239,7 @@ struct Decoder : torch::CustomClassHolder {
 
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
           std::vector<c10::intrusive_ptr<Layer>> layers, std::vector<at::Tensor> input_norms, at::Tensor final_norm)
-      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, layers(std::move(layers)),
+      : shape{{heads, kv_heads, head_dim}, eps, scaling, std::move(isa)}, layers(std::move(layers)),
         input_norms(std::move(input_norms)), final_norm(std::move(final_norm)) {}
 
   // The products' and attention's seconds since the last call.
@@ -293,7 +292,7 @@ struct Block : torch::CustomClassHolder {
 
   Block(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling, std::string isa,
         c10::intrusive_ptr<Layer> layer)
-      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, layer(std::move(layer)) {}
+      : shape{{heads, kv_heads, head_dim}, eps, scaling, std::move(isa)}, layer(std::move(layer)) {}
 
   // attention_input [m, A] and residual [m, H] at the positions cos/sin [m, d] give; the new keys and
   // values go to keys/values [kv_heads, capacity, d] at prefix + width - m.., and row i sees [0, prefix)
@@ -335,7 +334,7 @@ struct Eagle3Step : torch::CustomClassHolder {
              c10::intrusive_ptr<Linear> fc, c10::intrusive_ptr<Layer> layer, at::Tensor input_norm,
              at::Tensor hidden_norm, bool norm_before_residual, at::Tensor final_norm,
              c10::intrusive_ptr<Linear> lm_head, at::Tensor inv_freq, at::Tensor embedding)
-      : shape{heads, kv_heads, head_dim, eps, scaling, std::move(isa)}, fc(std::move(fc)), layer(std::move(layer)),
+      : shape{{heads, kv_heads, head_dim}, eps, scaling, std::move(isa)}, fc(std::move(fc)), layer(std::move(layer)),
         input_norm(std::move(input_norm)), hidden_norm(std::move(hidden_norm)),
         norm_before_residual(norm_before_residual), final_norm(std::move(final_norm)), lm_head(std::move(lm_head)),
         inv_freq(std::move(inv_freq)), embedding(std::move(embedding)) {}
@@ -362,7 +361,7 @@ struct Eagle3Step : torch::CustomClassHolder {
   at::Tensor step(const at::Tensor& hidden, const at::Tensor& embedded, const at::Tensor& positions,
                   const at::Tensor& keys, const at::Tensor& values, int64_t prefix, int64_t width,
                   const c10::optional<at::Tensor>& block, int64_t outputs) {
-    const int64_t m = hidden.size(0), H = input_norm.size(0), D = shape.head_dim;
+    const int64_t m = hidden.size(0), H = input_norm.size(0), D = shape.attention.head_dim;
     TORCH_CHECK(embedded.dim() == 2 && embedded.size(0) == m && embedded.size(1) == H &&
                 embedded.scalar_type() == hidden.scalar_type(), "embedded: [m, H] in hidden's dtype");
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == m && positions.scalar_type() == at::kLong,
