@@ -48,6 +48,27 @@ def test_piped_chat_answers_on_stdout_and_reports_on_stderr(qwen_dir, capsys, mo
     assert "draft for " + str(qwen_dir) + ": prompt lookup alone (pld;" in err
 
 
+def test_the_collector_is_paused_while_a_chat_opens_and_back_after(qwen_dir, capsys, monkeypatch):
+    import gc
+
+    from specchat import app
+
+    opening = app.open_chat
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return opening(*args, **kwargs)
+
+    monkeypatch.setattr(app, "open_chat", recording)
+    assert gc.isenabled()
+    assert invoke(["chat", *tiny(qwen_dir)], capsys, stdin="hi\n", monkeypatch=monkeypatch)[0] == 0
+    assert seen == [False] and gc.isenabled()
+    # a model that cannot load: the collector is back as well
+    assert invoke(["chat", "--model", "/no/such/model"], capsys, stdin="hi\n", monkeypatch=monkeypatch)[0] == 1
+    assert seen == [False, False] and gc.isenabled()
+
+
 @pytest.mark.parametrize("args,code,message", [
     (["run", "-", "--model", "/no/such/model"], 1, "no model named '/no/such/model'"),
     (["run", "-", "--model", "README.md"], 1, "is a file but not a model"),
