@@ -152,22 +152,23 @@ def _gguf_parsed_once():
     converting, one reader per file serves all three (transformers only reads from it), and the
     metadata the tokenizer and the config take is turned into Python values once.
 
-    The shared reader reads its file through a plain array over gguf-py's map: gguf-py's `np.memmap`
-    slices through Python-level methods, and reading the 455k metadata parts of Qwen2.5's
-    vocabulary that way took 17 s on a Zen 3 core (of a first start's 90 s); and it makes an array's
-    parts (a vocabulary's tokens, merges, types) in one loop, and transformers decodes each string at
-    once (the two: 3.3 -> 0.8 s of the 0.5B's metadata on a Xeon core, the same fields, parts and
-    values). And gguf-py's map of
-    tensor names, which transformers builds again for every module of the model (~2.3 s of a
-    0.5B's conversion on a Xeon core), is built once per architecture and depth. transformers copies
-    each dequantized tensor before wrapping it (`np.copy`, which the read-only views of the file need):
-    a fresh array, which nothing else holds, is wrapped as it is (2.3 s of a 0.5B's conversion on a
-    Xeon core, of 20). The tensors are dequantized by `gguf_blocks` (gguf-py's floats, 7.3 -> 2.1 s of a
-    0.5B's conversion on a Xeon core). Its bar is not drawn."""
+    The shared reader reads its file through a plain array over gguf-py's map: gguf-py's `np.memmap` slices
+    through Python-level methods, and reading the 455k metadata parts of Qwen2.5's vocabulary that way took 17 s
+    on a Zen 3 core (of a first start's 90 s). transformers' own reader, which reads the vocabulary once more
+    for the tokenizer and the file's keys for the config, maps it through a plain array too (its strings 0.61 ->
+    0.25 s on a Xeon core). The shared reader makes an array's parts (a vocabulary's tokens, merges, types) in
+    one loop, and transformers decodes each string at once (the two: 3.3 -> 0.8 s of the 0.5B's metadata on a
+    Xeon core, the same fields, parts and values). And gguf-py's map of tensor names, which transformers builds
+    again for every module of the model (~2.3 s of a 0.5B's conversion on a Xeon core), is built once per
+    architecture and depth. transformers copies each dequantized tensor before wrapping it (`np.copy`, which the
+    read-only views of the file need): a fresh array, which nothing else holds, is wrapped as it is (2.3 s of a
+    0.5B's conversion on a Xeon core, of 20). The tensors are dequantized by `gguf_blocks` (gguf-py's floats,
+    7.3 -> 2.1 s of a 0.5B's conversion on a Xeon core). Its bar is not drawn."""
     # the GGUF libraries load where a file is converted: a start from a converted folder needs none of them
     import gguf
     import numpy
     from transformers import modeling_gguf_pytorch_utils as gguf_loading  # (loaded already: converting)
+    from transformers.integrations.gguf import reader as transformers_reader
 
     from specchat import gguf_blocks
 
@@ -261,6 +262,8 @@ def _gguf_parsed_once():
             return array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
 
     gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
+    mapped = transformers_reader._mapped
+    transformers_reader._mapped = lambda path: mapped(path).view(numpy.ndarray)
     gguf_loading._gguf_parse_value = parsed_value
     gguf.get_tensor_name_map = functools.cache(name_map)  # (transformers only reads the map)
     gguf.dequantize = lambda data, qtype: gguf_blocks.dequantize(data, qtype, into)
@@ -279,6 +282,7 @@ def _gguf_parsed_once():
         gguf.get_tensor_name_map, gguf_loading.tqdm, gguf_loading.np = name_map, bar, plain_numpy
         gguf_loading.torch = plain_torch
         gguf.dequantize = numpy_dequantize
+        transformers_reader._mapped = mapped
 
 
 @contextlib.contextmanager

@@ -106,6 +106,7 @@ def test_the_shared_reader_makes_gguf_pys_fields_and_transformers_values(tmp_pat
     decodes a string at once (`converted._gguf_parsed_once`): the same fields, parts and parsed values
     as gguf-py's reader and transformers' parse, for every kind of value a GGUF holds."""
     import gguf
+    from transformers.integrations.gguf import reader as transformers_reader
     from transformers.integrations.ggml import _gguf_parse_value
 
     path = tmp_path / "fields.gguf"
@@ -130,11 +131,27 @@ def test_the_shared_reader_makes_gguf_pys_fields_and_transformers_values(tmp_pat
 
     expected = gguf.GGUFReader(path)
     expected_values = values(expected, _gguf_parse_value)
+    flat = str(path.with_name("flat.gguf"))  # transformers' own reader takes no array of arrays
+    writer = gguf.GGUFWriter(flat, "llama")
+    for name, value in [("tokenizer.ggml.tokens", ["a", "", "Ġthe", "✓✓", "\n"]), ("types", [1, 2, 3])]:
+        writer.add_array(name, value)
+    writer.add_string("general.name", "ünïcode ✓")
+    writer.add_tensor("w", numpy.arange(8, dtype=numpy.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    mapped = transformers_reader._mapped
+    expected_metadata = transformers_reader.read_gguf_metadata(flat, ("tokenizer.ggml.tokens",))
+    assert isinstance(mapped(flat), numpy.memmap)
     with converted._gguf_parsed_once():
         from transformers import modeling_gguf_pytorch_utils as gguf_loading
 
         reader = gguf.GGUFReader(path)
         parsed = values(reader, gguf_loading._gguf_parse_value)
+        # transformers' own reader (the tokenizer's, the config's keys) reads a plain array: the same values
+        assert type(transformers_reader._mapped(flat)) is numpy.ndarray
+        assert transformers_reader.read_gguf_metadata(flat, ("tokenizer.ggml.tokens",)) == expected_metadata
+    assert transformers_reader._mapped is mapped  # put back afterwards
+    assert expected_metadata[0]["tokenizer.ggml.tokens"] == ["a", "", "Ġthe", "✓✓", "\n"]
     assert list(reader.fields) == list(expected.fields) and parsed == expected_values
     assert parsed["tokenizer.ggml.tokens"] == ["a", "", "Ġthe", "✓✓", "\n"]
     assert parsed["general.name"] == ["ünïcode ✓"]
