@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import jinja2
@@ -169,6 +169,18 @@ class ChatFormat:
             raise ContextLengthError(f"the prompt is {size:,} bytes, more than the model's context of {context_tokens} "
                                      f"tokens can hold (a token stands for at most {self.max_token_bytes} bytes)")
 
+    def completion_ids(self, prompt: str | Sequence[int], context_tokens: int) -> list[int]:
+        """A completion's prompt as token ids, continued as it is (no template): text tokenized as a whole
+        input (with the BOS a model's tokenizer adds; its size checked first, as `check_size` does), or
+        token ids checked to be the vocabulary's."""
+        if isinstance(prompt, str):
+            self.check_size([{"content": prompt}], context_tokens)
+            return list(self.tokenizer.encode(prompt))
+        vocabulary = len(self.tokenizer)
+        if outside := [token for token in prompt if not 0 <= token < vocabulary]:
+            raise SpecchatError(f"token id {outside[0]} is not in the model's vocabulary of {vocabulary} tokens")
+        return list(prompt)
+
     def decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self.tokenizer, self.stop_ids)
 
@@ -291,9 +303,32 @@ class ChatSession:
         except TemplateError:
             self.conversation.messages.pop()  # the message is not part of the conversation after all
             raise
+        predicted = self.chat_format.prediction_ids(prediction) if prediction else []
+
+        def joined(turn: Turn) -> None:
+            if turn.stats.new_tokens == 0:
+                self.conversation.messages.pop()  # nothing was answered (e.g. the prompt was too long)
+            else:
+                message = {"role": "assistant", "content": turn.text}
+                if not turn.finished:
+                    message["interrupted"] = True
+                self.conversation.messages.append(message)
+            if on_end is not None:
+                on_end(turn)
+
+        yield from self._stream(prompt, generation, rng, predicted, joined)
+
+    def complete(self, prompt: list[int], on_end: Callable[[Turn], None] | None = None, *,
+                 generation: GenerationSettings | None = None,
+                 rng: torch.Generator | None = None) -> Iterator[TurnEvent]:
+        """Stream the continuation of `prompt`, token ids taken as they are: no chat template, and the
+        conversation is neither read nor changed (a server's raw completion); `on_end(turn)` once it ends."""
+        yield from self._stream(list(prompt), generation, rng, [], on_end)
+
+    def _stream(self, prompt: list[int], generation: GenerationSettings | None, rng: torch.Generator | None,
+                predicted: list[int], on_end: Callable[[Turn], None] | None) -> Iterator[TurnEvent]:
         generation = generation or self.settings
         rng = rng if rng is not None else self.rng
-        predicted = self.chat_format.prediction_ids(prediction) if prediction else []
         turn = self.last_turn = Turn(prompt, generation, rng.get_state() if rng is not None else None, predicted)
         decoder = self.chat_format.decoder()
         try:
@@ -313,15 +348,8 @@ class ChatSession:
             if self.keep_answers and self.answers is not None:
                 self.answers.add(prompt, turn.tokens)
         finally:
-            if turn.stats.new_tokens == 0:
-                self.conversation.messages.pop()  # nothing was answered (e.g. the prompt was too long)
-            else:
-                decoder.flush()
-                turn.text = decoder.text
-                message = {"role": "assistant", "content": decoder.text}
-                if not turn.finished:
-                    message["interrupted"] = True
-                self.conversation.messages.append(message)
+            decoder.flush()
+            turn.text = decoder.text
             if on_end is not None:
                 on_end(turn)
 

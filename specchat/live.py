@@ -126,6 +126,13 @@ class LiveChat:
                                   generation=generation, rng=rng,
                                   prediction=self.prediction if prediction is None else prediction)
 
+    def complete(self, prompt: list[int], *, generation: GenerationSettings | None = None,
+                 rng: torch.Generator | None = None) -> Iterator[TurnEvent]:
+        """Stream the continuation of the token ids `prompt` as they are (`ChatSession.complete`: no
+        template, the conversation untouched); the session totals count it as a reply."""
+        return self.session.complete(prompt, on_end=functools.partial(self._count, self.settings.method),
+                                     generation=generation, rng=rng)
+
     def _count(self, method: str, turn: Turn) -> None:
         totals = self.totals.setdefault(method, MethodTotals())
         for cycle in turn.cycles:

@@ -22,7 +22,8 @@ from conftest import invoke, tiny  # noqa: E402
 import specchat.serve as serving  # noqa: E402
 from specchat.serve import app as serve_app  # noqa: E402
 from specchat.cli import open_chat, resolve_settings  # noqa: E402
-from specchat.serve.requests import MAX_BODY_BYTES, ApiError, checked_request  # noqa: E402
+from specchat.decode import GenerationSettings  # noqa: E402
+from specchat.serve.requests import COMPLETION_MAX_TOKENS, MAX_BODY_BYTES, ApiError, checked_request  # noqa: E402
 from specchat.serve.worker import Decoder, Job, StopText  # noqa: E402
 
 MODEL = "tiny"
@@ -332,6 +333,108 @@ def test_openai_s_own_client_gets_whole_and_streamed_answers(port):
         client.chat.completions.create(model="gpt-4o", messages=messages)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=messages, n=3)
+
+
+def complete(port, **fields):
+    return request(port, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "temperature": 0, **fields})
+
+
+def plain_continuation(qwen_dir, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
+    """What plain greedy decoding continues `prompt_ids` with (text and tokens), no template."""
+    chat = new_chat(qwen_dir, method="vanilla")
+    generation = GenerationSettings(max_new_tokens=max_tokens, stop_ids=chat.session.chat_format.stop_ids)
+    for _ in chat.complete(prompt_ids, generation=generation):
+        pass
+    return chat.last_turn.text, chat.last_turn.tokens
+
+
+def test_a_completion_continues_the_prompt_as_it_is_as_plain_decoding_would(port, chat, qwen_dir):
+    """`POST /v1/completions` (what vLLM's and SGLang's serving benchmarks and editors' code completion
+    send): the prompt's own tokens, no chat template, continued losslessly; whole, streamed, or as ids."""
+    ids = chat.session.chat_format.tokenizer.encode(PROMPT)
+    expected, tokens = plain_continuation(qwen_dir, ids, 20)
+    status, answer = complete(port, max_tokens=20)
+    assert status == 200, answer
+    assert answer["object"] == "text_completion" and answer["id"].startswith("cmpl-") and answer["model"] == MODEL
+    assert answer["choices"] == [{"index": 0, "text": expected, "finish_reason": "length" if len(tokens) == 20
+                                  else "stop", "logprobs": None}]
+    assert chat.last_turn.prompt_ids == ids  # (no template around it)
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), len(tokens))
+    assert usage["specchat"]["method"] == "pld" and "completion_tokens_details" not in usage
+    assert complete(port, prompt=ids, max_tokens=20)[1]["choices"] == answer["choices"]  # the same prompt as ids
+    assert complete(port, prompt=[PROMPT], max_tokens=20)[1]["choices"] == answer["choices"]
+    status, text = complete(port, max_tokens=20, stream=True, stream_options={"include_usage": True})
+    assert status == 200, text
+    chunks = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    chunks = [json.loads(chunk) for chunk in chunks[:-1]]
+    assert all(chunk["object"] == "text_completion" for chunk in chunks)
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"]) == expected
+    assert chunks[-2]["choices"][0]["finish_reason"] == answer["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(tokens)
+    assert complete(port)[1]["usage"]["completion_tokens"] <= COMPLETION_MAX_TOKENS  # OpenAI's default max_tokens
+
+
+def test_ignore_eos_runs_an_answer_through_its_end_of_turn_to_max_tokens(qwen_dir):
+    """vLLM's and SGLang's `ignore_eos` (serving benchmarks ask a fixed length): an answer that would end
+    at an end-of-turn token goes on, in both endpoints; its tokens are plain decoding's still."""
+    chat = new_chat(qwen_dir)
+    chat_format = chat.session.chat_format
+    ids = chat_format.tokenizer.encode(PROMPT)
+    _, tokens = plain_continuation(qwen_dir, ids, 12)
+    ending = tokens[3]  # made an end-of-turn token: the answer would end there
+    chat_format.stop_ids = frozenset({ending})
+    with running(chat) as port:
+        status, ended = complete(port, max_tokens=12)
+        assert status == 200, ended
+        assert ended["choices"][0]["finish_reason"] == "stop"
+        assert ended["usage"]["completion_tokens"] == tokens.index(ending) + 1
+        status, through = complete(port, max_tokens=12, ignore_eos=True)
+        assert through["choices"][0]["finish_reason"] == "length" and through["usage"]["completion_tokens"] == 12
+        assert chat.last_turn.tokens == tokens
+        status, answer = ask(port, max_tokens=12, ignore_eos=True)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 12
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": [1, 10 ** 9]}, "prompt"),
+    ({"prompt": "x" * 2000}, "prompt"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "return x"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+    ({"n": 2}, "n"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"logprobs": 2}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("fields, param", BAD_COMPLETIONS)
+def test_a_bad_completion_gets_openai_s_error_and_the_server_goes_on(port, fields, param):
+    got, body = complete(port, **fields)
+    assert got == 400, body
+    assert body["error"]["param"] == param and body["error"]["message"]
+    assert complete(port, max_tokens=2)[0] == 200
+
+
+def test_openai_s_own_client_gets_whole_and_streamed_completions(port):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens <= 12
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, echo=True)
 
 
 def test_sixteen_concurrent_requests_get_their_sequential_answers(port):

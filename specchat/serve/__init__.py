@@ -2,7 +2,8 @@
 
     requests.py  what a client may ask, checked before it is queued; OpenAI's error shape
     worker.py    the decoding thread: one request at a time, stop sequences, usage
-    app.py       the routes on starlette (chat completions, whole or streamed; models; health), the server
+    app.py       the routes on starlette (chat completions and completions, whole or streamed; models;
+                 health), the server
 
 The model loads once (`specchat.app.open_chat`, as `chat` and `run` load it: the same profiles,
 methods and flags); uvicorn serves the routes on the event loop while one thread decodes. Bound

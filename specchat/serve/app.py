@@ -1,7 +1,8 @@
-"""The HTTP face of `specchat serve`: OpenAI's chat completions on starlette, served by uvicorn.
+"""The HTTP face of `specchat serve`: OpenAI's chat completions and completions on starlette, served by uvicorn.
 
 Routes: `POST /v1/chat/completions` (a JSON answer, or server-sent events with `"stream": true`),
-`GET /v1/models` (the one model served), `GET /health`. A request is checked and its prompt
+`POST /v1/completions` (the same for a prompt continued as it is: what serving benchmarks and
+editors' code completion send), `GET /v1/models` (the one model served), `GET /health`. A request is checked and its prompt
 tokenized on the event loop's side (`requests`, in a worker thread of the loop), so that a bad
 one is refused before it waits; then the decoding thread answers it (`worker.Decoder`). A client
 that goes away cancels its job: a stream notices at once (starlette listens for the disconnect), a
@@ -30,7 +31,8 @@ from specchat.chat import Conversation
 from specchat.errors import ContextLengthError, SpecchatError
 from specchat.live import LiveChat
 from specchat.serve import DEFAULT_HOST, DEFAULT_PORT, MAX_WAITING
-from specchat.serve.requests import MAX_BODY_BYTES, ApiError, CompletionRequest, checked_request, parse_body
+from specchat.serve.requests import (MAX_BODY_BYTES, ApiError, CompletionRequest, checked_completion, checked_request,
+                                    parse_body)
 from specchat.serve.worker import Decoder, Done, Job
 
 log = logging.getLogger(__name__)
@@ -42,28 +44,38 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+def prompt_ids(chat: LiveChat, request: CompletionRequest) -> list[int]:
+    """The prompt as the decoding thread will answer it: a chat completion's messages through the chat
+    template (a huge one refused before), a completion's prompt as it is (`ChatFormat.completion_ids`)."""
+    chat_format, context = chat.session.chat_format, chat.engine.max_context
+    if request.prompt is not None:
+        return chat_format.completion_ids(request.prompt, context)
+    conversation = Conversation.opening(request, chat.settings.system)
+    conversation.add_user(request.user)
+    chat_format.check_size(conversation.as_messages(), context)
+    return chat_format.prompt_ids(conversation)
+
+
 def prompt_tokens(chat: LiveChat, request: CompletionRequest) -> int:
     """The prompt's length in tokens, or the ApiError saying why it cannot be answered (it or the
     prediction does not fit, the template refuses it). Runs beside the decoding thread: it only reads
     the tokenizer."""
     chat_format, context = chat.session.chat_format, chat.engine.max_context
-    conversation = Conversation.opening(request, chat.settings.system)  # as the decoding thread will answer it
-    conversation.add_user(request.user)
     try:
-        chat_format.check_size(conversation.as_messages(), context)
-        prompt = chat_format.prompt_ids(conversation)
+        prompt = prompt_ids(chat, request)
     except ContextLengthError as error:
-        raise ApiError(400, str(error), "messages", "context_length_exceeded") from error
+        raise ApiError(400, str(error), request.param, "context_length_exceeded") from error
     except SpecchatError as error:
-        raise ApiError(400, str(error), "messages") from error
+        raise ApiError(400, str(error), request.param) from error
     if request.prediction is not None and (size := len(chat_format.prediction_ids(request.prediction))) > context:
         raise ApiError(400, f"the prediction has {size} tokens, more than the model's context of {context} holds "
                             "(no answer could repeat it)", "prediction.content", "context_length_exceeded")
     asked = request.max_tokens or 0
     if len(prompt) + max(asked, 1) > context:
-        raise ApiError(400, f"the model's context holds {context} tokens; the messages take {len(prompt)}"
+        taking = "the messages take" if request.prompt is None else "the prompt takes"
+        raise ApiError(400, f"the model's context holds {context} tokens; {taking} {len(prompt)}"
                             + (f" and max_tokens asks for {asked} more" if asked else ", leaving no room for a reply"),
-                       "max_tokens" if asked and len(prompt) < context else "messages", "context_length_exceeded")
+                       "max_tokens" if asked and len(prompt) < context else request.param, "context_length_exceeded")
     return len(prompt)
 
 
@@ -87,7 +99,8 @@ class Routes:
         return Starlette(lifespan=self.lifespan, routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/chat/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
         ], exception_handlers={ApiError: lambda request, error: error_response(error)})
 
     def authorize(self, request: Request) -> None:
@@ -105,13 +118,19 @@ class Routes:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": self.created, "owned_by": "specchat"}]})
 
+    async def chat_completions(self, request: Request):
+        self.authorize(request)
+        return await self.answered(request, checked_request(parse_body(await body_of(request)), self.model))
+
     async def completions(self, request: Request):
         self.authorize(request)
-        checked = checked_request(parse_body(await body_of(request)), self.model)
+        return await self.answered(request, checked_completion(parse_body(await body_of(request)), self.model))
+
+    async def answered(self, request: Request, checked: CompletionRequest):
         tokens = await run_in_threadpool(prompt_tokens, self.chat, checked)
         job, items = Job.on_loop(checked, tokens)
         self.decoder.submit(job)
-        answer = Answer(self.model)
+        answer = (Answer if checked.prompt is None else TextAnswer)(self.model)
         if checked.stream:
             return StreamingResponse(self.events(job, items, answer), media_type="text/event-stream")
         return await self.whole(request, job, items, answer)
@@ -137,42 +156,79 @@ class Routes:
     async def events(self, job: Job, items: asyncio.Queue, answer: Answer) -> AsyncIterator[str]:
         """The answer as server-sent events, OpenAI's chunks; cancelled with the job when the client goes."""
         try:
-            yield sse(answer.chunk({"role": "assistant", "content": ""}))
+            if opening := answer.opening():
+                yield sse(opening)
             while True:
                 item = await items.get()
                 if isinstance(item, ApiError):  # the answer failed after the response began: said in the stream
                     yield sse(item.body())
                     break
                 if isinstance(item, Done):
-                    yield sse(answer.chunk({}, item.finish_reason))
+                    yield sse(answer.closing(item.finish_reason))
                     if job.request.include_usage:
-                        yield sse(answer.chunk(None, usage=item.usage))
+                        yield sse(answer.usage(item.usage))
                     break
-                yield sse(answer.chunk({"content": item}))
+                yield sse(answer.piece(item))
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled.set()
 
 
 class Answer:
-    """The shapes of one answer in OpenAI's API: the whole completion, or its chunks."""
+    """The shapes of one chat answer in OpenAI's API: the whole completion, or its chunks."""
+
+    PREFIX, OBJECT = "chatcmpl-", "chat.completion"
 
     def __init__(self, model: str):
-        self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
+        self.id, self.model, self.created = f"{self.PREFIX}{uuid.uuid4().hex}", model, int(time.time())
 
     def whole(self, text: str, done: Done) -> dict:
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": done.finish_reason, "logprobs": None}],
+        return {**self._head(self.OBJECT), "choices": [self._choice(text, done.finish_reason, whole=True)],
                 "usage": done.usage}
 
-    def chunk(self, delta: dict | None, finish_reason: str | None = None, usage: dict | None = None) -> dict:
-        """A chunk with `delta`; with None, the usage chunk (no choices), as `stream_options.include_usage` asks."""
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                             "logprobs": None}]
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": choices}
-        return chunk if usage is None else {**chunk, "usage": usage}
+    def opening(self) -> dict | None:
+        """The chunk a stream begins with, before any text (the assistant's role)."""
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                            "logprobs": None})
+
+    def piece(self, text: str) -> dict:
+        return self._chunk(self._choice(text, None))
+
+    def closing(self, finish_reason: str) -> dict:
+        return self._chunk(self._choice(None, finish_reason))
+
+    def usage(self, usage: dict) -> dict:
+        """The chunk with the usage and no choices, as `stream_options.include_usage` asks."""
+        return {**self._chunk(None), "usage": usage}
+
+    def _choice(self, text: str | None, finish_reason: str | None, whole: bool = False) -> dict:
+        if whole:
+            content = {"message": {"role": "assistant", "content": text}}
+        else:
+            content = {"delta": {} if text is None else {"content": text}}
+        return {"index": 0, **content, "finish_reason": finish_reason, "logprobs": None}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _chunk(self, choice: dict | None) -> dict:
+        return {**self._head(self.OBJECT + ".chunk"), "choices": [] if choice is None else [choice]}
+
+
+class TextAnswer(Answer):
+    """The shapes of one completion's answer (`/v1/completions`): a choice's text, whole or in chunks
+    (every one a "text_completion", as OpenAI's and vLLM's are)."""
+
+    PREFIX, OBJECT = "cmpl-", "text_completion"
+
+    def opening(self) -> None:
+        return None  # (a completion's stream has no role to announce)
+
+    def _choice(self, text: str | None, finish_reason: str | None, whole: bool = False) -> dict:
+        return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+
+    def _chunk(self, choice: dict | None) -> dict:
+        return {**self._head(self.OBJECT), "choices": [] if choice is None else [choice]}
 
 
 def sse(data: dict) -> str:

@@ -1,4 +1,4 @@
-"""What a client may ask of `POST /v1/chat/completions`, checked before it is queued.
+"""What a client may ask of `POST /v1/chat/completions` and `POST /v1/completions`, checked before it is queued.
 
 A request becomes a `CompletionRequest` or an `ApiError` in OpenAI's error shape
 (`{"error": {"message", "type", "param", "code"}}`), so that a bad request costs the server no
@@ -7,18 +7,21 @@ what would change that distribution (penalties, logit biases) is refused rather 
 so is what it cannot give (several choices, log-probabilities, tools, structured output).
 
 The values the command line also takes (temperature, top_p, top_k, seed) are checked by the same
-rules (`specchat.settings.check_value`). Nothing here imports torch.
+rules (`specchat.settings.check_value`). vLLM's and SGLang's `ignore_eos` (the answer runs to
+`max_tokens` through end-of-turn tokens, as serving benchmarks ask) is taken by both endpoints.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specchat import settings as settings_mod
 
 MAX_BODY_BYTES = 8 << 20  # a request's body: 32k tokens of context is ~128 kB of text; a prediction as much again
 MAX_STOP = 4  # stop sequences, as OpenAI allows
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when it gives none: OpenAI's legacy default, as vLLM's
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 
 
@@ -36,11 +39,14 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """A checked chat-completion request; None: the server's own setting (its profile and flags)."""
+    """A checked request of either endpoint; None: the server's own setting (its profile and flags).
+    A chat completion's messages go through the model's chat template; a completion's `prompt` is
+    continued as it is."""
 
-    system: str | None
-    history: list[dict]  # the messages before the last, {"role": "user" | "assistant", "content": str}
-    user: str  # the last message, which the reply answers
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)  # the messages before the last, {"role", "content"}
+    user: str = ""  # the last message, which the reply answers
+    prompt: str | tuple[int, ...] | None = None  # a completion's (`/v1/completions`): text or token ids
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -50,6 +56,12 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     prediction: str | None = None  # OpenAI's predicted output: text the reply is expected to repeat
+    ignore_eos: bool = False  # vLLM's and SGLang's: the answer goes on past end-of-turn tokens to max_tokens
+
+    @property
+    def param(self) -> str:
+        """The field a refusal of the prompt names."""
+        return "messages" if self.prompt is None else "prompt"
 
 
 def parse_body(body: bytes) -> dict:
@@ -117,8 +129,9 @@ def _number(request: dict, name: str, kind: type, setting: str | None = None):
 
 def _refuse(request: dict) -> None:
     """Asks that specchat cannot meet without changing or leaving the target's distribution."""
-    if request.get("n") not in (None, 1):
-        raise ApiError(400, f"n must be 1: one choice per request (got {request['n']!r})", "n")
+    for name in ("n", "best_of"):
+        if request.get(name) not in (None, 1):
+            raise ApiError(400, f"{name} must be 1: one choice per request (got {request[name]!r})", name)
     if request.get("tools") or request.get("functions") or request.get("tool_choice") not in (None, "none"):
         raise ApiError(400, "this model is served without tools (no tool or function calls)", "tools")
     if request.get("logprobs") or request.get("top_logprobs"):
@@ -152,28 +165,70 @@ def _prediction(value) -> str | None:
     return text_of(value.get("content"), "prediction.content")
 
 
-def checked_request(request: dict, model: str) -> CompletionRequest:
-    """A chat-completion request as the server takes it, or the ApiError that refuses it. `model`: the
-    name the server serves under (`GET /v1/models`)."""
+def _flag(request: dict, name: str) -> bool:
+    value = request.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false", name)
+    return value
+
+
+def _options(request: dict, model: str) -> dict:
+    """What both endpoints take besides the prompt, checked: the model, the sampling, the stops, streaming."""
     if request.get("model") is None:
         raise ApiError(400, "model is required", "model")
     if request["model"] != model:
         raise ApiError(404, f"the model {request['model']!r} does not exist: this server serves {model!r}",
                        "model", "model_not_found")
     _refuse(request)
-    system, history, user = checked_messages(request.get("messages"))
     max_tokens = _number(request, "max_completion_tokens", int, "max_new_tokens")
     if max_tokens is None:
         max_tokens = _number(request, "max_tokens", int, "max_new_tokens")
-    stream = request.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", "stream")
-    options = request.get("stream_options") or {}
-    if not isinstance(options, dict):
+    stream_options = request.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
-    return CompletionRequest(
-        system=system, history=history, user=user, max_tokens=max_tokens,
-        temperature=_number(request, "temperature", float), top_p=_number(request, "top_p", float),
-        top_k=_number(request, "top_k", int), seed=_number(request, "seed", int), stop=_stop(request.get("stop")),
-        stream=stream, include_usage=bool(options.get("include_usage")),
-        prediction=_prediction(request.get("prediction")))
+    return {"max_tokens": max_tokens, "temperature": _number(request, "temperature", float),
+            "top_p": _number(request, "top_p", float), "top_k": _number(request, "top_k", int),
+            "seed": _number(request, "seed", int), "stop": _stop(request.get("stop")),
+            "stream": _flag(request, "stream"), "include_usage": bool(stream_options.get("include_usage")),
+            "ignore_eos": _flag(request, "ignore_eos")}
+
+
+def checked_request(request: dict, model: str) -> CompletionRequest:
+    """A chat-completion request as the server takes it, or the ApiError that refuses it. `model`: the
+    name the server serves under (`GET /v1/models`)."""
+    options = _options(request, model)
+    system, history, user = checked_messages(request.get("messages"))
+    return CompletionRequest(system=system, history=history, user=user,
+                             prediction=_prediction(request.get("prediction")), **options)
+
+
+def _prompt(value) -> str | tuple[int, ...]:
+    """A completion's one prompt: a string, or token ids (either alone in a list, as clients batch them)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, "prompt is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(item, int) and not isinstance(item, bool)
+                                                 for item in value):
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise ApiError(400, "one prompt per request: a string or a list of token ids", "prompt")
+    raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+def checked_completion(request: dict, model: str) -> CompletionRequest:
+    """A completion request (`POST /v1/completions`: a prompt continued as it is, no chat template) as the
+    server takes it, or the ApiError that refuses it."""
+    options = _options(request, model)
+    if options["max_tokens"] is None:
+        options["max_tokens"] = COMPLETION_MAX_TOKENS
+    if request.get("echo"):
+        raise ApiError(400, "echo is not supported: the answer holds the completion only", "echo")
+    if request.get("suffix"):
+        raise ApiError(400, "suffix is not supported: write a fill-in-the-middle prompt with the model's own "
+                            "tokens (Qwen2.5-Coder: <|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>)", "suffix")
+    return CompletionRequest(prompt=_prompt(request.get("prompt")), **options)

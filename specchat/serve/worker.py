@@ -2,7 +2,8 @@
 
 The server's event loop takes requests, checks them (`requests`) and queues a `Job`; this thread
 answers each in a fresh conversation of the `LiveChat` the command line would use (the same
-profile, method, pace and statistics), and hands each piece of text back to the loop as it comes.
+profile, method, pace and statistics), a completion's prompt as it is (`LiveChat.complete`), and
+hands each piece of text back to the loop as it comes.
 A job is cancelled when its client goes away: the answer stops within the cycle under way (the
 engine rewinds its caches as on Ctrl-C) and the next job starts.
 
@@ -132,16 +133,21 @@ class Decoder:
                                   settings.top_p if request.top_p is None else request.top_p,
                                   settings.top_k if request.top_k is None else request.top_k)
         return GenerationSettings(max_new_tokens=request.max_tokens or settings.max_new_tokens, sampling=sampling,
-                                  stop_ids=session.chat_format.stop_ids)
+                                  stop_ids=frozenset() if request.ignore_eos else session.chat_format.stop_ids)
 
     def answer(self, job: Job) -> Done | None:
         """Answer `job`, sending its text as it comes; its end (None: cancelled, nothing more to send)."""
         request, chat = job.request, self.chat
-        chat.session.conversation = Conversation.opening(request, chat.settings.system)
         # A seed gives the request a random stream of its own; without one it continues the server's.
         rng = make_generator(request.seed, chat.engine.target.device) if request.seed is not None else None
         stops, finish = StopText(request.stop), None
-        events = chat.reply(request.user, generation=self.generation(request), rng=rng, prediction=request.prediction)
+        if request.prompt is not None:  # a completion: the prompt continued as it is
+            prompt = chat.session.chat_format.completion_ids(request.prompt, chat.engine.max_context)
+            events = chat.complete(prompt, generation=self.generation(request), rng=rng)
+        else:
+            chat.session.conversation = Conversation.opening(request, chat.settings.system)
+            events = chat.reply(request.user, generation=self.generation(request), rng=rng,
+                                prediction=request.prediction)
         try:
             for event in events:
                 if job.cancelled.is_set():
@@ -168,10 +174,11 @@ class Decoder:
         comparison = chat.compare_last_turn() if chat.settings.compare else None  # (None for a reply cut short)
         log.info(stats_line(stats, report.estimated_speedup, comparison, report.prediction))
         rate = decoding_rate(stats.new_tokens, stats.seconds, stats.prefill_seconds)
+        predicted = {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": size - accepted}
         return {
             "prompt_tokens": job.prompt_tokens, "completion_tokens": stats.new_tokens,
             "total_tokens": job.prompt_tokens + stats.new_tokens,
-            "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": size - accepted},
+            **({"completion_tokens_details": predicted} if job.request.prompt is None else {}),
             "specchat": {  # `run`'s record of a turn, but for what OpenAI's answer says already or is per cycle
                 "method": chat.settings.method,
                 **{key: value for key, value in stats.record().items() if key not in NOT_IN_USAGE},
