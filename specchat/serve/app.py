@@ -1,12 +1,12 @@
 """The HTTP face of `specchat serve`: OpenAI's chat completions and completions on starlette, served by uvicorn.
 
-Routes: `POST /v1/chat/completions` (a JSON answer, or server-sent events with `"stream": true`),
-`POST /v1/completions` (the same for a prompt continued as it is: what serving benchmarks and
-editors' code completion send), `GET /v1/models` (the one model served), `GET /health`. A request is checked and its prompt
-tokenized on the event loop's side (`requests`, in a worker thread of the loop), so that a bad
-one is refused before it waits; then the decoding thread answers it (`worker.Decoder`). A client
-that goes away cancels its job: a stream notices at once (starlette listens for the disconnect), a
-plain request between the answer's pieces. Every refusal is a 4xx in OpenAI's error shape.
+Routes: `POST /v1/chat/completions` (a JSON answer, or server-sent events with `"stream": true`), `POST
+/v1/completions` (the same for a prompt continued as it is: what serving benchmarks and editors' code
+completion send), `GET /v1/models` (the one model served), `GET /health`. A request is checked and its
+prompt tokenized on the event loop's side (`requests`, in a worker thread of the loop), so that a bad
+one is refused before it waits; then the decoding thread answers it (`worker.Decoder`). A client that
+goes away cancels its job: a stream notices at once (starlette listens for the disconnect), a plain
+request between the answer's pieces. Every refusal is a 4xx in OpenAI's error shape.
 """
 
 from __future__ import annotations
