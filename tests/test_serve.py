@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 from conftest import invoke, tiny  # noqa: E402
 import specchat.serve as serving  # noqa: E402
@@ -249,6 +250,9 @@ def test_a_client_that_goes_away_stops_its_answer_within_a_cycle(qwen_dir, monke
         connection.close()
         status, answer = ask(port, max_tokens=2)  # answered once the first one ends
         assert status == 200, answer
+        reasons = {dict(labels)["finished_reason"]: value for (name, labels), value in scraped(port).items()
+                   if name == "specchat:request_success_total"}
+        assert reasons == {"abort": 1, "length": 1}
     turns = chat.totals["pld"].turns
     assert turns == 2 and chat.totals["pld"].new_tokens < 200, "the first answer ran on after its client left"
 
@@ -435,6 +439,54 @@ def test_openai_s_own_client_gets_whole_and_streamed_completions(port):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPT, echo=True)
+
+
+def scraped(port) -> dict:
+    """GET /metrics as {(sample name, labels without the model's): value}, each sample's labels naming the model."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = request(port, "GET", "/metrics")
+    assert status == 200, text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert sample.labels.pop("model_name") == MODEL
+            values[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return values
+
+
+def test_metrics_count_what_the_answers_did_as_vllm_names_it(chat):
+    """`GET /metrics`: vLLM's counters (`specchat:` for `vllm:`) summed over the answers: the tokens, the
+    forwards, and per drafting cycle the drafts, draft tokens and accepted tokens by depth."""
+    ids = chat.session.chat_format.tokenizer.encode(PROMPT)
+    with running(chat) as port:
+        turns, answers = [], []
+        for answer in (lambda: ask(port, max_tokens=16), lambda: complete(port, prompt=ids, max_tokens=12)):
+            answers.append(answer()[1])
+            turns.append(chat.last_turn)
+        # the prompt, its answer and the prompt again: lookup drafts the answer after its second time
+        answers.append(complete(port, prompt=ids + turns[-1].tokens + ids, max_tokens=12)[1])
+        turns.append(chat.last_turn)
+        values = scraped(port)
+    cycles = [cycle for turn in turns for cycle in turn.cycles if len(cycle.tree)]
+    assert cycles, "no draft was verified: the metrics' drafting counters went untested"
+    expected = {"generation_tokens_total": sum(answer["usage"]["completion_tokens"] for answer in answers),
+                "prompt_tokens_total": sum(answer["usage"]["prompt_tokens"] for answer in answers),
+                "target_forwards_total": sum(turn.stats.target_forwards for turn in turns),
+                "spec_decode_num_drafts_total": len(cycles),
+                "spec_decode_num_draft_tokens_total": sum(len(cycle.tree) for cycle in cycles),
+                "spec_decode_num_accepted_tokens_total": sum(len(cycle.accepted) for cycle in cycles)}
+    assert {name: values["specchat:" + name, ()] for name in expected} == expected
+    by_position = {int(dict(labels)["position"]): value for (name, labels), value in values.items()
+                   if name == "specchat:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert sum(by_position.values()) == expected["spec_decode_num_accepted_tokens_total"]
+    assert all(by_position[p] >= by_position[p + 1] for p in range(len(by_position) - 1))  # a path's depths
+    reasons = {dict(labels)["finished_reason"]: value for (name, labels), value in values.items()
+               if name == "specchat:request_success_total"}
+    assert sum(reasons.values()) == 3 and set(reasons) <= {"length", "stop"}
+    assert values["specchat:e2e_request_latency_seconds_count", ()] == 3
+    assert values["specchat:time_to_first_token_seconds_count", ()] == 3
+    assert values["specchat:num_requests_waiting", ()] == 0 and values["specchat:num_requests_running", ()] == 0
 
 
 def test_sixteen_concurrent_requests_get_their_sequential_answers(port):

@@ -2,8 +2,9 @@
 
     requests.py  what a client may ask, checked before it is queued; OpenAI's error shape
     worker.py    the decoding thread: one request at a time, stop sequences, usage
+    metrics.py   the counters at /metrics, named as vLLM's (drafts, draft and accepted tokens by position)
     app.py       the routes on starlette (chat completions and completions, whole or streamed; models;
-                 health), the server
+                 metrics; health), the server
 
 The model loads once (`specchat.app.open_chat`, as `chat` and `run` load it: the same profiles,
 methods and flags); uvicorn serves the routes on the event loop while one thread decodes. Bound
@@ -35,6 +36,6 @@ def is_local(host: str) -> bool:
 
 def check_installed() -> None:
     """The one-line error where the serve extra is missing."""
-    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
     if missing:
-        raise SpecchatError(f"specchat serve needs {' and '.join(missing)}: pip install 'specchat[serve]'")
+        raise SpecchatError(f"specchat serve needs {', '.join(missing)}: pip install 'specchat[serve]'")

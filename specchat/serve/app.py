@@ -2,11 +2,12 @@
 
 Routes: `POST /v1/chat/completions` (a JSON answer, or server-sent events with `"stream": true`), `POST
 /v1/completions` (the same for a prompt continued as it is: what serving benchmarks and editors' code
-completion send), `GET /v1/models` (the one model served), `GET /health`. A request is checked and its
-prompt tokenized on the event loop's side (`requests`, in a worker thread of the loop), so that a bad
-one is refused before it waits; then the decoding thread answers it (`worker.Decoder`). A client that
-goes away cancels its job: a stream notices at once (starlette listens for the disconnect), a plain
-request between the answer's pieces. Every refusal is a 4xx in OpenAI's error shape.
+completion send), `GET /v1/models` (the one model served), `GET /metrics` (the counters, in Prometheus'
+format: `metrics`), `GET /health`. A request is checked and its prompt tokenized on the event loop's side
+(`requests`, in a worker thread of the loop), so that a bad one is refused before it waits; then the
+decoding thread answers it (`worker.Decoder`). A client that goes away cancels its job: a stream notices
+at once (starlette listens for the disconnect), a plain request between the answer's pieces. Every
+refusal is a 4xx in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specchat.chat import Conversation
 from specchat.errors import ContextLengthError, SpecchatError
 from specchat.live import LiveChat
 from specchat.serve import DEFAULT_HOST, DEFAULT_PORT, MAX_WAITING
+from specchat.serve.metrics import Metrics
 from specchat.serve.requests import (MAX_BODY_BYTES, ApiError, CompletionRequest, checked_completion, checked_request,
                                     parse_body)
 from specchat.serve.worker import Decoder, Done, Job
@@ -99,6 +101,7 @@ class Routes:
         return Starlette(lifespan=self.lifespan, routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
         ], exception_handlers={ApiError: lambda request, error: error_response(error)})
@@ -112,6 +115,12 @@ class Routes:
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "waiting": self.decoder.waiting})
+
+    async def metrics(self, request: Request) -> Response:
+        """The counters in Prometheus' text format (`specchat.serve.metrics`); behind the API key where one is set."""
+        self.authorize(request)
+        metrics = self.decoder.metrics
+        return Response(metrics.text(), media_type=metrics.content_type)
 
     async def models(self, request: Request) -> JSONResponse:
         self.authorize(request)
@@ -252,7 +261,10 @@ def server(chat: LiveChat, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, a
            model: str | None = None, max_waiting: int = MAX_WAITING) -> uvicorn.Server:
     """The server of `chat` (not yet running): `model` is the name clients ask for (default: the
     settings' model). Its decoding thread runs while the server does (the application's lifespan)."""
-    routes = Routes(chat, Decoder(chat, max_waiting), model or chat.settings.model, api_key)
+    model = model or chat.settings.model
+    decoder = Decoder(chat, max_waiting)
+    decoder.metrics = Metrics(model, lambda: decoder.waiting, lambda: decoder.running)
+    routes = Routes(chat, decoder, model, api_key)
     return uvicorn.Server(uvicorn.Config(routes.application(), host=host, port=port, log_level="warning",
                                          access_log=False, timeout_graceful_shutdown=1))
 

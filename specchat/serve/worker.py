@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from specchat.chat import Conversation
 from specchat.decode import GenerationSettings, SamplingParams, make_generator
 from specchat.errors import SpecchatError
 from specchat.live import LiveChat
+from specchat.serve.metrics import Metrics
 from specchat.serve.requests import ApiError, CompletionRequest
 from specchat.speedup import decoding_rate
 from specchat.stats import rounded
@@ -78,6 +80,8 @@ class Job:
     prompt_tokens: int
     send: Callable[[object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)  # (what the metrics' latencies count from)
+    first_token: float | None = None  # when its reply's first token came
 
     @classmethod
     def on_loop(cls, request: CompletionRequest, prompt_tokens: int) -> tuple[Job, asyncio.Queue]:
@@ -89,9 +93,10 @@ class Job:
 class Decoder:
     """The thread that answers queued jobs one at a time with `chat`."""
 
-    def __init__(self, chat: LiveChat, max_waiting: int):
-        self.chat, self.max_waiting = chat, max_waiting
+    def __init__(self, chat: LiveChat, max_waiting: int, metrics: Metrics | None = None):
+        self.chat, self.max_waiting, self.metrics = chat, max_waiting, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.running = 0  # jobs being answered: 0 or 1
         self.thread = threading.Thread(target=self._run, name="specchat-decoder", daemon=True)
 
     def start(self) -> None:
@@ -113,19 +118,35 @@ class Decoder:
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
             if job.cancelled.is_set():
+                self.count(job, "abort", None)
                 continue
+            self.running = 1
             try:
                 done = self.answer(job)
             except ApiError as error:
-                job.send(error)
+                ending = error
             except (SpecchatError, ValueError) as error:  # the template refused it, it does not fit, ...
-                job.send(ApiError(400, str(error)))
+                ending = ApiError(400, str(error))
             except Exception as error:  # one failed answer must not end the thread that serves them all
                 log.error(f"an answer failed: {type(error).__name__}: {error}")  # (the engine rolled its caches back)
-                job.send(ApiError(500, f"the answer failed: {type(error).__name__}: {error}", kind="server_error"))
+                ending = ApiError(500, f"the answer failed: {type(error).__name__}: {error}", kind="server_error")
             else:
-                if done is not None:
-                    job.send(done)
+                ending = done
+            self.running = 0
+            if isinstance(ending, ApiError):
+                finish, turn = "error", None
+            else:
+                finish, turn = "abort" if ending is None else ending.finish_reason, self.chat.last_turn
+            self.count(job, finish, turn)  # before the client hears the end: a scrape after it sees this answer
+            if ending is not None:
+                job.send(ending)
+
+    def count(self, job: Job, finish_reason: str, turn) -> None:
+        """The job's end in the metrics (`turn`: its reply, None where nothing was decoded)."""
+        if self.metrics is not None:
+            now = time.monotonic()
+            self.metrics.answered(turn, job.prompt_tokens, finish_reason,
+                                  None if job.first_token is None else job.first_token - job.arrived, now - job.arrived)
 
     def generation(self, request: CompletionRequest) -> GenerationSettings:
         settings, session = self.chat.settings, self.chat.session
@@ -150,6 +171,7 @@ class Decoder:
                                 prediction=request.prediction)
         try:
             for event in events:
+                job.first_token = job.first_token or time.monotonic()
                 if job.cancelled.is_set():
                     return None
                 text = stops.push(event.text)
