@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specchat.chat import Conversation
+from specchat.chat import Conversation, Turn
 from specchat.decode import GenerationSettings, SamplingParams, make_generator
 from specchat.errors import SpecchatError
 from specchat.live import LiveChat
@@ -141,7 +141,7 @@ class Decoder:
             if ending is not None:
                 job.send(ending)
 
-    def count(self, job: Job, finish_reason: str, turn) -> None:
+    def count(self, job: Job, finish_reason: str, turn: Turn | None) -> None:
         """The job's end in the metrics (`turn`: its reply, None where nothing was decoded)."""
         if self.metrics is not None:
             now = time.monotonic()
