@@ -21,7 +21,10 @@ import ipaddress
 from specchat.errors import SpecchatError
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
-MAX_WAITING = 16  # requests queued behind the one being answered; past it a 429
+# Requests queued behind the one being answered; past it a 429. ollama's default queue (OLLAMA_MAX_QUEUE);
+# vLLM's and llama.cpp's servers queue without a bound. A serving benchmark sends its whole set at
+# once (`vllm bench serve` at an infinite request rate), which 16 turned into 429s.
+MAX_WAITING = 512
 
 
 def is_local(host: str) -> bool:
