@@ -518,14 +518,21 @@ def test_an_answer_that_fails_is_a_500_and_the_next_is_answered(qwen_dir, monkey
     chat = new_chat(qwen_dir)
     generate, calls = chat.engine.generate, []
 
-    def failing_once(*args, **kwargs):
+    def failing_once(*args, **kwargs):  # the first answer fails after its first two steps
         calls.append(1)
-        if len(calls) == 1:
-            raise KeyError("a bug")
-        yield from generate(*args, **kwargs)
+        for number, step in enumerate(generate(*args, **kwargs)):
+            if len(calls) == 1 and number == 2:
+                raise KeyError("a bug")
+            yield step
 
     monkeypatch.setattr(chat.engine, "generate", failing_once)
     with running(chat) as port:
         status, body = ask(port)
         assert status == 500 and body["error"]["type"] == "server_error" and "KeyError" in body["error"]["message"]
+        failed = chat.last_turn.stats.new_tokens
         assert ask(port, max_tokens=2)[0] == 200
+        values = scraped(port)
+    reasons = {dict(labels)["finished_reason"]: value for (name, labels), value in values.items()
+               if name == "specchat:request_success_total"}
+    assert reasons == {"error": 1, "length": 1}
+    assert failed >= 2 and values["specchat:generation_tokens_total", ()] == failed + 2  # what it made counts

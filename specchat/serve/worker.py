@@ -120,7 +120,7 @@ class Decoder:
             if job.cancelled.is_set():
                 self.count(job, "abort", None)
                 continue
-            self.running = 1
+            self.running, before = 1, self.chat.last_turn
             try:
                 done = self.answer(job)
             except ApiError as error:
@@ -133,10 +133,8 @@ class Decoder:
             else:
                 ending = done
             self.running = 0
-            if isinstance(ending, ApiError):
-                finish, turn = "error", None
-            else:
-                finish, turn = "abort" if ending is None else ending.finish_reason, self.chat.last_turn
+            turn = self.chat.last_turn if self.chat.last_turn is not before else None  # (None: nothing decoded)
+            finish = "error" if isinstance(ending, ApiError) else "abort" if ending is None else ending.finish_reason
             self.count(job, finish, turn)  # before the client hears the end: a scrape after it sees this answer
             if ending is not None:
                 job.send(ending)
