@@ -32,7 +32,6 @@ from specchat.chat import Conversation
 from specchat.errors import ContextLengthError, SpecchatError
 from specchat.live import LiveChat
 from specchat.serve import DEFAULT_HOST, DEFAULT_PORT, MAX_WAITING
-from specchat.serve.metrics import Metrics
 from specchat.serve.requests import (MAX_BODY_BYTES, ApiError, CompletionRequest, checked_completion, checked_request,
                                     parse_body)
 from specchat.serve.worker import Decoder, Done, Job
@@ -262,9 +261,7 @@ def server(chat: LiveChat, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, a
     """The server of `chat` (not yet running): `model` is the name clients ask for (default: the
     settings' model). Its decoding thread runs while the server does (the application's lifespan)."""
     model = model or chat.settings.model
-    decoder = Decoder(chat, max_waiting)
-    decoder.metrics = Metrics(model, lambda: decoder.waiting, lambda: decoder.running)
-    routes = Routes(chat, decoder, model, api_key)
+    routes = Routes(chat, Decoder(chat, max_waiting, model), model, api_key)
     return uvicorn.Server(uvicorn.Config(routes.application(), host=host, port=port, log_level="warning",
                                          access_log=False, timeout_graceful_shutdown=1))
 

@@ -93,10 +93,12 @@ class Job:
 class Decoder:
     """The thread that answers queued jobs one at a time with `chat`."""
 
-    def __init__(self, chat: LiveChat, max_waiting: int, metrics: Metrics | None = None):
-        self.chat, self.max_waiting, self.metrics = chat, max_waiting, metrics
+    def __init__(self, chat: LiveChat, max_waiting: int, model: str):
+        """`model`: the name the server serves under, which the metrics carry."""
+        self.chat, self.max_waiting = chat, max_waiting
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running = 0  # jobs being answered: 0 or 1
+        self.metrics = Metrics(model, lambda: self.waiting, lambda: self.running)
         self.thread = threading.Thread(target=self._run, name="specchat-decoder", daemon=True)
 
     def start(self) -> None:
@@ -141,10 +143,8 @@ class Decoder:
 
     def count(self, job: Job, finish_reason: str, turn: Turn | None) -> None:
         """The job's end in the metrics (`turn`: its reply, None where nothing was decoded)."""
-        if self.metrics is not None:
-            now = time.monotonic()
-            self.metrics.answered(turn, job.prompt_tokens, finish_reason,
-                                  None if job.first_token is None else job.first_token - job.arrived, now - job.arrived)
+        first_token = None if job.first_token is None else job.first_token - job.arrived
+        self.metrics.answered(turn, job.prompt_tokens, finish_reason, first_token, time.monotonic() - job.arrived)
 
     def generation(self, request: CompletionRequest) -> GenerationSettings:
         settings, session = self.chat.settings, self.chat.session
