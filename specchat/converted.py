@@ -173,7 +173,6 @@ def _gguf_parsed_once():
     from specchat import gguf_blocks
 
     original, readers = gguf.GGUFReader, {}
-    numpy_dequantize = gguf.dequantize
     parse, parsed = gguf_loading.load_gguf_checkpoint, {}
     parse_value = gguf_loading._gguf_parse_value
     into = None  # the dtype the weights being loaded are dequantized into, where they can be
@@ -261,28 +260,32 @@ def _gguf_parsed_once():
         def from_numpy(array):
             return array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
 
-    gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = shared_reader, metadata_once
     mapped = transformers_reader._mapped
-    transformers_reader._mapped = lambda path: mapped(path).view(numpy.ndarray)
-    gguf_loading._gguf_parse_value = parsed_value
-    gguf.get_tensor_name_map = functools.cache(name_map)  # (transformers only reads the map)
-    gguf.dequantize = lambda data, qtype: gguf_blocks.dequantize(data, qtype, into)
-    plain_numpy, gguf_loading.np = gguf_loading.np, FreshArraysUncopied()
-    plain_torch, gguf_loading.torch = gguf_loading.torch, TensorsAsTheyAre()
-    # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line says it.
-    # Turned off where it is drawn, not by taking stderr from the whole process (another thread's line
-    # would go with it).
-    bar = gguf_loading.tqdm
-    gguf_loading.tqdm = functools.partial(bar, disable=True)
+    with _replaced((gguf, "GGUFReader", shared_reader), (gguf_loading, "load_gguf_checkpoint", metadata_once),
+                   (transformers_reader, "_mapped", lambda path: mapped(path).view(numpy.ndarray)),
+                   (gguf_loading, "_gguf_parse_value", parsed_value),
+                   (gguf, "get_tensor_name_map", functools.cache(name_map)),  # (transformers only reads the map)
+                   (gguf, "dequantize", lambda data, qtype: gguf_blocks.dequantize(data, qtype, into)),
+                   (gguf_loading, "np", FreshArraysUncopied()), (gguf_loading, "torch", TensorsAsTheyAre()),
+                   # transformers' GGUF reader draws a bar of its own (plain tqdm, not its logging's): our line
+                   # says it. Turned off where it is drawn, not by taking stderr from the whole process
+                   # (another thread's line would go with it).
+                   (gguf_loading, "tqdm", functools.partial(gguf_loading.tqdm, disable=True))):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(*replacements: tuple[object, str, object]):
+    """Each `(owner, name, value)`: `owner.name` is `value` inside the block, and what it was again after
+    it (how a conversion reaches into transformers' and gguf-py's GGUF loading, which take no hooks)."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf_loading.load_gguf_checkpoint = original, parse
-        gguf_loading._gguf_parse_value = parse_value
-        gguf.get_tensor_name_map, gguf_loading.tqdm, gguf_loading.np = name_map, bar, plain_numpy
-        gguf_loading.torch = plain_torch
-        gguf.dequantize = numpy_dequantize
-        transformers_reader._mapped = mapped
+        for owner, name, value in reversed(originals):
+            setattr(owner, name, value)
 
 
 @contextlib.contextmanager
@@ -291,13 +294,11 @@ def _written_tensor_by_tensor():
     memory first: `write_safetensors` writes each tensor as it lies (a 1 GB model 3.1 -> 0.3 s)."""
     from transformers import modeling_utils  # (loaded already: converting)
 
-    original = modeling_utils.safe_save_file
-    modeling_utils.safe_save_file = lambda tensors, filename, metadata=None: write_safetensors(filename, tensors,
-                                                                                               metadata)
-    try:
+    def tensor_by_tensor(tensors, filename, metadata=None):
+        write_safetensors(filename, tensors, metadata)
+
+    with _replaced((modeling_utils, "safe_save_file", tensor_by_tensor)):
         yield
-    finally:
-        modeling_utils.safe_save_file = original
 
 
 def gguf_model(gguf_path: Path, dtype: torch.dtype) -> tuple:
