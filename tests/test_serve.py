@@ -284,7 +284,7 @@ def test_stop_text_holds_back_what_may_begin_a_stop_sequence():
 
 def test_a_full_queue_is_a_429():
     decoder = Decoder(chat=None, max_waiting=1, model=MODEL)
-    job = Job(checked_request({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, MODEL), 1, print)
+    job = Job(checked_request({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, MODEL), [0], print)
     decoder.submit(job)
     with pytest.raises(ApiError) as refused:
         decoder.submit(job)

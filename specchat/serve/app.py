@@ -57,10 +57,9 @@ def prompt_ids(chat: LiveChat, request: CompletionRequest) -> list[int]:
     return chat_format.prompt_ids(conversation)
 
 
-def prompt_tokens(chat: LiveChat, request: CompletionRequest) -> int:
-    """The prompt's length in tokens, or the ApiError saying why it cannot be answered (it or the
-    prediction does not fit, the template refuses it). Runs beside the decoding thread: it only reads
-    the tokenizer."""
+def checked_prompt(chat: LiveChat, request: CompletionRequest) -> list[int]:
+    """The prompt's token ids, or the ApiError saying why it cannot be answered (it or the prediction does
+    not fit, the template refuses it). Runs beside the decoding thread: it only reads the tokenizer."""
     chat_format, context = chat.session.chat_format, chat.engine.max_context
     try:
         prompt = prompt_ids(chat, request)
@@ -77,7 +76,7 @@ def prompt_tokens(chat: LiveChat, request: CompletionRequest) -> int:
         raise ApiError(400, f"the model's context holds {context} tokens; {taking} {len(prompt)}"
                             + (f" and max_tokens asks for {asked} more" if asked else ", leaving no room for a reply"),
                        "max_tokens" if asked and len(prompt) < context else request.param, "context_length_exceeded")
-    return len(prompt)
+    return prompt
 
 
 class Routes:
@@ -135,8 +134,8 @@ class Routes:
         return await self.answered(request, checked_completion(parse_body(await body_of(request)), self.model))
 
     async def answered(self, request: Request, checked: CompletionRequest):
-        tokens = await run_in_threadpool(prompt_tokens, self.chat, checked)
-        job, items = Job.on_loop(checked, tokens)
+        prompt = await run_in_threadpool(checked_prompt, self.chat, checked)
+        job, items = Job.on_loop(checked, prompt)
         self.decoder.submit(job)
         answer = (Answer if checked.prompt is None else TextAnswer)(self.model)
         if checked.stream:

@@ -77,17 +77,21 @@ class Job:
     `Done` or an `ApiError`) to the request's consumer."""
 
     request: CompletionRequest
-    prompt_tokens: int
+    prompt: list[int]  # its token ids, as checked before it was queued (a completion's are answered as they are)
     send: Callable[[object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)  # (what the metrics' latencies count from)
     first_token: float | None = None  # when its reply's first token came
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
     @classmethod
-    def on_loop(cls, request: CompletionRequest, prompt_tokens: int) -> tuple[Job, asyncio.Queue]:
+    def on_loop(cls, request: CompletionRequest, prompt: list[int]) -> tuple[Job, asyncio.Queue]:
         """A job whose items arrive on an asyncio queue of the running event loop."""
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
-        return cls(request, prompt_tokens, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)), items
+        return cls(request, prompt, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)), items
 
 
 class Decoder:
@@ -161,8 +165,7 @@ class Decoder:
         rng = make_generator(request.seed, chat.engine.target.device) if request.seed is not None else None
         stops, finish = StopText(request.stop), None
         if request.prompt is not None:  # a completion: the prompt continued as it is
-            prompt = chat.session.chat_format.completion_ids(request.prompt, chat.engine.max_context)
-            events = chat.complete(prompt, generation=self.generation(request), rng=rng)
+            events = chat.complete(job.prompt, generation=self.generation(request), rng=rng)
         else:
             chat.session.conversation = Conversation.opening(request, chat.settings.system)
             events = chat.reply(request.user, generation=self.generation(request), rng=rng,
