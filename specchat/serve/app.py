@@ -184,7 +184,7 @@ class Routes:
 class Answer:
     """The shapes of one chat answer in OpenAI's API: the whole completion, or its chunks."""
 
-    PREFIX, OBJECT = "chatcmpl-", "chat.completion"
+    PREFIX, OBJECT, CHUNK = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, model: str):
         self.id, self.model, self.created = f"{self.PREFIX}{uuid.uuid4().hex}", model, int(time.time())
@@ -219,23 +219,20 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _chunk(self, choice: dict | None) -> dict:
-        return {**self._head(self.OBJECT + ".chunk"), "choices": [] if choice is None else [choice]}
+        return {**self._head(self.CHUNK), "choices": [] if choice is None else [choice]}
 
 
 class TextAnswer(Answer):
     """The shapes of one completion's answer (`/v1/completions`): a choice's text, whole or in chunks
     (every one a "text_completion", as OpenAI's and vLLM's are)."""
 
-    PREFIX, OBJECT = "cmpl-", "text_completion"
+    PREFIX, OBJECT, CHUNK = "cmpl-", "text_completion", "text_completion"
 
     def opening(self) -> None:
         return None  # (a completion's stream has no role to announce)
 
     def _choice(self, text: str | None, finish_reason: str | None, whole: bool = False) -> dict:
         return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-
-    def _chunk(self, choice: dict | None) -> dict:
-        return {**self._head(self.OBJECT), "choices": [] if choice is None else [choice]}
 
 
 def sse(data: dict) -> str:
