@@ -26,7 +26,8 @@ from specchat.decode.drafting.prompt_lookup import LookupProposer
 from specchat.decode.drafting.shapes import (PAPER_DEPTH, PAPER_TOP_K, PAPER_TOTAL_TOKENS, DeagleTree, DynamicTree,
                                              DynamicTreeParams, JakiroTree, StaticTree)
 from specchat.decode.drafting.tree import MC_SIM_7B_63, MC_SIM_7B_63_ACCEPTED, parse_static_tree, trim_static_tree
-from specchat.decode.engine.engine import Proposer
+from specchat.decode.engine.engine import Engine, Proposer
+from specchat.decode.engine.staged import StagedDraftModel
 from specchat.decode.runtime.quantized import quantized_cache
 from specchat.decode.options import DRAFT_MODEL_LONGEST, DRAFT_MODEL_TOKENS, HEAD_QUANTIZE, KERNEL_BITS
 from specchat.decode.runtime.target import Target
@@ -113,8 +114,23 @@ def draft_model(settings: Settings, target: Target, inputs: DraftInputs) -> Draf
         raise MethodError(f"the draft model {draft.name} has no fixed-shape forward here (--cuda-graphs off runs it)")
     curve = verify_cost_curve(target)  # where every verified token costs: chains as long as pay, up to the longest
     longest = settings.draft_tokens or (DRAFT_MODEL_LONGEST if curve is not None else DRAFT_MODEL_TOKENS)
-    return small_model.for_target(draft, target, longest, lookup=inputs.lookup_source(settings), curve=curve,
-                                  pace=settings.plain_when_faster)
+    lookup, pace = inputs.lookup_source(settings), settings.plain_when_faster
+    engine = own_engine(settings, draft) if settings.staged and curve is not None else None
+    if engine is not None:
+        return StagedDraftModel(engine, target, longest, lookup=lookup, curve=curve, pace=pace)
+    return small_model.for_target(draft, target, longest, lookup=lookup, curve=curve, pace=pace)
+
+
+def own_engine(settings: Settings, draft: Target) -> Engine | None:
+    """The draft model's own engine where it has a bundled head (staged sps): DEAGLE's trees, sized
+    by the draft model's verify cost (its own lookup on: a chain that quotes the text drafts faster);
+    None without a head."""
+    head = methods.default_draft(methods.DEAGLE.name, settings.draft)
+    if head is None:
+        return None
+    own = dataclasses.replace(settings, model=settings.draft, method=methods.DEAGLE.name, draft=head, lookup=True,
+                              plain_when_faster=False, total_tokens=None, depth=None, tree_top_k=None)
+    return Engine(draft, deagle_tree(own, draft, DraftInputs()))
 
 
 def static_tree(settings: Settings, target: Target, inputs: DraftInputs) -> HeadProposer:

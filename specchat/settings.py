@@ -172,6 +172,11 @@ class Settings:
                                        "in the chat: plain steps, lookup continuations alone (with --lookup) or the "
                                        "head's tree (the draft model's chain), whichever has been measured fastest, "
                                        "trying the others again every few steps (CPUs).")
+    staged: bool = _setting(True, "method", "staged",
+                            "sps on a CPU: where the draft model has a head of its own (the embedded 0.5B drafting "
+                            "for the 1.5B), it drafts its chains by speculating itself, its head and lookup "
+                            "drafting and its forward verifying (staged speculative decoding): its greedy "
+                            "continuation for fewer of its forwards.")
     jakiro_reference_attach: bool = _setting(False, "method", "jakiro_reference_attach",
                                              "jakiro: attach the parallel last level by row, as the reference code does "
                                              "(default: to each node's own parent).")

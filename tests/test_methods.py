@@ -17,6 +17,7 @@ from specchat.decode.drafting.tree import Cycle, Source
 from specchat.decode.acceptance.sampling import SamplingParams
 from specchat.decode.drafting.shapes import DeagleTree, DynamicTreeParams, JakiroTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode.engine.staged import StagedDraftModel
 
 PROMPTS = [[258, 10, 20, 30, 40, 50, 198], [258, 99], [258] + list(range(60, 110)) + list(range(60, 80))]
 TREE = DynamicTreeParams(total_tokens=16, depth=5, top_k=4)
@@ -42,10 +43,16 @@ def make(method, model, head=None, draft=None):
                                 JakiroTree(TREE, reference_attach=True))
     if method == "sps":
         return draft_model.for_target(draft or model, model, draft_tokens=4)
+    if method == "staged":  # sps whose draft model drafts its chains itself, with a head of its own
+        if model.envelope is not None:
+            pytest.skip("staged sps runs on the growing layout")
+        draft = draft or model
+        own = heads.for_target(head or random_head("eagle3", draft), draft, DeagleTree(TREE, DeagleParams()))
+        return StagedDraftModel(Engine(draft, own), model, draft_tokens=4)
     return prompt_lookup.for_target(model, draft_tokens=6)
 
 
-@pytest.mark.parametrize("method", ["deagle", "jakiro", "jakiro-reference", "sps", "pld"])
+@pytest.mark.parametrize("method", ["deagle", "jakiro", "jakiro-reference", "sps", "staged", "pld"])
 @pytest.mark.parametrize("max_new", [1, 3, 30])
 def test_greedy_equals_plain_decoding(method, max_new, target, tiny_model_dir, layout):
     draft = load_tiny_target(tiny_model_dir, layout=layout)  # a different tiny model as the sps draft
@@ -55,10 +62,11 @@ def test_greedy_equals_plain_decoding(method, max_new, target, tiny_model_dir, l
         assert tokens_of(engine, prompt, settings) == tokens_of(Engine(target), prompt, settings)
 
 
-@pytest.mark.parametrize("method", ["deagle", "sps", "pld"])
+@pytest.mark.parametrize("method", ["deagle", "sps", "staged", "pld"])
 def test_drafts_that_are_right_get_accepted(method, bigram):
-    """With a perfect drafter (the oracle head, the target itself, a repeating text) cycles go deep."""
-    head = oracle_head(bigram) if method == "deagle" else None
+    """With a perfect drafter (the oracle head, the target itself, the target drafting itself with the
+    oracle head, a repeating text) cycles go deep."""
+    head = oracle_head(bigram) if method in ("deagle", "staged") else None
     settings = GenerationSettings(max_new_tokens=30)
     prompt = PROMPTS[0]
     if method == "pld":  # the reply to come is already in the prompt, after the same tokens
@@ -69,7 +77,7 @@ def test_drafts_that_are_right_get_accepted(method, bigram):
     assert max(len(s.tokens) for s in steps[1:]) >= 4
 
 
-@pytest.mark.parametrize("method", ["deagle", "jakiro", "sps"])
+@pytest.mark.parametrize("method", ["deagle", "jakiro", "sps", "staged"])
 def test_sampling_follows_the_target_distribution(method, bigram, target):
     """First two tokens of sampled replies against the exact target distribution (chi-square)."""
     head = oracle_head(bigram) if method == "deagle" else None
@@ -292,6 +300,57 @@ def test_sps_keeps_only_the_draft_entries_of_the_path_the_target_took(qwen_dir, 
         expected = draft.forward(torch.tensor([kept + rest]), draft.new_cache(), logits_for="last").logits
         assert torch.allclose(draft.forward(torch.tensor([rest]), proposer.cache, logits_for="last").logits, expected,
                               atol=1e-5)
+
+
+def test_staged_sps_chains_are_the_drafts_own_greedy_continuation(qwen_dir, tiny_model_dir):
+    """Staged sps (the draft model drafting its chains with its own head and lookup, the target's
+    lookup and the pace beside it): every chain is what the draft model's plain greedy decoding
+    continues the context and the root with, whether the draft's engine caught up on the context
+    first (a prefill) or went on from the root with its own cycles; the output is plain decoding's."""
+    target, draft = load_tiny_target(qwen_dir), load_tiny_target(tiny_model_dir)
+    own = Engine(draft, heads.for_target(random_head("eagle3", draft), draft, DeagleTree(TREE, DeagleParams()),
+                                         lookup=LookupSource(), curve=GivenCurve(FLAT)))
+    proposer = StagedDraftModel(own, target, draft_tokens=6, lookup=LookupSource(), curve=GivenCurve(FLAT), pace=True)
+    catch_ups, prefill = [], own.prefill
+    own.prefill = lambda *args: catch_ups.append(args) or prefill(*args)
+    engine, settings = Engine(target, proposer), GenerationSettings(max_new_tokens=24)
+    chains = went_on = 0
+    for prompt in PROMPTS:
+        tokens = []
+        for step in engine.generate(prompt, settings):
+            tokens += step.tokens
+            if not step.prefill and step.cycle.arm is Arm.MODEL:
+                chains += 1
+                went_on += not catch_ups
+                cycle_start = engine.context_ids[: len(engine.context_ids) - len(step.tokens)] + [step.cycle.root]
+                assert proposer.drafted == tokens_of(Engine(draft), cycle_start,
+                                                     GenerationSettings(max_new_tokens=len(proposer.drafted)))
+            catch_ups.clear()
+        assert tokens == tokens_of(Engine(target), prompt, settings)
+    assert chains > 5 and 0 < went_on < chains
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_sps_is_staged_where_its_draft_model_has_a_head(staged, qwen_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """Built as chat builds it on a CPU: sps drafts through the draft model's own engine with the head
+    bundled for it (DEAGLE, with lookup), unless told not to; a draft model without one, plainly."""
+    from drafters import save_head
+    from specchat import methods
+    from specchat.proposers import build_proposer
+    from specchat.settings import Settings
+
+    target, draft = load_tiny_target(qwen_dir), load_tiny_target(tiny_model_dir)
+    save_head(random_head("eagle3", draft), tmp_path / "head")
+    bundled = {("deagle", str(tiny_model_dir)): str(tmp_path / "head")}
+    monkeypatch.setattr(methods, "default_draft", lambda name, model: bundled.get((name, model)))
+    settings = Settings(method="sps", draft=str(tiny_model_dir), lookup=True, plain_when_faster=True, staged=staged)
+    proposer = build_proposer(settings, target, lambda name: draft)
+    assert isinstance(proposer, StagedDraftModel) is staged and proposer.pace is not None
+    if staged:
+        assert proposer.engine.target is draft and proposer.engine.proposer.lookup is not None
+        assert "drafts them itself with its head" in proposer.describe()
+    bundled.clear()
+    assert not isinstance(build_proposer(settings, target, lambda name: draft), StagedDraftModel)
 
 
 @pytest.mark.parametrize("costs,step_ms,probs,ends", [

@@ -16,6 +16,7 @@ tree type):
       engine.py        Engine: prefill, plain steps, one speculative cycle; the Proposer protocol
       growing.py       GrowingLayout: exact sizes, a growing cache (trim, compact), host reads (CPUs)
       fixed.py         FixedLayout: fixed capacity, bucketed sizes, captured steps, one read per cycle (CUDA)
+      staged.py        sps whose draft model drafts its chains with an engine and head of its own
     drafting/          what each method drafts
       tree.py          the draft tree (one type for both layouts), a cycle's record, EAGLE-1's static trees
       shapes.py        what a head drafts: EAGLE-1 static, EAGLE-2, DEAGLE, Jakiro; the tree budget

@@ -184,7 +184,7 @@ class Engine:
         del self.context_ids[length:]
         return length
 
-    def _keep_cached_prefix(self, prompt_ids: list[int]) -> int:
+    def keep_cached_prefix(self, prompt_ids: list[int]) -> int:
         """Rewind to the longest prefix the cache shares with `prompt_ids`; return its length. At
         least one prompt token is left to run through the target, for the next-token logits."""
         shared = 0
@@ -257,7 +257,7 @@ class Engine:
     def prefill(self, prompt_ids: list[int], settings: GenerationSettings, rng) -> StepResult:
         """Process the uncached part of the prompt and draw the first reply token."""
         start = time.perf_counter()
-        kept = self._keep_cached_prefix(prompt_ids)
+        kept = self.keep_cached_prefix(prompt_ids)
         feature_layers = self.proposer.feature_layers if self.proposer is not None else None
         for chunk_start in range(kept, len(prompt_ids), PREFILL_CHUNK):
             chunk = prompt_ids[chunk_start : chunk_start + PREFILL_CHUNK]
