@@ -29,7 +29,9 @@ do): on the 1.5B target a rewritten function is copied faster by lookup alone th
 0.5B, and prose the other way round.
 
 `DraftModelProposer` is the chain's algorithm; what differs by layout, the draft's cache and the
-tree's form, is its subclass's, `GrowingDraftModel` or `FixedDraftModel` (`for_target` picks).
+tree's form, is its subclass's, `GrowingDraftModel` or `FixedDraftModel` (`for_target` picks). A
+draft model with a head of its own drafts its chains in an engine of its own instead
+(`specchat.decode.engine.staged`, above this package).
 """
 
 from __future__ import annotations
