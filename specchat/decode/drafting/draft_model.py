@@ -159,14 +159,21 @@ class DraftModelProposer(LookupAndPace):
             tokens.append(token)
             ids = token
             if step:
-                ms = 1000 * (time.perf_counter() - began)
-                self.step_ms = ms if self.step_ms is None else STEP_DECAY * self.step_ms + (1 - STEP_DECAY) * ms
+                self.timed_step(1000 * (time.perf_counter() - began))
             if self.enough(probs):
                 break
         tree = self.chain(torch.cat(tokens), torch.cat(probs), torch.stack(qs) if qs else None)
         if self.curve is None or not sampling.greedy:  # a sampled chain is verified whole, by its own rule
             return tree
-        candidates = self.candidates(tree.tokens, tree.probs)  # the chain, lookup's branches, as many as pay
+        return self.paying(tree)
+
+    def timed_step(self, ms: float) -> None:
+        """A drafted token's cost, as measured (decayed: `step_ms`)."""
+        self.step_ms = ms if self.step_ms is None else STEP_DECAY * self.step_ms + (1 - STEP_DECAY) * ms
+
+    def paying(self, chain: DraftTree) -> DraftTree:
+        """The point-mass `chain` and lookup's branches, as many of their nodes as pay at the curve's cost."""
+        candidates = self.candidates(chain.tokens, chain.probs)
         return candidates.select_for_rate(self.curve, 1000 * (time.perf_counter() - self.started), self.max_nodes,
                                           kept=[0], head_trust=self.trust.factor())
 

@@ -187,11 +187,15 @@ class Engine:
     def keep_cached_prefix(self, prompt_ids: list[int]) -> int:
         """Rewind to the longest prefix the cache shares with `prompt_ids`; return its length. At
         least one prompt token is left to run through the target, for the next-token logits."""
-        shared = 0
-        for cached, new in zip(self.context_ids, prompt_ids):
-            if cached != new:
-                break
-            shared += 1
+        cached = self.context_ids
+        if prompt_ids[: len(cached)] == cached:  # the common case (the conversation, a chain's context grown),
+            shared = len(cached)  # compared in C: staged drafting asks every cycle
+        else:
+            shared = 0
+            for old, new in zip(cached, prompt_ids):
+                if old != new:
+                    break
+                shared += 1
         return self._rewind(min(shared, len(prompt_ids) - 1))
 
     def _seconds(self, start: float, capturing: float) -> float:

@@ -30,13 +30,12 @@ import time
 
 import torch
 
-from specchat.decode.acceptance.sampling import SamplingParams
-from specchat.decode.drafting.draft_model import STEP_DECAY, DraftModelProposer
+from specchat.decode.drafting.draft_model import DraftModelProposer, GrowingDraftModel
 from specchat.decode.drafting.pace import Arm
 from specchat.decode.drafting.tree import DraftTree
 from specchat.decode.engine.engine import Engine, GenerationSettings
 
-GREEDY = GenerationSettings(sampling=SamplingParams())
+GREEDY = GenerationSettings()  # (its sampling: greedy)
 
 
 def margin_probability(margin: float) -> float:
@@ -70,9 +69,7 @@ class StagedDraftModel(DraftModelProposer):
     def rewind_cache(self) -> None:
         pass  # the engine keeps what it shares with the next chain's context (`Engine.keep_cached_prefix`)
 
-    def budget(self, max_depth: int, max_nodes: int) -> int:
-        self.steps = min(self.k, max_depth, max_nodes)
-        return self.steps
+    budget = GrowingDraftModel.budget  # (a chain as long as the room allows, up to k)
 
     def confirm(self, drafted_at: int, kept: int) -> None:
         pass  # (as `rewind_cache`)
@@ -90,11 +87,7 @@ class StagedDraftModel(DraftModelProposer):
             step = self.engine.speculative_step(tokens[-1] if tokens else root, GREEDY, None, self.steps - len(tokens))
             tokens += step.tokens
             probs += [margin_probability(margin) for margin in step.margins]
-            ms = 1000 * (time.perf_counter() - began) / len(step.tokens)  # a chain token's share of the cycle
-            self.step_ms = ms if self.step_ms is None else STEP_DECAY * self.step_ms + (1 - STEP_DECAY) * ms
+            self.timed_step(1000 * (time.perf_counter() - began) / len(step.tokens))  # a token's share of the cycle
         self.drafted = tokens
-        if self.curve is None:
-            return DraftTree.chain(tokens, probs)
-        candidates = self.candidates(tokens, probs)  # the chain, lookup's branches, as many as pay
-        return candidates.select_for_rate(self.curve, 1000 * (time.perf_counter() - self.started), self.max_nodes,
-                                          kept=[0], head_trust=self.trust.factor())
+        chain = DraftTree.chain(tokens, probs)
+        return chain if self.curve is None else self.paying(chain)
