@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from specchat.chat import Conversation
 from specchat.errors import SpecchatError, Terminated
@@ -31,31 +35,62 @@ def answer_records(chat: LiveChat, records: list[PromptRecord], sink, trace_file
     On Ctrl-C (or SIGTERM, `Terminated`) the records finished so far are said to be kept, or, if
     not `kept` (an --atomic output, which then stays as it was), discarded.
     """
-    failures = 0
+    failures = written = 0
     problems = {id(record): problem for record in records if (problem := preflight(chat, record))}
-    for done, record in enumerate(records):
-        trace: list[str] = []
-        try:
+    try:  # around the whole loop: a signal can land between records as well as inside one
+        for record in records:
+            trace: list[str] = []
             result = (answer_record(chat, record, trace, ui) if id(record) not in problems
                       else failed(chat, record, [], problems[id(record)]))
-        except (KeyboardInterrupt, Terminated) as stop:
-            outcome = f"kept the {done} finished records" if kept else \
-                f"the {done} finished records are not written (--atomic leaves the output as it was)"
-            if isinstance(stop, Terminated):
-                stop.message = f"terminated; {outcome}"  # the command line's one line
-            else:
-                warn(f"\nspecchat: interrupted; {outcome}")
-            raise
-        if "error" in result:
-            failures += 1
-            warn(f"specchat: error: {result['error']}")
-        if ui is None:
-            sink.write(json.dumps(result, ensure_ascii=False) + "\n")
-            sink.flush()  # records are written as they complete, so a failure later loses nothing
-        if trace_file is not None and trace:
-            trace_file.write("".join(trace))  # a record's cycles in one piece
-            trace_file.flush()
+            if "error" in result:
+                failures += 1
+                warn(f"specchat: error: {result['error']}")
+            with signals_held():  # a record and its count go together: Ctrl-C or SIGTERM lands after both
+                if ui is None:
+                    sink.write(json.dumps(result, ensure_ascii=False) + "\n")
+                    sink.flush()  # records are written as they complete, so a failure later loses nothing
+                if trace_file is not None and trace:
+                    trace_file.write("".join(trace))  # a record's cycles in one piece
+                    trace_file.flush()
+                written += 1
+    except (KeyboardInterrupt, Terminated) as stop:
+        outcome = f"kept the {written} finished records" if kept else \
+            f"the {written} finished records are not written (--atomic leaves the output as it was)"
+        if isinstance(stop, Terminated):
+            stop.message = f"terminated; {outcome}"  # the command line's one line
+        else:
+            warn(f"\nspecchat: interrupted; {outcome}")
+        raise
     return failures
+
+
+@contextmanager
+def signals_held(signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while the block runs; one that came meanwhile is handled as it ends.
+
+    Python runs a signal's handler between any two calls, so without this a record could be
+    written and not counted, and "kept the N finished records" be one short. Only the main thread
+    can set handlers; elsewhere signals are not Python's to hold, and the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous: dict[int, object] = {}
+    try:
+        for signum in signums:
+            if signal.getsignal(signum) is not None:  # None: a handler not set from Python, left alone
+                previous[signum] = signal.signal(signum, lambda signum, frame: pending.append(signum))
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if pending:
+            handler = previous[pending[0]]
+            if callable(handler):
+                handler(pending[0], None)  # raises KeyboardInterrupt or Terminated, as it would have
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), pending[0])
 
 
 def answer_piped(chat: LiveChat, prompt: str) -> None:

@@ -462,6 +462,32 @@ def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 1
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_while_a_record_is_written_lands_after_it_is_counted(monkeypatch, signum):
+    """Python runs a handler between any two calls: one that came as the sink flushed made the
+    second record written but not counted ("kept the 1 finished records" beside two), as CI saw."""
+    from specchat import batch
+    from specchat.cli import sigterm_raises_terminated
+    from specchat.errors import Terminated
+
+    monkeypatch.setattr(batch, "preflight", lambda chat, record: None)
+    monkeypatch.setattr(batch, "answer_record", lambda chat, record, trace, ui: {"id": record})
+
+    class SignalledSink(io.StringIO):
+        def flush(self):
+            super().flush()
+            if self.getvalue().count("\n") == 2:
+                os.kill(os.getpid(), signum)
+
+    sink, warnings = SignalledSink(), []
+    with sigterm_raises_terminated(), pytest.raises((Terminated, KeyboardInterrupt)) as stop:
+        batch.answer_records(None, [1, 2, 3, 4], sink, warn=warnings.append)
+    assert [json.loads(line)["id"] for line in sink.getvalue().splitlines()] == [1, 2]
+    said = stop.value.message if signum == signal.SIGTERM else warnings[-1]
+    assert "kept the 2 finished records" in said
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the held handlers are put back
+
+
 @pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
 def test_sigterm_during_run_keeps_finished_records_leaves_no_temporary_and_exits_143(qwen_dir, tmp_path, atomic,
                                                                                    start_specchat):
