@@ -2,6 +2,8 @@
 proposes (on both of the engine's layouts), with the lookup found in the conversation and in the
 chat's earlier text."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -398,11 +400,16 @@ def test_every_arm_the_pace_takes_leaves_greedy_output_plain(bigram, kind):
         assert sum(len(step.tokens) for step in lookup_alone) > len(lookup_alone)  # lookup alone drafted tokens
 
 
-def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(bigram):
+def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(bigram, monkeypatch):
     """With rows that cost nothing the likely node is expanded (its unlikely siblings are not); where a
     verified row costs as much as the forward, not even it: drafting stops after one level."""
     if bigram.envelope is not None:
         pytest.skip("the rate rules are the growing layout's (the fixed one drafts its whole shape)")
+    # the clock stopped: the rule weighs the cycle's time so far, and a stall of 8 ms between prepare
+    # and narrow (a loaded machine, a garbage collection) expanded the node on the steep curve
+    stopped = SimpleNamespace(perf_counter=lambda: 100.0)
+    monkeypatch.setattr("specchat.decode.drafting.heads.proposer.time", stopped)
+    monkeypatch.setattr("specchat.decode.drafting.heads.growing.time", stopped)
     probs = torch.tensor([0.9, 0.05, 0.05])
     steep = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}
     for curve, expanded in ((FLAT_COSTS, [0]), (steep, [])):

@@ -1,7 +1,6 @@
 """DEAGLE, Jakiro, SpS and PLD on both of the engine's layouts: lossless greedy output, exact sampling,
 and their own mechanics."""
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -358,12 +357,15 @@ def test_sps_is_staged_where_its_draft_model_has_a_head(staged, qwen_dir, tiny_m
     (FLAT, 2.0, [0.95, 0.95], False),  # rows nearly free, the draft sure of itself
     (FLAT, 30.0, [0.5], True),  # a draft step dearer than half a token is worth
 ])
-def test_sps_drafts_a_chain_only_as_long_as_pays(qwen_dir, costs, step_ms, probs, ends):
+def test_sps_drafts_a_chain_only_as_long_as_pays(qwen_dir, costs, step_ms, probs, ends, monkeypatch):
     """On the growing layout a chain ends where one more token would lower the cycle's expected tokens
     per millisecond, at what a draft step and a verified row cost."""
     target = load_tiny_target(qwen_dir)
     proposer = draft_model.for_target(target, target, draft_tokens=6, curve=GivenCurve(costs))
-    proposer.started, proposer.step_ms = time.perf_counter(), step_ms
+    # the cycle's clock stopped at its start: the rule weighs the time spent so far, which a loaded
+    # machine could make long enough (~76 ms, the first case) to turn the answer
+    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: 100.0))
+    proposer.started, proposer.step_ms = 100.0, step_ms
     assert proposer.enough([torch.tensor([p]) for p in probs]) is ends
     unsized = draft_model.for_target(target, target, draft_tokens=6)  # no curve (a GPU): chains at their length
     assert not unsized.enough([torch.tensor([0.01])])
