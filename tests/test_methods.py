@@ -329,6 +329,30 @@ def test_staged_sps_chains_are_the_drafts_own_greedy_continuation(qwen_dir, tiny
     assert chains > 5 and 0 < went_on < chains
 
 
+def test_a_rewind_into_the_heads_last_pass_keeps_the_newest_kept_position_pending(bigram):
+    """A rewind into the positions the head's last context pass fed (staged drafting's, whenever the
+    target takes part of a chain) leaves the newest kept position's feature pending, as a fresh
+    prefill would compute it: the engine holds the whole kept context, and needs no catch-up forward."""
+    if bigram.envelope is not None:
+        pytest.skip("the fixed layout's head keeps no pending features (its cycles feed a fixed window)")
+    target = bigram
+    proposer = heads.for_target(oracle_head(target), target, DeagleTree(TREE, DeagleParams()))
+    engine = Engine(target, proposer)
+    list(engine.generate(PROMPTS[0], GenerationSettings(max_new_tokens=12)))  # cycles that take whole trees
+    first, _, _ = proposer.last_fed
+    assert first + 1 < proposer.consumed  # the last pass fed at least two positions
+    context = engine.context_ids[: first + 2]  # the newest kept position: the pass's second
+    assert engine.keep_cached_prefix(context + [7]) == len(context) and proposer.consumed == first + 1
+    fresh = target.forward(torch.tensor([context]), target.new_cache(), logits_for="none",
+                           feature_layers=proposer.feature_layers).features
+    (pending,) = proposer.pending_features
+    assert proposer.pending_tokens == context[-1:] and torch.allclose(pending, fresh[-1:], atol=1e-4)
+    settings = GenerationSettings(max_new_tokens=8)
+    assert tokens_of(engine, context + [7], settings) == tokens_of(Engine(target), context + [7], settings)
+    engine.keep_cached_prefix(context[:1] + [7])
+    assert proposer.consumed == 0 and not proposer.pending_tokens  # further back than the last pass: remade
+
+
 @pytest.mark.parametrize("staged", [True, False])
 def test_sps_is_staged_where_its_draft_model_has_a_head(staged, qwen_dir, tiny_model_dir, tmp_path, monkeypatch):
     """Built as chat builds it on a CPU: sps drafts through the draft model's own engine with the head

@@ -34,6 +34,9 @@ class GrowingHead(HeadProposer):
         self.consumed = 0  # cache entries of committed context pairs
         self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on
         self.pending_tokens: list[int] = []  # the tokens at those positions
+        # the positions the last pass fed, from `last_fed[0]` on: their features and tokens, which a
+        # rewind into them needs to leave the newest kept position pending (`rewind_cache`)
+        self.last_fed: tuple[int, torch.Tensor, list[int]] | None = None
         self.keep = self.depth = self.max_nodes = 0  # this cycle's budget
         self.head_trust = self.lookup_trust = 1.0  # this cycle's (`HeadTrust`, `ContradictedLookups`)
         self.level_ms = LEVEL_MS  # a draft level's cost, as measured (`narrow`)
@@ -44,8 +47,12 @@ class GrowingHead(HeadProposer):
     def rewind_cache(self, length: int) -> int:
         keep = max(0, min(self.consumed, length - 1))  # entry j also used token j + 1, so j + 1 < length
         if keep < self.consumed:
+            # Entry `keep` paired position keep's feature with a token that is no longer the next one,
+            # but the feature itself still holds (the context up to it is kept): pending again, where
+            # the last pass fed it, it pairs with the next root without a target forward to remake it
+            # (staged drafting rewinds so whenever the target takes part of a chain).
             self.consumed = keep
-            self.pending_features, self.pending_tokens = [], []
+            self.pending_features, self.pending_tokens = self._last_fed_at(keep) if keep < length else ([], [])
         else:
             n = max(0, length - self.consumed)
             rows = torch.cat(self.pending_features)[:n] if self.pending_features else None
@@ -53,6 +60,13 @@ class GrowingHead(HeadProposer):
             self.pending_tokens = self.pending_tokens[:n]
         self.cache.trim(min(self.consumed, self.cache.length))
         return self.consumed + len(self.pending_tokens)
+
+    def _last_fed_at(self, position: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Position `position`'s feature and token as the pending ones, where the last pass fed it; else none."""
+        if self.last_fed is None or not self.last_fed[0] <= position < self.last_fed[0] + len(self.last_fed[2]):
+            return [], []
+        first, features, tokens = self.last_fed
+        return [features[position - first : position - first + 1]], [tokens[position - first]]
 
     @torch.inference_mode()
     def pend(self, tokens: list[int], features: torch.Tensor) -> None:
@@ -70,6 +84,7 @@ class GrowingHead(HeadProposer):
         the tokens after them (`next_tokens`) and their positions, as the head's inputs."""
         count, pending = len(next_tokens), self.pending_features
         features = pending[0] if len(pending) == 1 else torch.cat(pending)
+        self.last_fed = (self.consumed, features[:count], self.pending_tokens[:count])
         self.pending_features = [features[count:]] if count < len(features) else []
         self.pending_tokens = self.pending_tokens[count:]
         return (features[:count], torch.tensor(next_tokens, device=features.device),
