@@ -10,3 +10,5 @@ $S bench $P/rewrite10.jsonl   $M --methods 'vanilla,sps+staged=off,sps,pld' --ma
 SPECCHAT_CPU_ISA=avx2 $S bench $P/general10.jsonl $M --methods 'vanilla,sps+staged=off,sps,pld' --max-new-tokens 128 --temperature 0 -o avx2-path-general10
 # cpu10 at T=1 (cpu10-t1/), run before the others, the same code:
 # $S bench $P/cpu10.jsonl $M --methods 'vanilla,sps,sps+staged=on' --max-new-tokens 128 --temperature 1 --seed 1 --repeat 2 -o cpu10-t1   (sps then: staged off by default)
+# general10 again at 58a99f7 (the head keeps its last pass's positions through a rewind), 2026-11-30:
+# $S bench $P/general10.jsonl $M --methods 'vanilla,sps+staged=off,sps,pld' --max-new-tokens 128 --temperature 0 -o general10-rewind-keeps
