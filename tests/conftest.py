@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,6 +164,18 @@ class GivenCurve(Curve):
 
     def observe(self, n: int, milliseconds: float) -> None:
         pass
+
+
+STOPPED_AT = 100.0  # what `stop_the_clock` leaves the drafting modules' clock at
+
+
+def stop_the_clock(monkeypatch, *modules: str) -> None:
+    """The named modules' `time.perf_counter` stopped at STOPPED_AT: the rate rules weigh the cycle's
+    time so far, which a loaded machine (a stall, a garbage collection) would otherwise make long
+    enough to turn what a test checks."""
+    stopped = SimpleNamespace(perf_counter=lambda: STOPPED_AT)
+    for module in modules:
+        monkeypatch.setattr(f"{module}.time", stopped)
 
 
 # ---------------------------------------------------------------------------------------------

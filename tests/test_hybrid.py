@@ -2,13 +2,11 @@
 proposes (on both of the engine's layouts), with the lookup found in the conversation and in the
 chat's earlier text."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from conftest import (FLAT_COSTS, GivenCurve, assert_samples_follow_the_target, load_tiny_target, random_head,
-                      tokens_of)
+                      stop_the_clock, tokens_of)
 from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting import heads
 from specchat.decode.drafting.pace import Arm, Found, Pace
@@ -405,11 +403,8 @@ def test_the_head_expands_a_node_only_where_its_children_are_expected_to_pay(big
     verified row costs as much as the forward, not even it: drafting stops after one level."""
     if bigram.envelope is not None:
         pytest.skip("the rate rules are the growing layout's (the fixed one drafts its whole shape)")
-    # the clock stopped: the rule weighs the cycle's time so far, and a stall of 8 ms between prepare
-    # and narrow (a loaded machine, a garbage collection) expanded the node on the steep curve
-    stopped = SimpleNamespace(perf_counter=lambda: 100.0)
-    monkeypatch.setattr("specchat.decode.drafting.heads.proposer.time", stopped)
-    monkeypatch.setattr("specchat.decode.drafting.heads.growing.time", stopped)
+    # a stall of 8 ms between prepare and narrow expanded the node on the steep curve
+    stop_the_clock(monkeypatch, "specchat.decode.drafting.heads.proposer", "specchat.decode.drafting.heads.growing")
     probs = torch.tensor([0.9, 0.05, 0.05])
     steep = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}
     for curve, expanded in ((FLAT_COSTS, [0]), (steep, [])):

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import GivenCurve, assert_samples_follow_the_target, load_tiny_target, oracle_head, random_head, tokens_of
+from conftest import (STOPPED_AT, GivenCurve, assert_samples_follow_the_target, load_tiny_target, oracle_head,
+                      random_head, stop_the_clock, tokens_of)
 from specchat.decode.drafting.deagle import DeagleParams, DepthVote
 from specchat.decode.drafting import draft_model, heads, prompt_lookup
 from specchat.decode.drafting.draft_model import TokenizerMismatch, check_tokenizers
@@ -386,10 +387,8 @@ def test_sps_drafts_a_chain_only_as_long_as_pays(qwen_dir, costs, step_ms, probs
     per millisecond, at what a draft step and a verified row cost."""
     target = load_tiny_target(qwen_dir)
     proposer = draft_model.for_target(target, target, draft_tokens=6, curve=GivenCurve(costs))
-    # the cycle's clock stopped at its start: the rule weighs the time spent so far, which a loaded
-    # machine could make long enough (~76 ms, the first case) to turn the answer
-    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: 100.0))
-    proposer.started, proposer.step_ms = 100.0, step_ms
+    stop_the_clock(monkeypatch, draft_model.__name__)  # ~76 ms spent would turn the first case
+    proposer.started, proposer.step_ms = STOPPED_AT, step_ms  # (the cycle's start)
     assert proposer.enough([torch.tensor([p]) for p in probs]) is ends
     unsized = draft_model.for_target(target, target, draft_tokens=6)  # no curve (a GPU): chains at their length
     assert not unsized.enough([torch.tensor([0.01])])
