@@ -105,7 +105,7 @@ def open_chat(settings: Settings, profile: str, note: str | None = None, answers
     """The chat for `settings`; `note` is shown once the target has loaded (so that a model that
     cannot load gives the only message); `answers_by_default`: `--answer-index auto` means on."""
     log.debug("read the command line")
-    if note_on_bytecode := compiles_at_each_start():
+    if log.isEnabledFor(logging.DEBUG) and (note_on_bytecode := compiles_at_each_start()):  # (--verbose only)
         log.debug(note_on_bytecode)
     with collector_paused():
         from specchat import app  # torch loads here (and transformers, where the model needs it: specchat.sources)
