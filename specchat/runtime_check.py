@@ -76,6 +76,7 @@ FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, Lla
 HEAD_FIELDS = {"llama-3.1-8b": dict(intermediate_size=14336, draft_vocab_size=32000)}
 HEAD_CONFIG = "qwen2.5-coder-0.5b-eagle3/config.json"  # in `specchat.heads`: the bundled head whose layout --head takes
 LAYOUTS = {"fixed": "on", "growing": "off", "host": "off"}  # --runtime: the --cuda-graphs that gives each layout
+SCRIPT_ROUNDS = 8  # untimed runs that settle an oracle's script (`agreed_script`)
 SLOT_STEPS = 8  # timed regeneration steps per --repeats (after three: warm-up and capture)
 
 
@@ -190,6 +191,24 @@ def timed(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> tuple
     return answer, steps
 
 
+def agreed_script(target: Target, prompt: list[int], plain: list[int], nodes: int, depth: int, tokens: int) -> list[int]:
+    """The answer an oracle gives when it drafts that same answer: the script its every cycle accepts.
+
+    In float32 that is the plain answer. In bfloat16 a verify forward of many rows rounds apart from
+    a plain step, and a random target's top two logits are often that close: the paths part, the
+    oracle goes on drafting a continuation the target no longer takes, and no later cycle accepts its
+    whole chain (the 8B shape on an H200, 2026-11-30: not one). Each round drafts the last round's
+    answer; a round's cycles repeat the last one's up to where it parted and then accept the token
+    it took there, so the answers agree a little further each round."""
+    script = plain
+    for _ in range(SCRIPT_ROUNDS):
+        answer, _ = run(Engine(target, ScriptedTree(prompt + script, target, nodes, depth)), prompt, tokens)
+        if answer == script:
+            break
+        script = answer
+    return script
+
+
 def median_ms(seconds: list[float]) -> float:
     return 1000 * statistics.median(seconds)
 
@@ -204,9 +223,13 @@ def measure(args, runtime: str) -> dict:
     rows = []
     for nodes in args.nodes:
         for depth in args.depths:
-            oracle = ScriptedTree(prompt + plain, target, nodes, depth)
+            script = agreed_script(target, prompt, plain, nodes, depth, args.tokens)
+            oracle = ScriptedTree(prompt + script, target, nodes, depth)
             answer, cycles = timed(Engine(target, oracle), prompt, args.tokens, args.repeats)
             full = [s for s in cycles if len(s.tokens) == depth + 1]  # the budget's last cycle may be cut
+            if not full:
+                raise RuntimeError(f"no cycle of the {nodes}-node oracle accepted its {depth} drafted tokens: "
+                                   f"the random target's choices stayed too close to call in {args.dtype}")
             cycle_ms = median_ms([s.seconds for s in full])
             tau = depth + 1
             rows.append({"nodes": nodes, "rows": nodes + 1, "depth": depth, "tau": tau, "cycle_ms": round(cycle_ms, 3),

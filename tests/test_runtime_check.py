@@ -8,6 +8,7 @@ import torch
 
 from conftest import invoke
 from specchat import runtime_check
+from specchat.decode.engine.engine import Engine
 from test_man import MAN, option_sections
 
 
@@ -75,3 +76,15 @@ def test_slots_time_regenerations_step_alone(tmp_path, capsys):
     assert [(row["slots"], row["sampling"]) for row in results["slots"]] == [(2, 0), (2, 1), (4, 0), (4, 2)]
     assert all(0 < row["span"] <= 128 and row["tok_s"] > 0 for row in results["slots"])
     assert (tmp_path / "trace" / "slots-summary.txt").is_file()
+
+
+def test_an_oracle_whose_script_parted_from_the_target_is_settled_on_what_the_target_takes():
+    """In bfloat16 a verify forward rounds apart from a plain step, and on a random target the oracle's
+    script (the plain answer) and the target's choices can part (the 8B shape on an H200: no cycle
+    accepted its chain). A script wrong from its sixth token stands in for that here: in float32 the
+    target's own answer is the plain one, and the script is settled on it."""
+    target = runtime_check.build_target("tiny", None, "cpu", torch.float32, "growing")
+    prompt = list(range(1, 9))
+    plain, _ = runtime_check.run(Engine(target), prompt, 16)
+    parted = plain[:5] + [(token + 1) % target.vocab_size for token in plain[5:]]
+    assert runtime_check.agreed_script(target, prompt, parted, 7, 3, 16) == plain
