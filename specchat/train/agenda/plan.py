@@ -36,8 +36,8 @@ CUDA_TESTS = ("timeout", "150", sys.executable, "-m", "pytest", "-q", "-p", "no:
               "tests/test_train.py::test_training_on_cuda")
 CHAIN_STAGES = ("check", "bench", "answer", "train")  # what --wait can wait for, in the order they run
 # The head's recipe (README, "Bundled heads"): 8192-token draft vocabulary, MLP 2048, 7 TTT steps.
-# Started from the bundled head (26M tokens, then 9.9M more in the 2026-11-27 block), at a third of the
-# first run's learning rate:
+# Started from the bundled head (26M tokens, then 9.9M more in the 2026-11-27 block and 13.1M in the
+# 2026-11-30 one), at a third of the first run's learning rate:
 # from scratch, 4.5 minutes on an H200 reached 2.06 (2026-11-26), and no checkpoint comes back
 # from a block to go on from (its optimizer state is larger than a call returns).
 TRAIN_BATCH_TOKENS = 16384
