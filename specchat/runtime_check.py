@@ -76,7 +76,7 @@ FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, Lla
 HEAD_FIELDS = {"llama-3.1-8b": dict(intermediate_size=14336, draft_vocab_size=32000)}
 HEAD_CONFIG = "qwen2.5-coder-0.5b-eagle3/config.json"  # in `specchat.heads`: the bundled head whose layout --head takes
 LAYOUTS = {"fixed": "on", "growing": "off", "host": "off"}  # --runtime: the --cuda-graphs that gives each layout
-SCRIPT_ROUNDS = 8  # untimed runs that settle an oracle's script (`agreed_script`)
+SCRIPT_ROUNDS = 8  # untimed runs that settle an oracle's script (`agree`)
 SLOT_STEPS = 8  # timed regeneration steps per --repeats (after three: warm-up and capture)
 
 
@@ -97,9 +97,9 @@ class ScriptedTree:
         if not 1 <= depth <= nodes:
             raise ValueError(f"a scripted tree of {nodes} nodes cannot be {depth} deep")
         self.nodes, self.depth, self.vocab_size = nodes, depth, target.vocab_size
-        self.fixed = target.envelope is not None
-        self.script_ids, device = list(script), target.device
-        self.script = torch.tensor(script, device=device)
+        self.fixed, self.device = target.envelope is not None, target.device
+        self.follow(script)
+        device = target.device
         self.kept: list[int] = []  # the growing layout's: this cycle's nodes
         # Levels 1..depth hold one right node each; the wrong ones are spread over the levels,
         # children of the right node above (the root for level 1). Parents come before children.
@@ -116,6 +116,10 @@ class ScriptedTree:
         self.parents = torch.tensor(parents, device=device)
         self.depths = torch.tensor(depths, device=device)
         self.offsets = torch.tensor(offsets, device=device)  # added to the right token: the wrong ones differ
+
+    def follow(self, script: list[int]) -> None:
+        """Draft from `script` (prompt and answer) from the next cycle on."""
+        self.script_ids, self.script = list(script), torch.tensor(script, device=self.device)
 
     def describe(self) -> str:
         return f"an oracle: {self.nodes} nodes, the right path {self.depth} deep"
@@ -191,8 +195,9 @@ def timed(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> tuple
     return answer, steps
 
 
-def agreed_script(target: Target, prompt: list[int], plain: list[int], nodes: int, depth: int, tokens: int) -> list[int]:
-    """The answer an oracle gives when it drafts that same answer: the script its every cycle accepts.
+def agree(engine: Engine, oracle: ScriptedTree, prompt: list[int], plain: list[int], tokens: int) -> list[int]:
+    """Leave `oracle` (`engine`'s drafter) following the answer it gives when it drafts that same
+    answer, the script its every cycle accepts, and return that answer.
 
     In float32 that is the plain answer. In bfloat16 a verify forward of many rows rounds apart from
     a plain step, and a random target's top two logits are often that close: the paths part, the
@@ -202,7 +207,9 @@ def agreed_script(target: Target, prompt: list[int], plain: list[int], nodes: in
     it took there, so the answers agree a little further each round."""
     script = plain
     for _ in range(SCRIPT_ROUNDS):
-        answer, _ = run(Engine(target, ScriptedTree(prompt + script, target, nodes, depth)), prompt, tokens)
+        oracle.follow(prompt + script)
+        answer, _ = run(engine, prompt, tokens)
+        engine.reset()
         if answer == script:
             break
         script = answer
@@ -223,9 +230,10 @@ def measure(args, runtime: str) -> dict:
     rows = []
     for nodes in args.nodes:
         for depth in args.depths:
-            script = agreed_script(target, prompt, plain, nodes, depth, args.tokens)
-            oracle = ScriptedTree(prompt + script, target, nodes, depth)
-            answer, cycles = timed(Engine(target, oracle), prompt, args.tokens, args.repeats)
+            oracle = ScriptedTree(prompt + plain, target, nodes, depth)
+            engine = Engine(target, oracle)
+            agree(engine, oracle, prompt, plain, args.tokens)
+            answer, cycles = timed(engine, prompt, args.tokens, args.repeats)
             full = [s for s in cycles if len(s.tokens) == depth + 1]  # the budget's last cycle may be cut
             if not full:
                 raise RuntimeError(f"no cycle of the {nodes}-node oracle accepted its {depth} drafted tokens: "

@@ -87,4 +87,8 @@ def test_an_oracle_whose_script_parted_from_the_target_is_settled_on_what_the_ta
     prompt = list(range(1, 9))
     plain, _ = runtime_check.run(Engine(target), prompt, 16)
     parted = plain[:5] + [(token + 1) % target.vocab_size for token in plain[5:]]
-    assert runtime_check.agreed_script(target, prompt, parted, 7, 3, 16) == plain
+    oracle = runtime_check.ScriptedTree(prompt + parted, target, 7, 3)
+    engine = Engine(target, oracle)
+    assert runtime_check.agree(engine, oracle, prompt, parted, 16) == plain
+    answer, cycles = runtime_check.run(engine, prompt, 16)
+    assert answer == plain and all(len(cycle.tokens) == 4 for cycle in cycles[1:-1])  # every whole cycle takes τ = 4
