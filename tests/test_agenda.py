@@ -201,7 +201,7 @@ def test_detached_stages_outlive_the_call_wait_for_the_model_and_come_back(tmp_p
     assert result.exit_code == 0, result.output
     assert spawned["command"][3:] == ["device", "--chain", "--check", "--back", "--answer-minutes", "3.0",
                                       "--train-minutes", "4.5", "--train-rate", str(float(plan.PLANNED_TRAIN_RATE)),
-                                      "--batch", "512", "--device", "cuda"]
+                                      "--batch", str(plan.REGENERATE_SLOTS), "--device", "cuda"]
     assert spawned["start_new_session"] and spawned["cwd"] == there / "src"
     assert (there / "src/specchat/module.py").is_file() and not (there / "src/.gpu").exists()
     assert stages._chain_running()

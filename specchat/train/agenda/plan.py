@@ -30,7 +30,13 @@ PLANNED_TRAIN_RATE = 45_000
 # What a training stage spends besides its minutes: loading the target, counting the draft
 # vocabulary, the last evaluation, writing the head (95 s on that H200, 365 s for 4.5 minutes).
 TRAIN_OVERHEAD_SECONDS = 110
-SLOT_COUNTS = ("256", "512", "1024")  # the regeneration steps the check times (--batch is 512)
+SLOT_COUNTS = ("256", "512", "1024")  # the regeneration steps the check times
+# Slots answering at once (`data regenerate --batch`). The fourth block's check (H200, docs/bench-gpu/
+# h200-block4/runtime-slots.json) timed a step of 1,024 slots at 1.2-1.4x the tokens a second of 512
+# (spans 256 and 1,024), and its regeneration spent ~4-5 ms a step beyond the check's (14.6 ms at 512
+# slots), which twice the slots split if it is the host's fixed part: 1,024 (19 GB of cache at 1,537
+# positions).
+REGENERATE_SLOTS = 1024
 CUDA_TESTS = ("timeout", "150", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
               "tests/test_layouts.py", "tests/test_compile.py", "tests/test_data.py::test_captured_steps_answer_as_eager_ones",
               "tests/test_train.py::test_training_on_cuda")

@@ -80,7 +80,7 @@ class Stages:
 @click.option("--train-rate", type=float, default=plan.PLANNED_TRAIN_RATE, show_default=True,
               help="Training tokens per second planned: the learning-rate schedule ends after the steps that "
                    "--train-minutes take at this rate (more data than that is not seen twice).")
-@click.option("--batch", type=int, default=512, show_default=True, help="Sequences answered at once.")
+@click.option("--batch", type=int, default=plan.REGENERATE_SLOTS, show_default=True, help="Sequences answered at once.")
 @click.option("--model", default=None, help="The target to answer with and train for (default: the embedded 0.5B).")
 @click.option("--device", "where", default="cuda", show_default=True, help="Where to answer and train.")
 @click.option("--back", "bring_back", is_flag=True,
