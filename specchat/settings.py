@@ -94,7 +94,8 @@ class Settings:
     compile: str = _setting(options.AUTO, "model", "compile",
                             "torch.compile the target's forward (Llama, Qwen2, Qwen3, Mistral), compiling once per "
                             "shape at start-up (with CUDA graphs: the captured steps' forward, as each step first runs); "
-                            "auto: on CUDA without CUDA graphs, not on a CPU (where it measured slower).",
+                            "auto: on CUDA (with CUDA graphs, inside the captured steps), not on a CPU (where it measured "
+                            "slower).",
                             options.COMPILE)
     cuda_graphs: str = _setting(options.AUTO, "model", "cuda_graphs",
                                 "Decode with fixed-shape steps captured as CUDA graphs (Llama, Qwen2, Qwen3, Mistral): "

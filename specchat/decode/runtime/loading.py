@@ -43,7 +43,7 @@ def load_folder(source: str, spec: ModelSpec, device: torch.device, dtype: torch
     """The model in the Hugging Face folder `source` and its tokenizer, on `device` in `dtype`, its
     weights as `quantize` (`spec.quantize` resolved: `target.resolve_quantize`) says; specchat's
     quantized layers kept beside the folder's weights for later loads where `keep_quantized`."""
-    compiles(spec.compile, device, fixed_steps(spec.cuda_graphs, device))  # a bad choice is said before the model loads
+    compiles(spec.compile, device)  # a bad choice is said before the model loads
     quiet_transformers()
     kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
     if quantize in BITSANDBYTES:
