@@ -189,6 +189,18 @@ def test_a_prefill_takes_the_oldest_prompt_and_those_nearest_its_length(target):
     assert decoder.times.prefill_positions == 4 * 100 and decoder.times.padding() == 1 - 394 / 400
 
 
+def test_prompts_admitted_together_are_prefilled_in_groups_of_near_lengths(target):
+    """A long prompt whose nearest pending neighbours are short (a later turn among first ones) runs
+    in a prefill of its own: the short ones are not padded to its length. Each answer stays the
+    prompt's own."""
+    lengths = [100, 30, 99, 29]
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+    decoder = SlotDecoder(target, slots=4, max_prompt_tokens=200, max_new_tokens=3, stop_ids=set())
+    answers = {a.request.tag: a.tokens for a in decoder.run(deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts)))}
+    assert decoder.times.prefills == 2 and decoder.times.prefill_positions == 2 * 100 + 2 * 30
+    assert answers == {i: alone(target, ids, 3) for i, ids in enumerate(prompts)}
+
+
 def test_sampled_answers_follow_the_targets_distribution(target):
     """The first two tokens of a prompt's answers at temperature 1 (the first drawn after the prefill,
     the second by a decoding step), answered among other prompts, greedy and sampled, in 8 slots."""

@@ -1,0 +1,120 @@
+"""How much of regeneration's prefill is padding: the slot decoder's admission replayed, without a
+model, on the requests a GPU block answered (`docs/bench-gpu/BLOCK/answers`: each conversation's
+turns, tokenized as `data regenerate` asks them), in regenerate's order (conversations by key, a
+finished turn's follow-up first in the queue), each answer as long as it was. A development script,
+not installed with the package: run it from a checkout.
+
+    python docs/scripts/prefill_padding.py docs/bench-gpu/h200-block4/answers [--slots 512 1024]
+
+For each slot count it prints the prefills' padding share, forwards and positions with the admitted
+prompts prefilled together and in groups of near lengths (`batched.near_lengths`), and a prefill
+time modelled as LAUNCH_MS a forward plus POSITION_US a position (the fourth block's H200: 46 s for
+596 forwards of 10.2k positions on average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+from collections import deque
+from pathlib import Path
+
+from specchat.app import training_target
+from specchat.train.batched import LOOKAHEAD, PREFILL_CHUNK, PREFILL_TOKENS, REFILL_SHARE, Request, near_lengths
+from specchat.train.regenerate import QUEUED_PER_SLOT
+
+LAUNCH_MS, POSITION_US = 4.0, 7.5
+
+
+def conversations(folder: Path, tokenizer) -> list[list[tuple[int, int]]]:
+    """Per answered conversation (by key, then temperature): (request tokens, answer tokens) a turn."""
+    records = [json.loads(line) for path in sorted(folder.glob("*.jsonl.gz")) for line in gzip.open(path, "rt")]
+    records.sort(key=lambda record: (record["key"], record["temperature"]))
+    turns = []
+    for record in records:
+        messages = record["messages"]
+        turns.append([(len(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)),
+                       len(tokenizer(message["content"])["input_ids"]) + 1)
+                      for i, message in enumerate(messages) if message["role"] == "assistant"])
+    return turns
+
+
+def prefill(lengths: list[int], chunk: int) -> tuple[int, int, int]:
+    """(positions, tokens, forwards) of one chunked prefill of prompts of these lengths."""
+    positions = tokens = forwards = 0
+    for start in range(0, max(lengths), chunk):
+        rows = [n for n in lengths if n > start]
+        width = min(chunk, max(rows) - start)
+        positions, tokens, forwards = positions + len(rows) * width, tokens + sum(min(width, n - start) for n in rows), forwards + 1
+    return positions, tokens, forwards
+
+
+def replay(turns: list[list[tuple[int, int]]], slots: int, grouped: bool) -> dict:
+    """SlotDecoder.run's admission over these conversations (CUDA's chunk, budget and refill share)."""
+    chunk, budget, refill_at = PREFILL_CHUNK["cuda"], PREFILL_TOKENS["cuda"], max(1, round(REFILL_SHARE["cuda"] * slots))
+    unasked, pending, done = iter(range(len(turns))), deque(), [0] * len(turns)
+
+    def ask(conversation: int, first: bool = False) -> None:
+        if done[conversation] < len(turns[conversation]):
+            n, _ = turns[conversation][done[conversation]]
+            (pending.appendleft if first else pending.append)(Request([0] * n, 0.0, conversation))
+
+    def top_up() -> None:
+        while len(pending) < QUEUED_PER_SLOT * slots and (conversation := next(unasked, None)) is not None:
+            ask(conversation)
+
+    top_up()
+    busy: dict[int, list] = {}  # slot -> [request, tokens still to come]
+    positions = tokens = forwards = 0
+    while pending or busy:
+        free = [slot for slot in range(slots) if slot not in busy]
+        if pending and free and (not busy or len(free) >= refill_at):  # as SlotDecoder._admit chooses
+            window = list(itertools.islice(pending, LOOKAHEAD * len(free)))
+            anchor = len(window[0].ids)
+            nearest = sorted(range(len(window)), key=lambda i: (i > 0, abs(len(window[i].ids) - anchor), i))
+            chosen, taken, size = [], [], 0
+            for i in nearest[: len(free)]:
+                if chosen and size + min(len(window[i].ids), chunk) > budget:
+                    break
+                chosen.append((free[len(chosen)], window[i]))
+                taken.append(i)
+                size += min(len(window[i].ids), chunk)
+            for i in sorted(taken, reverse=True):
+                del pending[i]
+            for group in near_lengths(chosen) if grouped else [chosen]:
+                p, t, f = prefill([len(request.ids) for _, request in group], chunk)
+                positions, tokens, forwards = positions + p, tokens + t, forwards + f
+            for slot, request in chosen:
+                busy[slot] = [request, turns[request.tag][done[request.tag]][1] - 1]
+            continue
+        for slot, entry in list(busy.items()):
+            entry[1] -= 1
+            if entry[1] <= 0:
+                conversation = busy.pop(slot)[0].tag
+                done[conversation] += 1
+                ask(conversation, first=True)
+                top_up()
+    return {"padding": round(1 - tokens / positions, 3), "forwards": forwards, "positions": positions,
+            "prefill_s": round((forwards * LAUNCH_MS + positions * POSITION_US / 1000) / 1000, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("answers", type=Path, help="a block's kept answers (docs/bench-gpu/BLOCK/answers)")
+    parser.add_argument("--slots", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--model", default=None, help="whose tokenizer (default: the profile's model)")
+    args = parser.parse_args()
+    tokenizer = training_target(args.model, None, "auto", "cpu", None).tokenizer  # (loads the model too: a few seconds)
+    turns = conversations(args.answers, tokenizer)
+    requests = [n for conversation in turns for n, _ in conversation]
+    print(f"{len(turns):,} conversations, {len(requests):,} requests of {sum(requests) / len(requests):.0f} tokens on average")
+    for slots in args.slots:
+        for grouped in (False, True):
+            print(f"{slots} slots, {'groups of near lengths' if grouped else 'one prefill an admission'}: {replay(turns, slots, grouped)}")
+
+
+if __name__ == "__main__":
+    main()
