@@ -87,15 +87,15 @@ def teacher_log_probs(lm_rows: torch.Tensor, final: torch.Tensor) -> torch.Tenso
     return torch.log_softmax((final.to(lm_rows.dtype) @ lm_rows.T).float(), dim=-1)
 
 
-def _soft_ce(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    return -(teacher_logp.exp() * student_logp).sum(-1).mean()
+def _soft_ce(student_logp: torch.Tensor, teacher_p: torch.Tensor) -> torch.Tensor:
+    return -(teacher_p * student_logp).sum(-1).mean()
 
 
-def _recipe_loss(head, out: torch.Tensor, chosen: Selection, batch: Batch, teacher_all: torch.Tensor):
+def _recipe_loss(head, out: torch.Tensor, chosen: Selection, batch: Batch, teacher_p: torch.Tensor):
     """The head's recipe on one output at the chosen positions: (loss, its log-probabilities)."""
     scored = out[chosen.where]
     student = head.log_probs(scored)
-    loss = head.probability_loss_weight * _soft_ce(student, teacher_all[chosen.target])
+    loss = head.probability_loss_weight * _soft_ce(student, teacher_p[chosen.target])
     if head.feature_loss_weight:
         loss = loss + head.feature_loss_weight * F.smooth_l1_loss(scored.float(), batch.final[chosen.target].float())
     return loss, student
@@ -112,7 +112,8 @@ def batch_loss(head, batch: Batch, lm_rows: torch.Tensor, vocab: torch.Tensor | 
     """The recipe's loss on a batch (each step's mean over its scored positions, summed over steps)
     and per unrolled step the top-1 hits."""
     steps = len(batch.steps)
-    teacher_all = teacher_log_probs(lm_rows, batch.final)  # shared by every step: it only shifts
+    # p at every position, shared by every step (it only shifts), exponentiated once rather than per step
+    teacher_p = teacher_log_probs(lm_rows, batch.final).exp_()
     losses, hits = [], []
     outputs = unrolled_outputs(head, batch, steps, noise=head.feature_noise, right=head.predicts_two_ahead)
     for step, (out, contrast) in enumerate(outputs):
@@ -120,9 +121,9 @@ def batch_loss(head, batch: Batch, lm_rows: torch.Tensor, vocab: torch.Tensor | 
         if chosen.count == 0:
             hits.append(torch.zeros((), dtype=torch.long, device=out.device))
             continue
-        loss, student = _recipe_loss(head, out, chosen, batch, teacher_all)
+        loss, student = _recipe_loss(head, out, chosen, batch, teacher_p)
         if contrast is not None and batch.far is not None and batch.far.count:
-            loss = loss + RIGHT_WEIGHT * _recipe_loss(head, contrast, batch.far, batch, teacher_all)[0]
+            loss = loss + RIGHT_WEIGHT * _recipe_loss(head, contrast, batch.far, batch, teacher_p)[0]
         losses.append(head.step_loss_decay ** step * loss)
         hits.append(_hits(student, vocab, batch.argmax[chosen.target]))
     total = torch.stack(losses).sum() if losses else None

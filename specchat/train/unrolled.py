@@ -32,6 +32,7 @@ class UnrolledKeys:
         self.rows = rows
         self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.allowed = None  # [rows, 1, n, n]: causal, within a sequence (None: causal)
+        self.blocked = None  # its complement, for the later steps' scores (made once, at the first)
         if documents is not None:
             documents = documents.view(rows, -1)
             n = documents.shape[1]
@@ -54,14 +55,21 @@ class UnrolledKeys:
         if len(earlier) == 1:
             out = F.scaled_dot_product_attention(q, k0, v0, attn_mask=self.allowed, is_causal=self.allowed is None)
         else:
-            scale = q.shape[-1] ** -0.5
+            # The scores [rows, h, n, n + steps] are most of a training step's memory traffic on a GPU
+            # (an H200's trace, docs/bench-gpu/h200-block4/): so the scale goes into q, the mask is
+            # filled in place, the softmax widens to float32 itself, and the weights are split once
+            # (a slice each would give every step's backward a zeroed copy of the whole per slice).
             n = q.shape[2]
-            allowed = self.allowed if self.allowed is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))  # [rows, h, n, n]
+            if self.blocked is None:
+                self.blocked = ~self.allowed if self.allowed is not None else \
+                    torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            q = q * q.shape[-1] ** -0.5
             later = [(repeat_kv(kj, groups), repeat_kv(vj, groups)) for kj, vj in earlier[1:]]
-            diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in later], dim=-1)  # [rows, h, n, steps]
-            weights = torch.softmax(torch.cat([scores0, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
-            out = weights[..., :n] @ v0
-            for j, (_, vj) in enumerate(later):
-                out = out + weights[..., n + j : n + j + 1] * vj
+            scores0 = (q @ k0.transpose(-1, -2)).masked_fill_(self.blocked, float("-inf"))  # [rows, h, n, n]
+            diagonal = torch.stack([(q * kj).sum(-1) for kj, _ in later], dim=-1)  # [rows, h, n, steps]
+            weights = torch.softmax(torch.cat([scores0, diagonal], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+            weights0, *same_position = weights.split([n] + [1] * len(later), dim=-1)
+            out = weights0 @ v0
+            for weight, (_, vj) in zip(same_position, later):
+                out = out + weight * vj
         return out.transpose(0, 1).reshape(1, heads, m, out.shape[-1])
