@@ -16,7 +16,8 @@ import torch
 from conftest import TINY_VOCAB, assert_follows, invoke, load_tiny_target
 from specchat.chat import ChatFormat
 from specchat.train.data import read_conversations
-from specchat.train.batched import Request, SlotDecoder
+from drafters.attention import grouped
+from specchat.train.batched import Request, SlotDecoder, stacked_attention, stacked_bias
 from specchat.train.datafolder import DataFolder, keep, kept_shards
 from specchat.train.prompts import collect, prompt_record, read_prompts, record_key, write_prompts
 from specchat.train.regenerate import RegenerateOptions, import_answers, regenerate
@@ -199,6 +200,20 @@ def test_prompts_admitted_together_are_prefilled_in_groups_of_near_lengths(targe
     answers = {a.request.tag: a.tokens for a in decoder.run(deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts)))}
     assert decoder.times.prefills == 2 and decoder.times.prefill_positions == 2 * 100 + 2 * 30
     assert answers == {i: alone(target, ids, 3) for i, ids in enumerate(prompts)}
+
+
+def test_the_gpus_stacked_attention_computes_what_the_cpus_grouped_one_does():
+    """CUDA's path (one SDPA call, query heads stacked by KV head, the mask's bias made once a
+    forward) against the CPU's (`drafters.attention.grouped`), run here on the CPU: packed rows of
+    two sequences each, and slots of different lengths over a longer span."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, heads, 8, 16, generator=generator) for heads in (6, 2, 2))
+    documents = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    packed = (torch.ones(8, 8, dtype=torch.bool).tril() & (documents[:, None] == documents[None, :]))[None, None].expand(3, 1, 8, 8)
+    slots = (torch.arange(8) <= torch.tensor([2, 7, 5])[:, None, None])[:, None].expand(3, 1, 8, 8)
+    for mask in (packed, slots):
+        stacked = stacked_attention(q, k, v, stacked_bias(mask, 3, q.dtype), 0.25)
+        assert torch.allclose(stacked, grouped(q, k, v, mask, 0.25), atol=1e-5)
 
 
 def test_sampled_answers_follow_the_targets_distribution(target):

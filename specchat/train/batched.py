@@ -59,20 +59,41 @@ LOOKAHEAD = 8
 PREFILL_SPREAD, PREFILL_SPREAD_TOKENS = 1.5, 32
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention of q [R, heads, n, d] over k, v [R, kv_heads, L, d] as the boolean
-    mask [R, 1, n, L] allows. On CUDA the query heads sharing a KV head become rows of one SDPA call
-    (repeat_kv would copy every slot's keys once per query head: most of a wide decoding step's
-    memory traffic); on a CPU, `drafters.attention.grouped` (float32, the same without SDPA)."""
-    if q.device.type != "cuda":
-        return grouped(q, k, v, mask, scale)
+def stacked_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean mask [R, 1, n, L] as SDPA's additive bias for the query heads of each KV head
+    stacked as rows ([R, 1, group x n, L], `stacked_attention`). A forward makes it once for all its
+    layers: SDPA would turn a boolean mask into this in every layer, after stacking had copied it."""
+    rows, _, n, length = mask.shape
+    stacked = mask[:, :, None].expand(rows, 1, group, n, length).reshape(rows, 1, group * n, length)
+    return torch.zeros(stacked.shape, dtype=dtype, device=mask.device).masked_fill_(~stacked, float("-inf"))
+
+
+def stacked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of q [R, heads, n, d] over k, v [R, kv_heads, L, d] in one SDPA call,
+    the query heads sharing a KV head as its rows (repeat_kv would copy every slot's keys once per
+    query head: most of a wide decoding step's memory traffic); `bias` from `stacked_bias`."""
     rows, heads, n, dim = q.shape
-    kv_heads, length = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    grouped_mask = mask[:, :, None].expand(rows, 1, group, n, length).reshape(rows, 1, group * n, length)
-    out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, group * n, dim), k, v, attn_mask=grouped_mask,
+    kv_heads = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, heads // kv_heads * n, dim), k, v, attn_mask=bias,
                                          scale=scale)
     return out.reshape(rows, heads, n, dim)
+
+
+class MaskedAttention:
+    """Attention as a boolean mask [R, 1, n, L] allows, the same for every layer of a forward: on CUDA
+    `stacked_attention` with the mask's bias made at the first layer; on a CPU
+    `drafters.attention.grouped` (float32, the same without SDPA)."""
+
+    def __init__(self, mask: torch.Tensor, scale: float):
+        self.mask, self.scale = mask, scale
+        self.bias: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.device.type != "cuda":
+            return grouped(q, k, v, self.mask, self.scale)
+        if self.bias is None:
+            self.bias = stacked_bias(self.mask, q.shape[1] // k.shape[1], q.dtype)
+        return stacked_attention(q, k, v, self.bias, self.scale)
 
 
 def rows_forward(forward: DecoderForward, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -114,14 +135,14 @@ class SlotCache:
         self.capacity = capacity
 
 
-class SlotAttention:
+class SlotAttention(MaskedAttention):
     """Rows that extend slots of a `SlotCache`: row r's new entries go to slot `slots[r]` (all slots
     in order when None) at its `positions[r]`, and each query attends to its slot's first `span`
     positions up to its own."""
 
     def __init__(self, cache: SlotCache, slots: torch.Tensor | None, positions: torch.Tensor, span: int, scale: float):
-        self.cache, self.slots, self.positions, self.span, self.scale = cache, slots, positions, span, scale
-        self.mask = (torch.arange(span, device=positions.device) <= positions[..., None])[:, None]  # [R, 1, n, span]
+        super().__init__((torch.arange(span, device=positions.device) <= positions[..., None])[:, None], scale)  # [R, 1, n, span]
+        self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
         keys, values = self.cache.keys[layer], self.cache.values[layer]
@@ -131,21 +152,20 @@ class SlotAttention:
         keys, values = keys[:, :, : self.span], values[:, :, : self.span]
         if self.slots is not None:
             keys, values = keys.index_select(0, self.slots), values.index_select(0, self.slots)
-        return attend(q, keys, values, self.mask, self.scale)
+        return self.attend(q, keys, values)
 
 
-class PackedAttention:
+class PackedAttention(MaskedAttention):
     """Rows holding several sequences each, no cache: a position attends to the earlier positions
     of its own sequence (`documents` [R, n] numbers them within a row)."""
 
     def __init__(self, documents: torch.Tensor, scale: float):
         n = documents.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=documents.device).tril()
-        self.mask = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
-        self.scale = scale
+        super().__init__((causal & (documents[:, :, None] == documents[:, None, :]))[:, None], scale)
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
-        return attend(q, k, v, self.mask, self.scale)
+        return self.attend(q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------
