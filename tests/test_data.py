@@ -197,7 +197,8 @@ def test_prompts_admitted_together_are_prefilled_in_groups_of_near_lengths(targe
     lengths = [100, 30, 99, 29]
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
     decoder = SlotDecoder(target, slots=4, max_prompt_tokens=200, max_new_tokens=3, stop_ids=set())
-    answers = {a.request.tag: a.tokens for a in decoder.run(deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts)))}
+    requests = deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts))
+    answers = {answer.request.tag: answer.tokens for answer in decoder.run(requests)}
     assert decoder.times.prefills == 2 and decoder.times.prefill_positions == 2 * 100 + 2 * 30
     assert answers == {i: alone(target, ids, 3) for i, ids in enumerate(prompts)}
 
@@ -209,7 +210,8 @@ def test_the_gpus_stacked_attention_computes_what_the_cpus_grouped_one_does():
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, heads, 8, 16, generator=generator) for heads in (6, 2, 2))
     documents = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
-    packed = (torch.ones(8, 8, dtype=torch.bool).tril() & (documents[:, None] == documents[None, :]))[None, None].expand(3, 1, 8, 8)
+    packed = torch.ones(8, 8, dtype=torch.bool).tril() & (documents[:, None] == documents[None, :])
+    packed = packed[None, None].expand(3, 1, 8, 8)
     slots = (torch.arange(8) <= torch.tensor([2, 7, 5])[:, None, None])[:, None].expand(3, 1, 8, 8)
     for mask in (packed, slots):
         stacked = stacked_attention(q, k, v, stacked_bias(mask, 3, q.dtype), 0.25)

@@ -398,9 +398,10 @@ def test_cuda_captured_steps_replay_what_eager_steps_compute(label, qwen_dir, he
     from specchat.sources import load_target
 
     # The eager forward captured (the compiled one inside the steps: test_compile's own CUDA test).
-    target = load_target(ModelSpec(model=str(qwen_dir), dtype="float32", device="cuda", compile="off", cuda_graphs="on"))
+    on_cuda = dict(dtype="float32", device="cuda", compile="off")
+    target = load_target(ModelSpec(model=str(qwen_dir), cuda_graphs="on", **on_cuda))
     settings = dataclasses.replace(method_settings(label, heads, draft_dir), device="cuda", compile="off")
-    load = lambda name: load_target(ModelSpec(model=str(name), dtype="float32", device="cuda", compile="off"))  # noqa: E731
+    load = lambda name: load_target(ModelSpec(model=str(name), **on_cuda))  # noqa: E731
     engine, plain = Engine(target, build_proposer(settings, target, load)), Engine(target)
     plain.layout.graphs.capture = False
     generation = GenerationSettings(max_new_tokens=40)

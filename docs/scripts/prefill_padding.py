@@ -48,13 +48,16 @@ def prefill(lengths: list[int], chunk: int) -> tuple[int, int, int]:
     for start in range(0, max(lengths), chunk):
         rows = [n for n in lengths if n > start]
         width = min(chunk, max(rows) - start)
-        positions, tokens, forwards = positions + len(rows) * width, tokens + sum(min(width, n - start) for n in rows), forwards + 1
+        positions += len(rows) * width
+        tokens += sum(min(width, n - start) for n in rows)
+        forwards += 1
     return positions, tokens, forwards
 
 
 def replay(turns: list[list[tuple[int, int]]], slots: int, grouped: bool) -> dict:
     """SlotDecoder.run's admission over these conversations (CUDA's chunk, budget and refill share)."""
-    chunk, budget, refill_at = PREFILL_CHUNK["cuda"], PREFILL_TOKENS["cuda"], max(1, round(REFILL_SHARE["cuda"] * slots))
+    chunk, budget = PREFILL_CHUNK["cuda"], PREFILL_TOKENS["cuda"]
+    refill_at = max(1, round(REFILL_SHARE["cuda"] * slots))
     unasked, pending, done = iter(range(len(turns))), deque(), [0] * len(turns)
 
     def ask(conversation: int, first: bool = False) -> None:
@@ -110,10 +113,12 @@ def main() -> None:
     tokenizer = training_target(args.model, None, "auto", "cpu", None).tokenizer  # (loads the model too: a few seconds)
     turns = conversations(args.answers, tokenizer)
     requests = [n for conversation in turns for n, _ in conversation]
-    print(f"{len(turns):,} conversations, {len(requests):,} requests of {sum(requests) / len(requests):.0f} tokens on average")
+    print(f"{len(turns):,} conversations, {len(requests):,} requests, "
+          f"{sum(requests) / len(requests):.0f} tokens on average")
     for slots in args.slots:
         for grouped in (False, True):
-            print(f"{slots} slots, {'groups of near lengths' if grouped else 'one prefill an admission'}: {replay(turns, slots, grouped)}")
+            how = "groups of near lengths" if grouped else "one prefill an admission"
+            print(f"{slots} slots, {how}: {replay(turns, slots, grouped)}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def stacked_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Te
     return torch.zeros(stacked.shape, dtype=dtype, device=mask.device).masked_fill_(~stacked, float("-inf"))
 
 
-def stacked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def stacked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                      scale: float) -> torch.Tensor:
     """Grouped-query attention of q [R, heads, n, d] over k, v [R, kv_heads, L, d] in one SDPA call,
     the query heads sharing a KV head as its rows (repeat_kv would copy every slot's keys once per
     query head: most of a wide decoding step's memory traffic); `bias` from `stacked_bias`."""
@@ -141,7 +142,8 @@ class SlotAttention(MaskedAttention):
     positions up to its own."""
 
     def __init__(self, cache: SlotCache, slots: torch.Tensor | None, positions: torch.Tensor, span: int, scale: float):
-        super().__init__((torch.arange(span, device=positions.device) <= positions[..., None])[:, None], scale)  # [R, 1, n, span]
+        allowed = torch.arange(span, device=positions.device) <= positions[..., None]
+        super().__init__(allowed[:, None], scale)  # [R, 1, n, span]
         self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
