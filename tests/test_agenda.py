@@ -208,15 +208,22 @@ def test_detached_stages_outlive_the_call_wait_for_the_model_and_come_back(tmp_p
     # The chain itself, its commands recorded rather than run.
     commands, beside = [], []
     monkeypatch.setattr(stages.Stages, "run", lambda self, stage, *command, log=None, env=None: commands.append(command))
-    monkeypatch.setattr(stages.Stages, "beside", lambda self, stage, *command: lambda: beside.append(command))
+    def started_beside(self, stage, *command):  # recorded in order as it starts; `beside` when waited for
+        commands.append(("beside",) + command)
+        return lambda: beside.append(command)
+
+    monkeypatch.setattr(stages.Stages, "beside", started_beside)
     monkeypatch.setattr(stages, "receive", lambda piece: [])
     monkeypatch.setattr(stages, "back", lambda out: (out / "answers.tgz.00").write_text(out.name))
     (there / "ready").touch()
-    result = CliRunner().invoke(agenda.cli, ["device", "--chain", "--check", "--answer-minutes", "3",
+    result = CliRunner().invoke(agenda.cli, ["device", "--chain", "--check", "--bench", "--answer-minutes", "3",
                                              "--train-minutes", "4.5", "--back"])
     assert result.exit_code == 0, result.output
-    assert [p.name for p in sorted(there.glob("chain/*.done"))] == ["answer.done", "check.done", "train.done"]
-    assert beside and "pytest" in beside[0] and not any("pytest" in c for c in commands)
+    done = ["answer.done", "bench.done", "check.done", "train.done"]
+    assert [p.name for p in sorted(there.glob("chain/*.done"))] == done
+    assert beside and "pytest" in beside[0] and not any("pytest" in c for c in commands if c[0] != "beside")
+    started = [c[0] if c[0] == "beside" else c[3] for c in commands if c[0] == "beside" or c[1:3] == ("-m", "specchat")]
+    assert started.index("bench") < started.index("beside") < started.index("data")  # the tests never beside the bench
     train = next(c for c in commands if "train" in c)
     minutes = float(train[train.index("--max-minutes") + 1])
     assert 1.0 <= minutes <= (300 - plan.TRAIN_OVERHEAD_SECONDS) / 60 < 4.5  # the deadline, not the minutes asked

@@ -73,7 +73,7 @@ class Stages:
 @click.option("--check", is_flag=True,
               help="The runtime check on random weights of the real shapes (the engine's fixed envelope eager, "
                    "regeneration's slot steps, the envelope compiled), and the CUDA tests.")
-@click.option("--bench", is_flag=True, help="specchat bench on the real 0.5B, and the first answer of a fresh start.")
+@click.option("--bench", is_flag=True, help="specchat bench on the real 0.5B (plain decoding, the default, prompt lookup).")
 @click.option("--answer-minutes", type=float, default=None, help="Answer the prompts (both temperatures) this long.")
 @click.option("--train-minutes", type=float, default=None,
               help="Train the EAGLE-3 head this long (resumes); detached, at most what --deadline-in leaves.")
@@ -146,23 +146,20 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
             stages.run(stage, "timeout", "150", sys.executable, *plan.RUNTIME_CHECK, *options,
                        "--trace", str(plan.THERE / "trace" / stage), "-o", str(out / f"{stage}.json"))
         _tar_within(plan.THERE / "trace", out / "trace.tgz")
-        if chain and train_minutes:  # beside training: they check correctness, not speed
-            tests = stages.beside("test-cuda", *plan.CUDA_TESTS)
-        else:
+        if not (chain and train_minutes):  # else beside answering and training, below
             stages.run("test-cuda", *plan.CUDA_TESTS)
         finished("check")
     if chain and (bench or answer_minutes or train_minutes):
         while not (plan.THERE / "ready").is_file():  # the foreground call that brought the last piece says so
             time.sleep(2)
         receive(None)  # the heads into this checkout
-    if bench:
+    if bench:  # the default as a user gets it (on CUDA: captured steps, their forward compiled)
         stages.specchat("bench", "bench", "docs/prompts/cpu10.jsonl", "--device", "cuda", "--methods", plan.BENCH_METHODS,
-                        "--limit", "5", "--max-new-tokens", "128", "--temperature", "0", "-o", str(plan.THERE / "bench-h100"))
-        _tar_within(plan.THERE / "bench-h100", out / "bench-h100.tgz")
-        shutil.rmtree(plan.THERE / "fresh", ignore_errors=True)
-        stages.run("first-answer", "bash", "-c", f"time (echo 'Say hi' | {sys.executable} -m specchat chat --device cuda "
-                   "--max-new-tokens 16)", env={"XDG_CACHE_HOME": str(plan.THERE / "fresh")})
+                        "--limit", "5", "--max-new-tokens", "128", "--temperature", "0", "-o", str(plan.THERE / "bench"))
+        _tar_within(plan.THERE / "bench", out / "bench.tgz")
         finished("bench")
+    if check and chain and train_minutes:  # they check correctness, not speed: beside what follows the bench
+        tests = stages.beside("test-cuda", *plan.CUDA_TESTS)
     if answer_minutes:
         stages.specchat("regenerate", "data", "regenerate", str(plan.THERE / "data"), *target, "--batch", str(batch),
                         "--max-minutes", f"{answer_minutes:g}")
