@@ -55,11 +55,11 @@ def fixed_steps(choice: str, device: torch.device) -> bool:
 
 
 def compiles(choice: str, device: torch.device) -> bool:
-    """Whether `--compile choice` compiles the target's forward on `device`. auto: on CUDA, where
-    launches are most of a small model's eager step, on either layout; not on a CPU, where the compiled forward
-    measured slower (2-core Zen 4, AVX2 kernel, float32, Qwen2.5-0.5B int5: 22.6 ms per token
-    against 19.5 eager and 20.2 for transformers' forward), after ~2 minutes of compiling. On the
-    fixed envelope (`fixed`) it compiles the forward its steps run (and the draft head's layer:
+    """Whether `--compile choice` compiles the target's forward on `device`. auto: on CUDA, on either
+    layout, where launches are most of a small model's eager step; not on a CPU, where the compiled
+    forward measured slower (2-core Zen 4, AVX2 kernel, float32, Qwen2.5-0.5B int5: 22.6 ms per
+    token against 19.5 eager and 20.2 for transformers' forward), after ~2 minutes of compiling. On
+    the fixed envelope it compiles the forward its steps run (and the draft head's layer:
     `heads.FixedHead`), which are then captured with inductor's fused kernels inside: on an H200 a
     plain step of the 0.5B's shape took 1.56 ms against 2.55 eager, a head cycle 3.84 against 6.15
     (docs/bench-gpu/h200-block4/), after under a minute of compiling, and greedy answers stayed
