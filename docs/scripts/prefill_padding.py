@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import itertools
 import json
 from collections import deque
 from pathlib import Path
 
 from specchat.app import training_target
-from specchat.train.batched import LOOKAHEAD, PREFILL_CHUNK, PREFILL_TOKENS, REFILL_SHARE, Request, near_lengths
+from specchat.train.batched import (PREFILL_CHUNK, PREFILL_TOKENS, REFILL_SHARE, Request, admitted, near_lengths,
+                                    prefill_chunks)
 from specchat.train.regenerate import QUEUED_PER_SLOT
 
 LAUNCH_MS, POSITION_US = 4.0, 7.5
@@ -43,13 +43,11 @@ def conversations(folder: Path, tokenizer) -> list[list[tuple[int, int]]]:
 
 
 def prefill(lengths: list[int], chunk: int) -> tuple[int, int, int]:
-    """(positions, tokens, forwards) of one chunked prefill of prompts of these lengths."""
+    """(positions, tokens, forwards) of one chunked prefill of prompts of these lengths (`SlotDecoder._prefill`'s)."""
     positions = tokens = forwards = 0
-    for start in range(0, max(lengths), chunk):
-        rows = [n for n in lengths if n > start]
-        width = min(chunk, max(rows) - start)
+    for start, rows, width in prefill_chunks(lengths, chunk):
         positions += len(rows) * width
-        tokens += sum(min(width, n - start) for n in rows)
+        tokens += sum(min(width, lengths[i] - start) for i in rows)
         forwards += 1
     return positions, tokens, forwards
 
@@ -74,19 +72,8 @@ def replay(turns: list[list[tuple[int, int]]], slots: int, grouped: bool) -> dic
     positions = tokens = forwards = 0
     while pending or busy:
         free = [slot for slot in range(slots) if slot not in busy]
-        if pending and free and (not busy or len(free) >= refill_at):  # as SlotDecoder._admit chooses
-            window = list(itertools.islice(pending, LOOKAHEAD * len(free)))
-            anchor = len(window[0].ids)
-            nearest = sorted(range(len(window)), key=lambda i: (i > 0, abs(len(window[i].ids) - anchor), i))
-            chosen, taken, size = [], [], 0
-            for i in nearest[: len(free)]:
-                if chosen and size + min(len(window[i].ids), chunk) > budget:
-                    break
-                chosen.append((free[len(chosen)], window[i]))
-                taken.append(i)
-                size += min(len(window[i].ids), chunk)
-            for i in sorted(taken, reverse=True):
-                del pending[i]
+        if pending and free and (not busy or len(free) >= refill_at):  # as SlotDecoder.run admits
+            chosen = list(zip(free, admitted(pending, len(free), chunk, budget)))
             for group in near_lengths(chosen) if grouped else [chosen]:
                 p, t, f = prefill([len(request.ids) for _, request in group], chunk)
                 positions, tokens, forwards = positions + p, tokens + t, forwards + f

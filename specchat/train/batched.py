@@ -233,6 +233,33 @@ class SlotTimes:
                 f"capturing {self.capture_seconds:.0f} s, the rest (tokenizing, writing) {rest:.0f} s")
 
 
+def admitted(pending: deque, free: int, chunk: int, budget: int) -> list[Request]:
+    """The requests one prefill admits into `free` slots, taken out of `pending`: the oldest and those
+    nearest its length among the next LOOKAHEAD per free slot, while their prompts (each counted up to
+    `chunk` tokens) fit the prefill's `budget`; the rest keep their order."""
+    window = list(itertools.islice(pending, LOOKAHEAD * free))  # (indexing a deque walks its blocks)
+    anchor = len(window[0].ids)
+    nearest = sorted(range(len(window)), key=lambda i: (i > 0, abs(len(window[i].ids) - anchor), i))
+    taken, tokens = [], 0
+    for i in nearest[:free]:
+        size = min(len(window[i].ids), chunk)
+        if taken and tokens + size > budget:
+            break
+        taken.append(i)
+        tokens += size
+    for i in sorted(taken, reverse=True):
+        del pending[i]
+    return [window[i] for i in taken]
+
+
+def prefill_chunks(lengths: list[int], chunk: int) -> Iterator[tuple[int, list[int], int]]:
+    """A prefill of prompts of these lengths, a chunk of positions at a time: (its first position, the
+    prompts that reach it, its width: the longest of them up to `chunk`)."""
+    for start in range(0, max(lengths), chunk):
+        rows = [i for i, n in enumerate(lengths) if n > start]
+        yield start, rows, min(chunk, max(lengths[i] for i in rows) - start)
+
+
 def near_lengths(chosen: list[tuple[int, Request]]) -> list[list[tuple[int, Request]]]:
     """The (slot, request) pairs of `chosen` in groups of near prompt lengths, longest first: a
     group's longest prompt at most PREFILL_SPREAD times each member's length plus PREFILL_SPREAD_TOKENS."""
@@ -293,20 +320,9 @@ class SlotDecoder:
     def _admit(self, pending: deque, free: list[int]) -> list[Answer]:
         """Prefill as many pending prompts into free slots as one prefill's budget takes: the oldest and
         those nearest its length (`LOOKAHEAD`)."""
-        window = list(itertools.islice(pending, LOOKAHEAD * len(free)))  # (indexing a deque walks its blocks)
-        anchor = len(window[0].ids)
-        nearest = sorted(range(len(window)), key=lambda i: (i > 0, abs(len(window[i].ids) - anchor), i))
-        chosen, taken, tokens = [], [], 0
-        for i in nearest[: len(free)]:
-            request, size = window[i], min(len(window[i].ids), self.chunk)
-            if chosen and tokens + size > self.prefill_tokens:
-                break
-            assert len(request.ids) + self.max_new_tokens < self.cache.capacity, "a prompt longer than the slots hold"
-            chosen.append((free[len(chosen)], request))
-            taken.append(i)
-            tokens += size
-        for i in sorted(taken, reverse=True):
-            del pending[i]
+        chosen = list(zip(free, admitted(pending, len(free), self.chunk, self.prefill_tokens)))
+        assert all(len(request.ids) + self.max_new_tokens < self.cache.capacity for _, request in chosen), \
+            "a prompt longer than the slots hold"
         started = time.perf_counter()
         first = {slot: token for group in near_lengths(chosen) for (slot, _), token in zip(group, self._prefill(group))}
         self.times.prefill_seconds += time.perf_counter() - started
@@ -323,9 +339,7 @@ class SlotDecoder:
         """Run the prompts into their slots, a chunk of positions at a time; each one's first token."""
         device, lengths = self.target.device, [len(request.ids) for _, request in chosen]
         first = [0] * len(chosen)
-        for start in range(0, max(lengths), self.chunk):
-            rows = [i for i, n in enumerate(lengths) if n > start]
-            width = min(self.chunk, max(lengths[i] for i in rows) - start)
+        for start, rows, width in prefill_chunks(lengths, self.chunk):
             ids = torch.zeros((len(rows), width), dtype=torch.long)  # padding runs past a prompt's end: never attended
             for row, i in enumerate(rows):
                 part = chosen[i][1].ids[start : start + width]
