@@ -99,7 +99,6 @@ class ScriptedTree:
         self.nodes, self.depth, self.vocab_size = nodes, depth, target.vocab_size
         self.fixed, self.device = target.envelope is not None, target.device
         self.follow(script)
-        device = target.device
         self.kept: list[int] = []  # the growing layout's: this cycle's nodes
         # Levels 1..depth hold one right node each; the wrong ones are spread over the levels,
         # children of the right node above (the root for level 1). Parents come before children.
@@ -113,9 +112,9 @@ class ScriptedTree:
             self.layout += [(right, level, member) for member in members]
             right = first  # this level's right node, the parent of the next level
         parents, depths, offsets = zip(*self.layout)
-        self.parents = torch.tensor(parents, device=device)
-        self.depths = torch.tensor(depths, device=device)
-        self.offsets = torch.tensor(offsets, device=device)  # added to the right token: the wrong ones differ
+        self.parents = torch.tensor(parents, device=self.device)
+        self.depths = torch.tensor(depths, device=self.device)
+        self.offsets = torch.tensor(offsets, device=self.device)  # added to the right token: the wrong ones differ
 
     def follow(self, script: list[int]) -> None:
         """Draft from `script` (prompt and answer) from the next cycle on."""
@@ -184,9 +183,11 @@ def run(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], list
     return [t for s in steps for t in s.tokens], steps
 
 
-def timed(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> tuple[list[int], list]:
-    """One untimed run (warms up and captures), then `repeats` runs; the steps of the last ones."""
-    run(engine, prompt, tokens)
+def timed(engine: Engine, prompt: list[int], tokens: int, repeats: int, warm: bool = False) -> tuple[list[int], list]:
+    """One untimed run (warms up and captures) unless the engine is `warm` already, then `repeats`
+    runs; the steps of the last ones."""
+    if not warm:
+        run(engine, prompt, tokens)
     steps = []
     for _ in range(repeats):
         engine.reset()
@@ -232,8 +233,8 @@ def measure(args, runtime: str) -> dict:
         for depth in args.depths:
             oracle = ScriptedTree(prompt + plain, target, nodes, depth)
             engine = Engine(target, oracle)
-            agree(engine, oracle, prompt, plain, args.tokens)
-            answer, cycles = timed(engine, prompt, args.tokens, args.repeats)
+            agree(engine, oracle, prompt, plain, args.tokens)  # its untimed runs warm the engine up too
+            answer, cycles = timed(engine, prompt, args.tokens, args.repeats, warm=True)
             full = [s for s in cycles if len(s.tokens) == depth + 1]  # the budget's last cycle may be cut
             if not full:
                 raise RuntimeError(f"no cycle of the {nodes}-node oracle accepted its {depth} drafted tokens: "
