@@ -125,7 +125,7 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
         if chain:
             (_chain() / f"{stage}.done").touch()
 
-    tests = None
+    tests, tests_beside = None, check and chain and bool(train_minutes)  # beside answering and training, after the bench
     if check:
         stages.run("gpu", "nvidia-smi", "-L", log="runtime-0.5b.log")
         # The fixed envelope eager; regeneration's slot steps (15,176 answers took 158 s on the
@@ -146,7 +146,7 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
             stages.run(stage, "timeout", "150", sys.executable, *plan.RUNTIME_CHECK, *options,
                        "--trace", str(plan.THERE / "trace" / stage), "-o", str(out / f"{stage}.json"))
         _tar_within(plan.THERE / "trace", out / "trace.tgz")
-        if not (chain and train_minutes):  # else beside answering and training, below
+        if not tests_beside:
             stages.run("test-cuda", *plan.CUDA_TESTS)
         finished("check")
     if chain and (bench or answer_minutes or train_minutes):
@@ -158,7 +158,7 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
                         "--limit", "5", "--max-new-tokens", "128", "--temperature", "0", "-o", str(plan.THERE / "bench"))
         _tar_within(plan.THERE / "bench", out / "bench.tgz")
         finished("bench")
-    if check and chain and train_minutes:  # they check correctness, not speed: beside what follows the bench
+    if tests_beside:  # they check correctness, not speed: never beside the bench
         tests = stages.beside("test-cuda", *plan.CUDA_TESTS)
     if answer_minutes:
         stages.specchat("regenerate", "data", "regenerate", str(plan.THERE / "data"), *target, "--batch", str(batch),
