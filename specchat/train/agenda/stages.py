@@ -73,7 +73,8 @@ class Stages:
 @click.option("--check", is_flag=True,
               help="The runtime check on random weights of the real shapes (the engine's fixed envelope eager, "
                    "regeneration's slot steps, the envelope compiled), and the CUDA tests.")
-@click.option("--bench", is_flag=True, help="specchat bench on the real 0.5B (plain decoding, the default, prompt lookup).")
+@click.option("--bench", is_flag=True,
+              help="specchat bench on the real 0.5B (plain decoding, the default, prompt lookup).")
 @click.option("--answer-minutes", type=float, default=None, help="Answer the prompts (both temperatures) this long.")
 @click.option("--train-minutes", type=float, default=None,
               help="Train the EAGLE-3 head this long (resumes); detached, at most what --deadline-in leaves.")
@@ -125,7 +126,8 @@ def device(piece, check, bench, answer_minutes, train_minutes, train_rate, batch
         if chain:
             (_chain() / f"{stage}.done").touch()
 
-    tests, tests_beside = None, check and chain and bool(train_minutes)  # beside answering and training, after the bench
+    tests = None
+    tests_beside = check and chain and bool(train_minutes)  # beside answering and training, after the bench
     if check:
         stages.run("gpu", "nvidia-smi", "-L", log="runtime-0.5b.log")
         # The fixed envelope eager; regeneration's slot steps (15,176 answers took 158 s on the
