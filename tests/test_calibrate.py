@@ -67,6 +67,42 @@ def test_sizes_are_timed_in_turn_and_the_fastest_run_kept(qwen_dir, monkeypatch)
     assert curve.milliseconds == {1: 1.0, 4: 4.0, 6: 6.0}
 
 
+def _timed_curve(target, monkeypatch, milliseconds) -> tuple[Curve, list[int]]:
+    """`measure` where a forward of n tokens takes `milliseconds(n, how many of them ran before)`."""
+    order, clock = [], [0.0]
+    real_forward = target.forward
+
+    def forward(ids, cache, **kwargs):
+        n = ids.shape[1]
+        clock[0] += milliseconds(n, order.count(n)) / 1000
+        order.append(n)
+        return real_forward(ids, cache, **kwargs)
+
+    monkeypatch.setattr(target, "forward", forward)
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    return calibrate.measure(target, sizes=(1, 4, 6, 8), context=8, repeats=3), order
+
+
+def test_a_size_a_slow_moment_bent_the_curve_at_is_timed_again(qwen_dir, monkeypatch):
+    """A size slowed in every round (another process woke with it) stands above the line between its
+    neighbours; timed again, it takes its cost, and the sizes the curve was right about are not timed again."""
+    target = load_tiny_target(qwen_dir)
+    curve, order = _timed_curve(target, monkeypatch, lambda n, before: n + 3 * (n == 6 and before < 4))
+    assert order == [8] + [1, 4, 6, 8] * 4 + [6]  # the prefill, the rounds, then 6 once more
+    assert curve.milliseconds == {1: 1.0, 4: 4.0, 6: 6.0, 8: 8.0}
+    assert calibrate.bumps({1: 10.0, 4: 16.0, 6: 23.0, 8: 22.0}) == [6]  # 6 above the line from 4 to 8 (19) by 21%
+    assert calibrate.bumps({1: 10.0, 4: 16.0, 6: 20.0, 8: 22.0}) == []  # by 5%: a kernel's shape, not a slow moment
+
+
+def test_a_kernel_s_real_step_stays_after_a_few_more_forwards(qwen_dir, monkeypatch):
+    """A size that costs what the next one does (a kernel's tiling: 6 rows take one pass of 8) stands
+    above the line every time it is timed: it keeps its cost, after RETIMES more forwards."""
+    target = load_tiny_target(qwen_dir)
+    curve, order = _timed_curve(target, monkeypatch, lambda n, before: 8 if n == 6 else n)
+    assert order == [8] + [1, 4, 6, 8] * 4 + [6] * calibrate.RETIMES
+    assert curve.milliseconds == {1: 1.0, 4: 4.0, 6: 8.0, 8: 8.0}
+
+
 def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypatch):
     """A curve measured on a busy machine (monotonic, so it is not measured again at load) is far
     dearer than what live verify forwards take: the first reply rescales it, and the rescaled one

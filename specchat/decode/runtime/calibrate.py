@@ -27,6 +27,16 @@ As the whole curve's, a size's healing is kept only where it made the size cheap
 live forwards at a long context take 1.2-1.4x the curve's at 256 tokens (4 rewrite prompts on a
 Zen 3), which is this session's cost, not the machine's.
 
+A size measured too dear by less than that is never corrected at all: at a long context live
+forwards cost as much more, so they agree with it. One stored on the Xeon's AVX2 path took 74 ms
+for 16 tokens between 50.7 for 12 and 91.5 for 24 (measured again: 63.5), and the rate rule cut
+every lookup chain of a rewrite at 11 tokens: rewrite10 decoded at τ 3.97, 2.13x plain, with it
+and at τ 4.45, 2.27x, with the curve measured again (two runs, 2026-11-30). So a size measured
+more than BUMP above the line between its neighbours is timed again (`bumps`): a forward's true
+cost is the larger of reading the weights and the rows' arithmetic, a convex curve, and a run can
+only be slowed, so a size above that line was most likely slowed; a kernel's real step (the
+AVX-512 path's 6 tokens cost what 8 do) stays, after RETIMES more forwards.
+
 A size the curve makes too dear is never chosen, so no live forward would ever correct it: a curve
 measured while another process started (3 tokens 68 ms where 2 took 27, the real cost 31) kept a
 whole benchmark's trees to two nodes. So every PROBE_EVERY cycles the selection verifies the next
@@ -73,6 +83,9 @@ BUSY_SHARE = 0.15  # other processes' share of the CPU while measuring above whi
 LIVE_WINDOW, LIVE_EVIDENCE = 5, 3
 TOO_CHEAP, TOO_DEAR = 0.6, 1.6
 SIZE_AGREES = (0.75, 1.33)  # a measured size's live median ratio outside these heals it (`Curve.observe`)
+BUMP, RETIMES = 1.1, 3  # a size measured this much above the line between its neighbours is timed again, up to
+# RETIMES more times (`measure`)
+CURVE_METHOD = "retimed"  # in the cache's key: curves measured before sizes were timed again are measured again
 KEPT_CURVES = 32  # curves the cache keeps, the most recently measured or healed
 PROBE_EVERY = 8  # cycles between probes of the size above those live forwards have confirmed (`Curve.probe`)
 
@@ -211,7 +224,8 @@ def _key(target) -> str:
         runtime += f"-{woq_kernel.kernel_version()}"
     runtime += "-compiled" if target.compiled else ""
     sizes = "-".join(map(str, SIZES))  # a curve measured at other sizes is measured again
-    return f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}|{sizes}"
+    return (f"{target.name}|{str(target.dtype)}|{runtime}|{device_name(target.device)}|{torch.get_num_threads()}|{sizes}"
+            f"|{CURVE_METHOD}")
 
 
 @torch.inference_mode()
@@ -227,15 +241,36 @@ def measure(target, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS)
                   torch.arange(context, context + n, device=target.device)[None],
                   causal_mask(context, n, target.device)) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
+
+    def timed(n: int) -> None:
+        ids, positions, mask = inputs[n]
+        synchronize(target.device)
+        start = time.perf_counter()
+        target.forward(ids, cache, positions=positions, mask=mask, logits_for="all")
+        synchronize(target.device)
+        times[n].append(time.perf_counter() - start)
+        cache.trim(context)
+
+    def fastest() -> dict[int, float]:
+        return {n: round(min(runs[1:]) * 1000, 2) for n, runs in times.items()}
+
     for _ in range(repeats + 1):  # the first round warms kernels up and is not counted
-        for n, (ids, positions, mask) in inputs.items():
-            synchronize(target.device)
-            start = time.perf_counter()
-            target.forward(ids, cache, positions=positions, mask=mask, logits_for="all")
-            synchronize(target.device)
-            times[n].append(time.perf_counter() - start)
-            cache.trim(context)
-    return Curve({n: round(min(runs[1:]) * 1000, 2) for n, runs in times.items()})
+        for n in sizes:
+            timed(n)
+    for _ in range(RETIMES):  # a size a slow moment bent the curve at is timed again
+        if not (suspects := bumps(fastest())):
+            break
+        for n in suspects:
+            timed(n)
+    return Curve(fastest())
+
+
+def bumps(milliseconds: dict[int, float]) -> list[int]:
+    """The sizes measured more than BUMP above the line between the sizes either side of them."""
+    sizes = sorted(milliseconds)
+    return [n for low, n, high in zip(sizes, sizes[1:], sizes[2:])
+            if milliseconds[n] > BUMP * (milliseconds[low] + (n - low) / (high - low)
+                                         * (milliseconds[high] - milliseconds[low]))]
 
 
 def implausible(milliseconds: dict[int, float]) -> str | None:
