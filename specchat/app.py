@@ -36,12 +36,14 @@ def model_loader(settings: Settings, packed_model: bool = False) -> LoadModel:
     return load_model
 
 
-def training_target(model: str | None, gguf_file: str | None, dtype: str, device: str, profile: str | None) -> Target:
+def training_target(model: str | None, gguf_file: str | None, dtype: str, device: str, profile: str | None,
+                    quantize: str = "none") -> Target:
     """The target that answers prompts for training data or that a head is trained for (`data
     regenerate`, `train`): the profile's model unless `model` says otherwise, loaded plainly (no
-    quantization, compilation or CUDA graphs: training needs its exact activations)."""
+    compilation or CUDA graphs, and for training no quantization: it needs the exact activations).
+    `quantize` (answering on a CPU): the kernel's quantized target, whose answers are a chat's on it."""
     settings, _ = resolve({"model": model, "gguf_file": gguf_file, "dtype": dtype, "device": device,
-                           "quantize": "none", "compile": "off", "cuda_graphs": "off"}, profile)
+                           "quantize": quantize, "compile": "off", "cuda_graphs": "off"}, profile)
     return model_loader(settings)(settings.model, settings.gguf_file)
 
 

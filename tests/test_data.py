@@ -17,7 +17,9 @@ from conftest import TINY_VOCAB, assert_follows, invoke, load_tiny_target
 from specchat.chat import ChatFormat
 from specchat.train.data import read_conversations
 from drafters.attention import grouped
-from specchat.train.batched import Request, SlotDecoder, stacked_attention, stacked_bias
+from specchat.decode.engine.engine import Engine, GenerationSettings
+from specchat.decode.runtime import woq_kernel
+from specchat.train.batched import KernelSlots, Request, SlotDecoder, slot_decoder, stacked_attention, stacked_bias
 from specchat.train.datafolder import DataFolder, keep, kept_shards
 from specchat.train.prompts import collect, prompt_record, read_prompts, record_key, write_prompts
 from specchat.train.regenerate import RegenerateOptions, import_answers, regenerate
@@ -244,6 +246,64 @@ def test_sampled_answers_follow_the_targets_distribution(target):
         p2 = torch.softmax(target.model(continued).logits[:, -1].double(), -1)
     joint = p1[:, None] * p2
     assert_follows(sample, {(a, b): float(joint[a, b]) for a, b in joint.nonzero().tolist()}, seed=11)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def quantized(request, qwen_dir):
+    """The tiny target of the CPU kernel's quantized layers, in both activation dtypes."""
+    if woq_kernel.unavailable_reason() is not None:
+        pytest.skip("the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
+    return load_tiny_target(qwen_dir, dtype=request.param, quantize="int5")
+
+
+def test_the_kernels_slots_answer_each_prompt_as_the_chat_decodes_it_alone(quantized):
+    """Through the kernel's fused forward (each busy slot a row of one call, each with its own cache):
+    each greedy answer is token for token the chat engine's plain decoding of its prompt, and idle
+    slots run no rows."""
+    assert slot_decoder(quantized) is KernelSlots and slot_decoder(load_tiny_target(quantized.spec.model)) is SlotDecoder
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 17, 40, 5, 120, 9, 64, 1)]
+    expected = [[t for step in Engine(quantized).generate(ids, GenerationSettings(max_new_tokens=12)) for t in step.tokens]
+                for ids in prompts]
+    stops = {expected[0][4], expected[3][2]}
+    decoder = KernelSlots(quantized, slots=3, max_prompt_tokens=200, max_new_tokens=12, stop_ids=stops)
+    answers = {a.request.tag: a for a in decoder.run(deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts)))}
+    for i, tokens in enumerate(expected):
+        ended = next((at for at, token in enumerate(tokens) if token in stops), None)
+        assert (answers[i].tokens, answers[i].finish) == (tokens[:ended], "length" if ended is None else "stop"), i
+    times = decoder.times
+    assert times.prefills == len(prompts) and times.prefill_tokens == times.prefill_positions == sum(map(len, prompts))
+    assert times.busy_rows == sum(len(a.tokens) + (a.finish == "stop") - 1 for a in answers.values())
+
+
+def test_the_kernels_sampled_answers_follow_the_quantized_targets_distribution(quantized):
+    """The first two tokens at temperature 1, answered among other prompts in 8 slots, against the
+    distribution the quantized target's own forward gives."""
+    prompt, runs = [5, 80, 81, 82, 256], 300
+    others = [[7] * 3, list(range(30, 70)), [9, 10]]
+
+    def sample(seed):
+        requests = deque()
+        for i in range(runs):
+            requests.append(Request(prompt, 1.0, "mine"))
+            if i % 3 == 0:
+                requests.append(Request(others[i % 9 // 3], float(i % 2), "other"))
+        decoder = KernelSlots(quantized, slots=8, max_prompt_tokens=64, max_new_tokens=2, stop_ids=frozenset(), seed=seed)
+        counts = {}
+        for answer in decoder.run(requests):
+            if answer.request.tag == "mine":
+                counts[tuple(answer.tokens)] = counts.get(tuple(answer.tokens), 0) + 1
+        return counts
+
+    def p_next(ids):
+        logits = quantized.forward(torch.tensor([ids]), quantized.new_cache(), logits_for="last").logits
+        return torch.softmax(logits[0].double(), -1)
+
+    with torch.inference_mode():
+        p1 = p_next(prompt)
+        joint = {(a, b): float(p1[a] * q) for a in p1.nonzero()[:, 0].tolist() for b, q in enumerate(p_next(prompt + [a]))
+                 if q > 0}
+    assert_follows(sample, joint, seed=11)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

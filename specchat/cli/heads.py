@@ -62,6 +62,11 @@ def data_prompts(folder, sources, sharegpt, max_turns):
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto")
 @click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @click.option("--profile", envvar="SPECCHAT_PROFILE", help="Profile whose model is the target.")
+@click.option("--quantize", type=click.Choice((decoding.AUTO, "none", *decoding.KERNEL_BITS)), default=decoding.AUTO,
+              show_default=True,
+              help="Target weights: int5/int4 (specchat's CPU kernel: the busy slots' tokens as rows of one call, "
+                   "each answer what a chat on that target says), none (the dtype's own). auto: int5 where the "
+                   "kernel runs (an x86 CPU with AVX2 and a C++ compiler), else none.")
 @click.option("--temperature", "temperatures", type=click.FloatRange(min=0), multiple=True,
               help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
@@ -77,7 +82,7 @@ def data_prompts(folder, sources, sharegpt, max_turns):
               help="Start no answer after this many minutes; those under way finish (the shard is closed; "
                    "run again to go on).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
-def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatures, batch, max_new_tokens,
+def data_regenerate(folder, model, gguf_file, dtype, device, profile, quantize, temperatures, batch, max_new_tokens,
                     max_prompt_tokens, max_turns, part, max_minutes, seed):
     """Answer FOLDER/prompts.jsonl with the target, every user turn in order, into FOLDER/shards
     (resumable: what the shards hold is not answered again)."""
@@ -94,7 +99,7 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, temperatur
     from specchat.train import prompts as prompts_mod
     from specchat.train.regenerate import RegenerateOptions, batch_size_for, regenerate
 
-    target = app.training_target(model, gguf_file, dtype, device, profile)
+    target = app.training_target(model, gguf_file, dtype, device, profile, quantize)
     options = RegenerateOptions(temperatures=tuple(temperatures) or DATA_TEMPERATURES,
                                 batch_size=batch or batch_size_for(target.device),
                                 max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,

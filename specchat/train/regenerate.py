@@ -6,10 +6,11 @@ self-distillation its largest lever). Each prompt's user turns are answered in o
 the target's own earlier answers (multi-turn where the source is), at every temperature asked for
 (greedy, like the decoding heads mostly serve, and 1, which shows a head the target's other
 likely continuations). The turns are answered many at a time by continuous batching
-(`specchat.train.batched.SlotDecoder`: a finished answer's slot takes the next prompt, a
-conversation's next turn is asked as soon as its answer is in), and every answer goes to a shard
-of the data folder (`specchat.train.datafolder`) as it ends, so a run stopped by its time limit,
-Ctrl-C or a crash resumes where it stopped, on this machine or another.
+(`specchat.train.batched.SlotDecoder`; `KernelSlots` for a target of the CPU kernel's quantized
+layers: a finished answer's slot takes the next prompt, a conversation's next turn is asked as soon
+as its answer is in), and every answer goes to a shard of the data folder
+(`specchat.train.datafolder`) as it ends, so a run stopped by its time limit, Ctrl-C or a crash
+resumes where it stopped, on this machine or another.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.decode import KVCache, cache_argument
-from specchat.train.batched import Answer, Request, SlotDecoder, SlotTimes
+from specchat.train.batched import Answer, Request, SlotTimes, slot_decoder
 from specchat.train.data import read_conversations
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
 from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, REGENERATE_BATCH, on_device
@@ -122,8 +123,8 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
         report.stopped = options.max_seconds is not None and time.monotonic() - started > options.max_seconds
         return not report.stopped
 
-    decoder = SlotDecoder(target, options.batch_size, options.max_prompt_tokens, options.max_new_tokens, stop_ids,
-                          seed=options.seed ^ zlib.crc32(conversations[0].prompt.key.encode())) \
+    decoder = slot_decoder(target)(target, options.batch_size, options.max_prompt_tokens, options.max_new_tokens,
+                                   stop_ids, seed=options.seed ^ zlib.crc32(conversations[0].prompt.key.encode())) \
         if target.own_forward is not None and conversations else None
     answers = decoder.run(pending, admit) if decoder is not None else _generated(target, pending, options, stop_ids, admit)
     top_up()

@@ -18,6 +18,7 @@
 #include "layers.h"
 #include "woq_linear.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -195,16 +196,51 @@ struct Layer : torch::CustomClassHolder {
       attend(rows, n, skipped, shape.attention, cache, span, shape.scaling, attended.data_ptr<T>());
       return 0;
     });
+    return finish<T>(shape, attended, skipped ? residual.narrow(0, skipped, kept).contiguous() : residual, timings);
+  }
+
+  // `step` for rows that are each a sequence of its own (regeneration's slots): row r's key and value
+  // go to position lengths[r] of caches[r], and it attends to that cache's positions 0 .. lengths[r].
+  // A row gets the bits `step` gives it decoding its sequence alone (the products are row by row, and
+  // so is the attention: its kv heads in one thread here, each head's loop the same).
+  template <typename T>
+  at::Tensor step_apart(const Shape& shape, const at::Tensor& attention_input, const at::Tensor& residual,
+                        const at::Tensor& cos, const at::Tensor& sin, const std::vector<LayerCache<T>>& caches,
+                        const int64_t* lengths) const {
+    const int64_t n = attention_input.size(0), heads = shape.attention.heads, D = shape.attention.head_dim;
+    const int64_t width = (heads + 2 * shape.attention.kv_heads) * D;
+    at::Tensor projected = (*qkv)(attention_input, shape.isa);
+    at::Tensor attended = at::empty({n, heads * D}, attention_input.options());
+    T* rows = projected.data_ptr<T>();
+    T* out = attended.data_ptr<T>();
+    const T* cosines = cos.data_ptr<T>();
+    const T* sines = sin.data_ptr<T>();
+    const T* q_normed = q_norm ? q_norm->data_ptr<T>() : nullptr;
+    const T* k_normed = k_norm ? k_norm->data_ptr<T>() : nullptr;
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        rotate_into_cache(rows + r * width, 1, shape.attention, q_normed, k_normed, shape.eps, cosines + r * D,
+                          sines + r * D, caches[r], lengths[r]);
+        attend(rows + r * width, 1, 0, shape.attention, caches[r], Span{lengths[r], 1, nullptr}, shape.scaling,
+               out + r * heads * D);
+      }
+    });
+    return finish<T>(shape, attended, residual, nullptr);
+  }
+
+  // residual + o(attended), then + down(act(gate) * up) of its norm: [rows, H].
+  template <typename T>
+  at::Tensor finish(const Shape& shape, const at::Tensor& attended, const at::Tensor& residual, Timings* timings) const {
+    double* products = timings ? &timings->products : nullptr;
     at::Tensor h = timed(products, [&] { return (*o)(attended, shape.isa); });
-    const at::Tensor kept_residual = skipped ? residual.narrow(0, skipped, kept).contiguous() : residual;
-    add_into(h.data_ptr<T>(), kept_residual.data_ptr<T>(), h.numel());
-    const int64_t hidden = h.size(1);
+    add_into(h.data_ptr<T>(), residual.data_ptr<T>(), h.numel());
+    const int64_t rows = h.size(0), hidden = h.size(1);
     at::Tensor normed = at::empty_like(h);
-    rms_norm(h.data_ptr<T>(), post_norm.data_ptr<T>(), normed.data_ptr<T>(), kept, hidden, shape.eps);
-    at::Tensor gated = timed(products, [&] { return (*gate_up)(normed, shape.isa); });  // [kept, 2I]: gate, then up
+    rms_norm(h.data_ptr<T>(), post_norm.data_ptr<T>(), normed.data_ptr<T>(), rows, hidden, shape.eps);
+    at::Tensor gated = timed(products, [&] { return (*gate_up)(normed, shape.isa); });  // [rows, 2I]: gate, then up
     const int64_t inner = gated.size(1) / 2;
-    at::Tensor act = at::empty({kept, inner}, h.options());
-    silu_times(gated.data_ptr<T>(), act.data_ptr<T>(), kept, inner);
+    at::Tensor act = at::empty({rows, inner}, h.options());
+    silu_times(gated.data_ptr<T>(), act.data_ptr<T>(), rows, inner);
     at::Tensor out = timed(products, [&] { return (*down)(act, shape.isa); });
     add_into(out.data_ptr<T>(), h.data_ptr<T>(), out.numel());
     return out;
@@ -282,6 +318,54 @@ struct Decoder : torch::CustomClassHolder {
     std::vector<at::Tensor> taken;
     for (const int64_t index : features) taken.push_back(hidden.at(index));
     return {hidden[count], taken};
+  }
+
+  // One new token for each of n sequences held apart (regeneration's slots: specchat/train/batched.py's
+  // KernelSlots): x [n, H] at the positions cos/sin [n, d] give; sequence r's cache is keys/values
+  // [slots[r]] of [slots, layers, kv_heads, capacity, d], its first lengths[r] positions written, and
+  // the new entry goes to position lengths[r]. Returns the final normed states [n, H], each row's the
+  // bits `forward` gives it decoding its sequence alone.
+  at::Tensor forward_apart(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                           const at::Tensor& values, const at::Tensor& slots, const at::Tensor& lengths) {
+    const int64_t n = x.size(0), count = static_cast<int64_t>(layers.size());
+    const Heads& heads = shape.attention;
+    TORCH_CHECK(x.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == n, "x [n, H], cos and sin [n, d]");
+    TORCH_CHECK(keys.dim() == 5 && keys.size(1) == count && keys.size(2) == heads.kv_heads &&
+                    keys.size(4) == heads.head_dim && keys.is_contiguous() && values.sizes() == keys.sizes() &&
+                    values.is_contiguous() && keys.scalar_type() == x.scalar_type() &&
+                    values.scalar_type() == x.scalar_type(),
+                "keys, values: contiguous [slots, layers, kv_heads, capacity, d] in x's dtype");
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == n && slots.scalar_type() == at::kLong && lengths.dim() == 1 &&
+                    lengths.size(0) == n && lengths.scalar_type() == at::kLong, "slots, lengths: [n] int64");
+    TORCH_CHECK(head_size_supported(heads.head_dim) && heads.heads % heads.kv_heads == 0 &&
+                heads.heads / heads.kv_heads <= 16, "head sizes 16, 32, 64 and 128, at most 16 query heads per KV head");
+    const at::Tensor slot_of = slots.contiguous(), length_of = lengths.contiguous();
+    const int64_t* slot = slot_of.data_ptr<int64_t>();
+    const int64_t* length = length_of.data_ptr<int64_t>();
+    const int64_t capacity = keys.size(3), layer_size = heads.kv_heads * capacity * heads.head_dim;
+    for (int64_t r = 0; r < n; ++r)
+      TORCH_CHECK(slot[r] >= 0 && slot[r] < keys.size(0) && length[r] >= 0 && length[r] < capacity,
+                  "a slot outside the cache, or a sequence at its capacity");
+    x = x.contiguous();
+    at::Tensor final;
+    dispatch(x, [&](auto zero) {
+      using T = decltype(zero);
+      const at::Tensor cosines = cos.contiguous(), sines = sin.contiguous();
+      at::Tensor normed = at::empty_like(x);
+      std::vector<LayerCache<T>> caches(n);
+      for (int64_t l = 0; l < count; ++l) {
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t at_layer = (slot[r] * count + l) * layer_size;
+          caches[r] = LayerCache<T>{keys.data_ptr<T>() + at_layer, values.data_ptr<T>() + at_layer, capacity};
+        }
+        rms_norm(x.data_ptr<T>(), input_norms[l].data_ptr<T>(), normed.data_ptr<T>(), n, x.size(1), shape.eps);
+        x = layers[l]->step_apart<T>(shape, normed, x, cosines, sines, caches, length);
+      }
+      final = at::empty_like(x);
+      rms_norm(x.data_ptr<T>(), final_norm.data_ptr<T>(), final.data_ptr<T>(), n, x.size(1), shape.eps);
+      return 0;
+    });
+    return final;
   }
 };
 
@@ -432,6 +516,7 @@ TORCH_LIBRARY(specchat, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string, std::vector<c10::intrusive_ptr<Layer>>,
                        std::vector<at::Tensor>, at::Tensor>())
       .def("forward", &Decoder::forward)
+      .def("forward_apart", &Decoder::forward_apart)
       .def("set_profiling", [](const c10::intrusive_ptr<Decoder>& self, bool on) { self->profiling = on; })
       .def("take_timings", &Decoder::take_timings);
   m.class_<Block>("Block")
