@@ -66,7 +66,8 @@ def data_prompts(folder, sources, sharegpt, max_turns):
               show_default=True,
               help="Target weights: int5/int4 (specchat's CPU kernel: the busy slots' tokens as rows of one call, "
                    "each answer what a chat on that target says), none (the dtype's own). auto: int5 where the "
-                   "kernel runs (an x86 CPU with AVX2 and a C++ compiler), else none.")
+                   "kernel runs (an x86 CPU with AVX2 and a C++ compiler) unless --dtype float32 is asked for, "
+                   "else none.")
 @click.option("--temperature", "temperatures", type=click.FloatRange(min=0), multiple=True,
               help="Answer at this temperature (0: greedy); repeat for several (default: 0 and 1).")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
