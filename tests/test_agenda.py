@@ -19,7 +19,7 @@ from specchat.train import agenda
 from specchat.train.agenda import back as way_back
 from specchat.train.agenda import pieces as staging
 from specchat.train.agenda import plan, stages
-from specchat.train.datafolder import DataFolder
+from specchat.train.datafolder import DataFolder, keep
 
 
 def record(key, turn, temperature=0.0):
@@ -136,14 +136,18 @@ def test_a_blocks_answers_are_kept_and_every_later_block_trains_on_them(tmp_path
     with data.writer() as shard:
         shard.write(record("k4", 1))
     (data.path / "prompts.jsonl").write_text("")
+    # and a CPU session answered one between the blocks (`data regenerate --keep docs/answers/NAME`)
+    with DataFolder(tmp_path / "cpu").writer() as shard:
+        shard.write(record("k5", 1))
+    keep(shard.closed, Path("docs/answers/cpu1"))
     staging.data_tarball(data.path, tmp_path / "data.tgz")
     with tarfile.open(tmp_path / "data.tgz") as tar:
         tar.extractall(tmp_path / "next-block", filter="data")
     answers = DataFolder(tmp_path / "next-block").scan().answers
-    assert set(answers) == {("k1", 0.0), ("k2", 0.0), ("k3", 1.0), ("k4", 0.0)}
+    assert set(answers) == {("k1", 0.0), ("k2", 0.0), ("k3", 1.0), ("k4", 0.0), ("k5", 0.0)}
     # a session that still holds a block's returned shards sends them once
-    assert staging.kept_answers(tmp_path / "session1") == []
-    assert len(staging.kept_answers(data.path)) == 4
+    assert len(staging.kept_answers(tmp_path / "session1")) == 2  # the CPU session's only
+    assert len(staging.kept_answers(data.path)) == 6
 
 
 def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):

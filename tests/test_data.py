@@ -404,9 +404,10 @@ def test_data_commands(tmp_path, capsys, qwen_dir):
     assert status == 0, err
     assert "2 prompt records, 3 user turns to answer" in out
     status, _, err = invoke(["data", "regenerate", str(tmp_path / "data"), "--model", str(qwen_dir), "--device", "cpu",
-                             "--dtype", "float32", "--max-new-tokens", "4", "--temperature", "0", "--part", "1/1"],
-                            capsys)
+                             "--dtype", "float32", "--max-new-tokens", "4", "--temperature", "0", "--part", "1/1",
+                             "--keep", str(tmp_path / "kept")], capsys)
     assert status == 0 and "answered 3 greedy" in err and "slots busy" in err and "prompt tokens" in err, err
+    assert len(kept_shards(tmp_path / "kept")) == 2 and "kept " in err  # the run's shard, compressed, and its checksum
     status, out, _ = invoke(["data", "status", str(tmp_path / "data")], capsys)
     assert status == 0 and "2 prompts answered, 3 turns (100% of the turns)" in out and "all checksums right" in out
     status, _, err = invoke(["data", "regenerate", str(tmp_path / "data"), "--part", "3/2"], capsys)

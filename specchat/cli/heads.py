@@ -9,6 +9,7 @@ so `specchat --help` stays quick.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import click
 
@@ -83,14 +84,17 @@ def data_prompts(folder, sources, sharegpt, max_turns):
               help="Start no answer after this many minutes; those under way finish (the shard is closed; "
                    "run again to go on).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
+@click.option("--keep", "kept", type=click.Path(file_okay=False), default=None,
+              help="Also keep this run's answers, their shard gzip-compressed with its checksum, in this folder "
+                   "(the GPU agenda's pack sends every answer kept under docs/answers/ and docs/bench-gpu/*/answers/).")
 def data_regenerate(folder, model, gguf_file, dtype, device, profile, quantize, temperatures, batch, max_new_tokens,
-                    max_prompt_tokens, max_turns, part, max_minutes, seed):
+                    max_prompt_tokens, max_turns, part, max_minutes, seed, kept):
     """Answer FOLDER/prompts.jsonl with the target, every user turn in order, into FOLDER/shards
     (resumable: what the shards hold is not answered again)."""
     index, _, count = part.partition("/")
     if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
         raise UsageError(f"--part {part}: expected I/N with 1 <= I <= N")
-    from specchat.train.datafolder import DataFolder  # (no torch; here so that other commands start without it)
+    from specchat.train.datafolder import DataFolder, keep  # (no torch; here so that other commands start without it)
 
     prompts_path = DataFolder(folder).prompts_path
     if not prompts_path.is_file():
@@ -113,6 +117,8 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, quantize, 
     click.echo(f"specchat data regenerate: {report.summary()}", err=True)
     if breakdown := report.breakdown():
         click.echo(f"specchat data regenerate: {breakdown}", err=True)
+    if kept and report.shard is not None:
+        click.echo(f"specchat data regenerate: kept {keep(report.shard, Path(kept))}", err=True)
 
 
 @data.command(name="import")

@@ -164,6 +164,7 @@ class ShardWriter:
         self.sink = open(self.partial, "a", encoding="utf-8")
         fcntl.flock(self.sink, fcntl.LOCK_EX)  # while it is held, no scan closes the shard under us
         self.records = 0
+        self.closed: Path | None = None  # the shard, once closed (None: no record was written)
 
     def write(self, record: dict) -> None:
         self.sink.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -174,9 +175,9 @@ class ShardWriter:
 
     def close(self) -> Path | None:
         self.sink.flush()
-        shard = _close(self.partial)  # under its lock: no scan closes it too
+        self.closed = _close(self.partial)  # under its lock: no scan closes it too
         self.sink.close()
-        return shard
+        return self.closed
 
     def __enter__(self) -> ShardWriter:
         return self

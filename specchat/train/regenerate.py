@@ -20,6 +20,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,7 @@ class RegenerateReport:
     stopped: bool = False  # by the time limit
     scan: Scan | None = None  # the folder afterwards
     times: SlotTimes | None = None  # where the continuous batching's time went (None: transformers' generate)
+    shard: Path | None = None  # the shard this run wrote, closed (None: it answered nothing)
 
     def summary(self) -> str:
         answered = ", ".join(f"{n:,} {name}" for name, n in self.answered.items()) or "nothing"
@@ -145,6 +147,7 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
             finished += 1
             if progress:
                 progress(finished, total)
+    report.shard = shard.closed
     report.stopped = report.stopped and any(c.done < c.limit and not c.too_long for c in conversations)
     report.too_long = sum(c.too_long for c in conversations)
     report.pending = {temperature_name(t): sum(max(0, c.limit - c.done) for c in conversations

@@ -65,10 +65,12 @@ def data_tarball(data: Path, tarball: Path) -> None:
 
 
 def kept_answers(data: Path) -> list[Path]:
-    """The answers earlier blocks brought back and the repository keeps (`collect --keep`), but those
-    whose shard the data folder `data` holds already."""
+    """The answers earlier blocks brought back and CPU sessions made, which the repository keeps
+    (`collect --keep`, `data regenerate --keep`), but those whose shard the data folder `data` holds
+    already."""
     there = {path.name for path in (data / SHARDS).glob("*.jsonl")}
-    return [path for folder in sorted(Path().glob(plan.KEPT_ANSWERS)) for path in kept_shards(folder)
+    folders = sorted(folder for pattern in plan.KEPT_ANSWERS for folder in Path().glob(pattern))
+    return [path for folder in folders for path in kept_shards(folder)
             if path.name.removesuffix(KEPT).removesuffix(".sha256") not in there]
 
 

@@ -15,10 +15,11 @@ WHEELS = ("gguf==0.19.0", "prompt_toolkit==3.0.53", "wcwidth==0.9.4")  # what th
 HEADS = ("qwen2.5-coder-0.5b-eagle3", "qwen2.5-coder-0.5b-eagle", "qwen2.5-coder-0.5b-jakiro")  # the bench's
 MODEL_PACKAGES = EMBEDDED_MODELS[DEFAULT_MODEL].packages  # the embedded 0.5B's GGUF chunks
 PIECES = Path(".gpu/pieces")
-# The answers each block brought back, kept compressed in its record folder (`collect --keep`): `pack`
+# The answers each block brought back, kept compressed in its record folder (`collect --keep`), and
+# those CPU sessions answered between blocks (`data regenerate --keep docs/answers/NAME`): `pack`
 # sends them all, so every block trains on every answer so far. A returned shard holds at most
 # SHARD_RECORDS answers (~3 KB each, ~40% of that compressed: a kept file stays under 25 MB).
-KEPT_ANSWERS = "docs/bench-gpu/*/answers"
+KEPT_ANSWERS = ("docs/bench-gpu/*/answers", "docs/answers/*")
 SHARD_RECORDS = 10_000
 THERE = Path("/tmp/agenda")  # on the GPU machine: chunks, files, wheels, data, work, results
 # What the issue judges on the GPU: plain decode tok/s and the default's speedup (and prompt lookup's,
