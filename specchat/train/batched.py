@@ -427,8 +427,8 @@ class KernelSlots(SlotDecoder):
     prefill). Every row gets the bits decoding its sequence alone gives it, so a greedy answer is
     token for token what the chat's plain decoding of that target says. On two AVX-512 Xeon cores,
     32 slots of the 0.5B answered 203 tokens a second against 46 for `SlotDecoder` in bf16 (the
-    shared training prompts, 2026-11-30): a row costs the kernel its int8 products, where torch's
-    bf16 products read every weight as two bytes and multiply in float."""
+    shared training prompts, 2026-11-30): a row costs the kernel its int8 products over 5-bit weights,
+    where torch reads every weight as two bytes."""
 
     def _new_cache(self, slots: int, capacity: int) -> SlotCache:
         return SlotCache(self.forward, slots, capacity, apart=True)
