@@ -164,8 +164,22 @@ def test_live_forwards_rescale_a_curve_they_contradict_and_only_a_too_dear_one_i
     assert curve.cost(2) == pytest.approx(40.0)  # the costs read before are not reused
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 6.0)
-    assert curve.milliseconds == {1: 3.0, 4: 6.0} and kept == [curve]
+    assert curve.milliseconds == {1: 3.0, 4: 6.0} and kept == [curve] and curve.kept == {1: 3.0, 4: 6.0}
     assert curve.cost(2) == pytest.approx(4.0) and curve.cost(8) == pytest.approx(10.0)
+
+
+def test_a_curve_made_dearer_by_a_busy_spell_is_never_kept_dearer_than_it_was():
+    """Live forwards three times the curve (the machine busy) make it dearer for the session; once the
+    machine is quiet, forwards at half that rescaled curve make it cheaper again, which is still 1.5x
+    what was measured: what the cache keeps stays the measured curve."""
+    kept = []
+    curve = Curve({1: 10.0, 4: 20.0}, on_rescaled=kept.append)
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(4, 60.0)
+    for _ in range(calibrate.LIVE_EVIDENCE):
+        curve.observe(4, 30.0)
+    assert curve.milliseconds == {1: 15.0, 4: 30.0}  # this session's
+    assert curve.kept == {1: 10.0, 4: 20.0}
 
 
 def test_a_curve_wrong_in_its_shape_is_healed_size_by_size_and_the_sizes_above_with_it():

@@ -127,8 +127,9 @@ class Curve:
             self.live.clear()
             for recent in self.live_by_size.values():
                 recent.clear()
-            if overall < TOO_CHEAP:
-                self.kept = dict(self.milliseconds)
+            if overall < TOO_CHEAP:  # (cheaper than the curve of now, which a busy spell may have made dearer:
+                # kept only where cheaper than what is kept)
+                self.kept = {size: min(ms, self.milliseconds[size]) for size, ms in self.kept.items()}
                 if self.on_rescaled is not None:
                     self.on_rescaled(self)
             return
