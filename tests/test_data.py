@@ -220,25 +220,34 @@ def test_the_gpus_stacked_attention_computes_what_the_cpus_grouped_one_does():
         assert torch.allclose(stacked, grouped(q, k, v, mask, 0.25), atol=1e-5)
 
 
-def test_sampled_answers_follow_the_targets_distribution(target):
-    """The first two tokens of a prompt's answers at temperature 1 (the first drawn after the prefill,
-    the second by a decoding step), answered among other prompts, greedy and sampled, in 8 slots."""
-    prompt, runs = [5, 80, 81, 82, 256], 300
+SAMPLED_PROMPT = [5, 80, 81, 82, 256]
+
+
+def first_two_sampled(decoder_class, target, seed: int, runs: int = 300) -> dict[tuple[int, ...], int]:
+    """Counts of the first two tokens of `runs` answers to SAMPLED_PROMPT at temperature 1 (the first
+    drawn after the prefill, the second by a decoding step), answered among other prompts, greedy and
+    sampled, in 8 slots of a `decoder_class` seeded with `seed`."""
     others = [[7] * 3, list(range(30, 70)), [9, 10]]
+    requests = deque()
+    for i in range(runs):
+        requests.append(Request(SAMPLED_PROMPT, 1.0, "mine"))
+        if i % 3 == 0:
+            requests.append(Request(others[i % 9 // 3], float(i % 2), "other"))
+    decoder = decoder_class(target, slots=8, max_prompt_tokens=64, max_new_tokens=2, stop_ids=frozenset(), seed=seed)
+    counts = {}
+    for answer in decoder.run(requests):
+        if answer.request.tag == "mine":
+            counts[tuple(answer.tokens)] = counts.get(tuple(answer.tokens), 0) + 1
+    assert sum(counts.values()) == runs
+    return counts
+
+
+def test_sampled_answers_follow_the_targets_distribution(target):
+    """The first two tokens at temperature 1 (`first_two_sampled`) against the target's distribution."""
+    prompt = SAMPLED_PROMPT
 
     def sample(seed):
-        requests = deque()
-        for i in range(runs):
-            requests.append(Request(prompt, 1.0, "mine"))
-            if i % 3 == 0:
-                requests.append(Request(others[i % 9 // 3], float(i % 2), "other"))
-        decoder = SlotDecoder(target, slots=8, max_prompt_tokens=64, max_new_tokens=2, stop_ids=frozenset(), seed=seed)
-        counts = {}
-        for answer in decoder.run(requests):
-            if answer.request.tag == "mine":
-                counts[tuple(answer.tokens)] = counts.get(tuple(answer.tokens), 0) + 1
-        assert sum(counts.values()) == runs
-        return counts
+        return first_two_sampled(SlotDecoder, target, seed)
 
     with torch.no_grad():  # p(x1) p(x2 | x1), every x1 in one forward
         p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1].double(), -1)
@@ -277,23 +286,12 @@ def test_the_kernels_slots_answer_each_prompt_as_the_chat_decodes_it_alone(quant
 
 
 def test_the_kernels_sampled_answers_follow_the_quantized_targets_distribution(quantized):
-    """The first two tokens at temperature 1, answered among other prompts in 8 slots, against the
-    distribution the quantized target's own forward gives."""
-    prompt, runs = [5, 80, 81, 82, 256], 300
-    others = [[7] * 3, list(range(30, 70)), [9, 10]]
+    """The first two tokens at temperature 1 (`first_two_sampled`) through the kernel's slots, against
+    the distribution the quantized target's own forward gives."""
+    prompt = SAMPLED_PROMPT
 
     def sample(seed):
-        requests = deque()
-        for i in range(runs):
-            requests.append(Request(prompt, 1.0, "mine"))
-            if i % 3 == 0:
-                requests.append(Request(others[i % 9 // 3], float(i % 2), "other"))
-        decoder = KernelSlots(quantized, slots=8, max_prompt_tokens=64, max_new_tokens=2, stop_ids=frozenset(), seed=seed)
-        counts = {}
-        for answer in decoder.run(requests):
-            if answer.request.tag == "mine":
-                counts[tuple(answer.tokens)] = counts.get(tuple(answer.tokens), 0) + 1
-        return counts
+        return first_two_sampled(KernelSlots, quantized, seed)
 
     def p_next(ids):
         logits = quantized.forward(torch.tensor([ids]), quantized.new_cache(), logits_for="last").logits
