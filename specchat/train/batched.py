@@ -438,10 +438,8 @@ class KernelSlots(SlotDecoder):
         first = []
         for slot, request in chosen:
             n = len(request.ids)
-            x = self.forward.embed_tokens(torch.tensor(request.ids)[None])[0]
-            cos, sin = self.forward.rotary_emb(x, torch.arange(n)[None])
-            final, _ = self.forward.fused.forward(x, cos[0], sin[0], self.cache.keys[slot], self.cache.values[slot], 0,
-                                                  None, [])
+            inputs = self.forward.fused_inputs(torch.tensor(request.ids)[None], torch.arange(n)[None])
+            final, _ = self.forward.fused.forward(*inputs, self.cache.keys[slot], self.cache.values[slot], 0, None, [])
             hot = torch.tensor([request.temperature])
             first.append(int(draw(self.target.lm_head(final[-1:]), hot, self.generator, request.temperature > 0)))
             self.times.prefills += 1
@@ -453,9 +451,8 @@ class KernelSlots(SlotDecoder):
         """One token for every busy slot (idle ones run no row)."""
         slots = torch.tensor([slot for slot, request in enumerate(self.requests) if request is not None])
         positions = self.positions[slots]
-        x = self.forward.embed_tokens(self.tokens[slots])
-        cos, sin = self.forward.rotary_emb(x, positions[None])
-        final = self.forward.fused.forward_apart(x, cos[0], sin[0], self.cache.keys, self.cache.values, slots, positions)
+        inputs = self.forward.fused_inputs(self.tokens[slots][None], positions[None])
+        final = self.forward.fused.forward_apart(*inputs, self.cache.keys, self.cache.values, slots, positions)
         self.drawn[slots] = draw(self.target.lm_head(final), self.temperatures[slots], self.generator, sampled)
 
 

@@ -184,12 +184,18 @@ class DecoderForward:
         cached prefix (`verify_inputs`, `causal_mask`): only their part over the new rows is passed."""
         start, n = cache.length, input_ids.shape[1]
         keys, values = cache.storage.buffers
-        x = self.embed_tokens(input_ids)[0]
-        cos, sin = self.rotary_emb(x, positions)
         block = None if mask is None else mask[0, 0, :, start:].contiguous()
-        final, features = self.fused.forward(x, cos[0], sin[0], keys, values, start, block, list(feature_layers))
+        final, features = self.fused.forward(*self.fused_inputs(input_ids, positions), keys, values, start, block,
+                                             list(feature_layers))
         cache.extend(n)
         return final, features
+
+    def fused_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the extension's `Decoder` takes of `input_ids` [1, n] at `positions` [1, n]: the embedded
+        tokens [n, H] and their rotary angles cos and sin [n, d] (each row its own)."""
+        x = self.embed_tokens(input_ids)[0]
+        cos, sin = self.rotary_emb(x, positions)
+        return x, cos[0], sin[0]
 
     def at(self, input_ids: torch.Tensor, cache: LayerKV, positions: torch.Tensor, mask: torch.Tensor,
            slots: torch.Tensor, span: int, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
