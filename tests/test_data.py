@@ -205,6 +205,45 @@ def test_prompts_admitted_together_are_prefilled_in_groups_of_near_lengths(targe
     assert answers == {i: alone(target, ids, 3) for i, ids in enumerate(prompts)}
 
 
+def conversations_in_slots(decoder, first_turns: list[list[int]], follow: dict[int, list[int]]) -> dict:
+    """Run `first_turns` through `decoder`, asking each one's follow-up as `regenerate` does: as soon as
+    its answer is in, first in the queue, after it. `follow[i]`: the follow-up's tokens past the answer
+    (None: a follow-up that re-tokenized the answer otherwise: all but its first two answer tokens
+    replaced). Returns {tag: (prompt ids, answer)}; the follow-ups' tags are (i, 2)."""
+    pending = deque(Request(ids, 0.0, (i, 1)) for i, ids in enumerate(first_turns))
+    answers = {}
+    for answer in decoder.run(pending):
+        answers[answer.request.tag] = (answer.request.ids, answer.tokens)
+        i, turn = answer.request.tag
+        if turn == 1 and i in follow:
+            said = answer.tokens if follow[i] is not None else answer.tokens[:2] + [(t + 1) % 256 for t in answer.tokens[2:]]
+            ids = answer.request.ids + said + [255] + (follow[i] or [1, 2, 3])
+            pending.appendleft(Request(ids, 0.0, (i, 2), after=answer.request))
+    return answers
+
+
+def test_a_conversations_next_turn_runs_only_what_its_slot_does_not_hold(target):
+    """A follow-up goes to the slot that answered its conversation's last turn, whose cache still holds
+    that prompt and answer: only the rest is prefilled (up to where the follow-up first differs, when
+    its answer was re-tokenized otherwise), and its answer is still decoding it alone. Other prompts
+    take slots that hold nothing first."""
+    torch.manual_seed(1)
+    first = [torch.randint(0, 255, (n,)).tolist() for n in (40, 9, 70, 3, 25)]
+    follow = {0: [10, 11, 12, 13], 2: list(range(100, 140)), 3: None, 4: [7]}
+    decoder = SlotDecoder(target, slots=3, max_prompt_tokens=200, max_new_tokens=6, stop_ids=set())
+    decoder.chunk, decoder.prefill_tokens = 16, 64
+    answers = conversations_in_slots(decoder, first, follow)
+    assert len(answers) == len(first) + len(follow)
+    for tag, (ids, tokens) in answers.items():
+        assert tokens == alone(target, ids, 6), tag
+    # Each follow-up reused its prompt and its answer but the answer's last token (never run), or for 3 the
+    # first two answer tokens; every other token was prefilled once.
+    reused = sum(len(first[i]) + (6 - 1 if follow[i] is not None else 2) for i in follow)
+    assert decoder.times.reused_tokens == reused
+    assert decoder.times.prefill_tokens == sum(len(ids) for ids, _ in answers.values()) - reused
+    assert f"{reused:,} reused from their slots" in decoder.times.summary(1.0)
+
+
 def test_the_gpus_stacked_attention_computes_what_the_cpus_grouped_one_does():
     """CUDA's path (one SDPA call, query heads stacked by KV head, the mask's bias made once a
     forward) against the CPU's (`drafters.attention.grouped`), run here on the CPU: packed rows of
@@ -283,6 +322,22 @@ def test_the_kernels_slots_answer_each_prompt_as_the_chat_decodes_it_alone(quant
     times = decoder.times
     assert times.prefills == len(prompts) and times.prefill_tokens == times.prefill_positions == sum(map(len, prompts))
     assert times.busy_rows == sum(len(a.tokens) + (a.finish == "stop") - 1 for a in answers.values())
+
+
+def test_the_kernels_slots_answer_a_conversations_next_turn_as_the_chat_does(quantized):
+    """Through the kernel, a follow-up prefilled only past what its slot holds (the earlier turn's prompt
+    and answer) answers token for token what the chat engine's plain decoding of the whole prompt says."""
+    torch.manual_seed(2)
+    first = [torch.randint(0, 255, (n,)).tolist() for n in (30, 8, 50)]
+    follow = {0: [10, 11, 12], 1: None, 2: list(range(60, 90))}
+    decoder = KernelSlots(quantized, slots=2, max_prompt_tokens=200, max_new_tokens=8, stop_ids=set())
+    answers = conversations_in_slots(decoder, first, follow)
+    for tag, (ids, tokens) in answers.items():
+        assert tokens == [t for step in Engine(quantized).generate(ids, GenerationSettings(max_new_tokens=8))
+                          for t in step.tokens], tag
+    reused = sum(len(first[i]) + (8 - 1 if follow[i] is not None else 2) for i in follow)
+    assert decoder.times.reused_tokens == reused
+    assert decoder.times.prefill_tokens == sum(len(ids) for ids, _ in answers.values()) - reused
 
 
 def test_the_kernels_sampled_answers_follow_the_quantized_targets_distribution(quantized):

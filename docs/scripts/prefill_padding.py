@@ -1,15 +1,19 @@
-"""How much of regeneration's prefill is padding: the slot decoder's admission replayed, without a
-model, on the requests a GPU block answered (`docs/bench-gpu/BLOCK/answers`: each conversation's
-turns, tokenized as `data regenerate` asks them), in regenerate's order (conversations by key, a
-finished turn's follow-up first in the queue), each answer as long as it was. A development script,
-not installed with the package: run it from a checkout.
+"""How much regeneration prefills, and how much of it is padding: the slot decoder's admission
+(`batched.SlotBook`) replayed, without a model, on the requests a GPU block answered
+(`docs/bench-gpu/BLOCK/answers`: each conversation's turns, tokenized as `data regenerate` asks
+them), in regenerate's order (conversations by key, a finished turn's follow-up first in the queue),
+each answer as long as it was. A development script, not installed with the package: run it from a
+checkout.
 
     python docs/scripts/prefill_padding.py docs/bench-gpu/h200-block4/answers [--slots 512 1024]
 
-For each slot count it prints the prefills' padding share, forwards and positions with the admitted
-prompts prefilled together and in groups of near lengths (`batched.near_lengths`), and a prefill
-time modelled as LAUNCH_MS a forward plus POSITION_US a position (the fourth block's H200: 46 s for
-596 forwards of 10.2k positions on average).
+For each slot count it prints the prompt tokens prefilled and reused, the prefills' padding share,
+forwards and positions: with the admitted prompts prefilled together, in groups of near lengths
+(`batched.near_lengths`), and in such groups with each follow-up reusing what its slot holds of its
+conversation (what `SlotDecoder` does; the follow-up taken to share its whole earlier prompt and
+answer, which holds where the answer's text tokenizes back to its tokens); and a prefill time
+modelled as LAUNCH_MS a forward plus POSITION_US a position (the fourth block's H200: 46 s for 596
+forwards of 10.2k positions on average, no reuse).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from collections import deque
 from pathlib import Path
 
 from specchat.app import training_target
-from specchat.train.batched import (PREFILL_CHUNK, PREFILL_TOKENS, REFILL_SHARE, Request, admitted, near_lengths,
-                                    prefill_chunks)
+from specchat.train.batched import (PREFILL_CHUNK, PREFILL_TOKENS, REFILL_SHARE, Request, Seat, SlotBook, admitted,
+                                    near_lengths, prefill_chunks)
 from specchat.train.regenerate import QUEUED_PER_SLOT
 
 LAUNCH_MS, POSITION_US = 4.0, 7.5
@@ -52,16 +56,19 @@ def prefill(lengths: list[int], chunk: int) -> tuple[int, int, int]:
     return positions, tokens, forwards
 
 
-def replay(turns: list[list[tuple[int, int]]], slots: int, grouped: bool) -> dict:
-    """SlotDecoder.run's admission over these conversations (CUDA's chunk, budget and refill share)."""
+def replay(turns: list[list[tuple[int, int]]], slots: int, how: str) -> dict:
+    """SlotDecoder.run's admission over these conversations (CUDA's chunk, budget and refill share):
+    `how` is "together", "grouped" or "reused" (grouped, follow-ups reusing their slots)."""
     chunk, budget = PREFILL_CHUNK["cuda"], PREFILL_TOKENS["cuda"]
     refill_at = max(1, round(REFILL_SHARE["cuda"] * slots))
     unasked, pending, done = iter(range(len(turns))), deque(), [0] * len(turns)
+    book = SlotBook(slots)
 
-    def ask(conversation: int, first: bool = False) -> None:
+    def ask(conversation: int, after: Request | None = None) -> None:
         if done[conversation] < len(turns[conversation]):
             n, _ = turns[conversation][done[conversation]]
-            (pending.appendleft if first else pending.append)(Request([0] * n, 0.0, conversation))
+            request = Request([0] * n, 0.0, conversation, after if how == "reused" else None)
+            (pending.appendleft if after is not None else pending.append)(request)
 
     def top_up() -> None:
         while len(pending) < QUEUED_PER_SLOT * slots and (conversation := next(unasked, None)) is not None:
@@ -69,26 +76,30 @@ def replay(turns: list[list[tuple[int, int]]], slots: int, grouped: bool) -> dic
 
     top_up()
     busy: dict[int, list] = {}  # slot -> [request, tokens still to come]
-    positions = tokens = forwards = 0
+    positions = tokens = forwards = reused = 0
     while pending or busy:
         free = [slot for slot in range(slots) if slot not in busy]
         if pending and free and (not busy or len(free) >= refill_at):  # as SlotDecoder.run admits
-            chosen = list(zip(free, admitted(pending, len(free), chunk, budget)))
-            for group in near_lengths(chosen) if grouped else [chosen]:
-                p, t, f = prefill([len(request.ids) for _, request in group], chunk)
+            seats = book.admit(pending, free, chunk, budget) if how == "reused" else \
+                [Seat(slot, request, 0) for slot, request in zip(free, admitted(pending, len(free), chunk, budget))]
+            for group in near_lengths(seats) if how != "together" else [seats]:
+                p, t, f = prefill([seat.length for seat in group], chunk)
                 positions, tokens, forwards = positions + p, tokens + t, forwards + f
-            for slot, request in chosen:
+            for slot, request, shared in seats:
                 busy[slot] = [request, turns[request.tag][done[request.tag]][1] - 1]
+                reused += shared
             continue
         for slot, entry in list(busy.items()):
             entry[1] -= 1
             if entry[1] <= 0:
-                conversation = busy.pop(slot)[0].tag
-                done[conversation] += 1
-                ask(conversation, first=True)
+                request = busy.pop(slot)[0]
+                answer = turns[request.tag][done[request.tag]][1]  # its tokens, the stop token's included
+                book.hold(slot, request, request.ids + [0] * (answer - 1))
+                done[request.tag] += 1
+                ask(request.tag, after=request)
                 top_up()
-    return {"padding": round(1 - tokens / positions, 3), "forwards": forwards, "positions": positions,
-            "prefill_s": round((forwards * LAUNCH_MS + positions * POSITION_US / 1000) / 1000, 1)}
+    return {"prefilled": tokens, "reused": reused, "padding": round(1 - tokens / positions, 3), "forwards": forwards,
+            "positions": positions, "prefill_s": round((forwards * LAUNCH_MS + positions * POSITION_US / 1000) / 1000, 1)}
 
 
 def main() -> None:
@@ -103,9 +114,9 @@ def main() -> None:
     print(f"{len(turns):,} conversations, {len(requests):,} requests, "
           f"{sum(requests) / len(requests):.0f} tokens on average")
     for slots in args.slots:
-        for grouped in (False, True):
-            how = "groups of near lengths" if grouped else "one prefill an admission"
-            print(f"{slots} slots, {how}: {replay(turns, slots, grouped)}")
+        for how, said in (("together", "one prefill an admission"), ("grouped", "groups of near lengths"),
+                          ("reused", "groups, follow-ups reusing their slots")):
+            print(f"{slots} slots, {said}: {replay(turns, slots, how)}")
 
 
 if __name__ == "__main__":

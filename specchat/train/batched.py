@@ -7,9 +7,12 @@ Two users, one forward (`rows_forward`, which calls the loaded model's modules a
   slot. Every decoding step feeds each busy slot its last token; a sequence that ends frees its
   slot, and the next prompt is prefilled into it (chunked, several prompts in one forward) while
   the others go on: continuous batching, rather than a batch that runs until its longest answer
-  ends. The decoding step has one shape per attention span (a few sizes), so on CUDA it is
-  captured as a CUDA graph once per span and replayed (`specchat.decode.runtime.graphs.StepGraphs`); the
-  host writes the step's inputs and reads the drawn tokens, one read per step.
+  ends. A conversation's next turn goes to the slot that answered its last one, which still holds
+  the conversation so far: only what the cache lacks is prefilled (the new user turn), as a chat
+  reuses its cached prefix. The decoding step has one shape per attention span (a few sizes), so
+  on CUDA it is captured as a CUDA graph once per span and replayed
+  (`specchat.decode.runtime.graphs.StepGraphs`); the host writes the step's inputs and reads the
+  drawn tokens, one read per step.
 - training (`specchat.train.features.packed_features`): several conversations packed into each
   row, each attending only to itself (`PackedAttention`), give the target's features for a batch
   on the device, with no feature files.
@@ -26,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -181,6 +185,26 @@ class Request:
     ids: list[int]  # the prompt's token ids
     temperature: float  # 0: greedy
     tag: object = None  # the caller's: what the answer belongs to
+    after: Request | None = None  # the request whose answer this one's conversation goes on from
+
+
+class Seat(NamedTuple):
+    """A request admitted into a slot whose cache already holds the first `reused` of its prompt's
+    tokens (an earlier turn of its conversation answered there; 0 for most)."""
+    slot: int
+    request: Request
+    reused: int
+
+    @property
+    def length(self) -> int:
+        """Prompt tokens to prefill."""
+        return len(self.request.ids) - self.reused
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` share from their start."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass
@@ -215,6 +239,7 @@ class SlotTimes:
     span_positions: int = 0  # summed over the steps: the positions each slot attended over
     prefills: int = 0  # prefill forwards (each a chunk of several prompts)
     prefill_tokens: int = 0  # prompt tokens run, padding left out
+    reused_tokens: int = 0  # prompt tokens not run: their slot held them from the conversation's earlier turn
     prefill_positions: int = 0  # the positions the prefill forwards ran, padding included
     prefill_seconds: float = 0.0
     capture_seconds: float = 0.0
@@ -230,8 +255,8 @@ class SlotTimes:
         rest = seconds - self.step_seconds - self.prefill_seconds - self.capture_seconds
         return (f"decoding {self.step_seconds:.0f} s ({self.steps:,} steps of {1000 * self.step_seconds / self.steps:.1f} ms, "
                 f"{self.busy_rows / self.steps:.0f} of {self.slots} slots busy, span {self.span_positions / self.steps:,.0f}), "
-                f"prefill {self.prefill_seconds:.0f} s ({self.prefills:,} forwards, {self.prefill_tokens:,} prompt tokens, "
-                f"{self.padding():.0%} of their positions padding), "
+                f"prefill {self.prefill_seconds:.0f} s ({self.prefills:,} forwards, {self.prefill_tokens:,} prompt tokens "
+                f"and {self.reused_tokens:,} reused from their slots, {self.padding():.0%} of their positions padding), "
                 f"capturing {self.capture_seconds:.0f} s, the rest (tokenizing, writing) {rest:.0f} s")
 
 
@@ -255,23 +280,63 @@ def admitted(pending: deque, free: int, chunk: int, budget: int) -> list[Request
 
 
 def prefill_chunks(lengths: list[int], chunk: int) -> Iterator[tuple[int, list[int], int]]:
-    """A prefill of prompts of these lengths, a chunk of positions at a time: (its first position, the
-    prompts that reach it, its width: the longest of them up to `chunk`)."""
+    """A prefill of prompts of these lengths (the tokens each runs), a chunk at a time: (its offset into
+    each prompt's part, the prompts that reach it, its width: the longest of them up to `chunk`)."""
     for start in range(0, max(lengths), chunk):
         rows = [i for i, n in enumerate(lengths) if n > start]
         yield start, rows, min(chunk, max(lengths[i] for i in rows) - start)
 
 
-def near_lengths(chosen: list[tuple[int, Request]]) -> list[list[tuple[int, Request]]]:
-    """The (slot, request) pairs of `chosen` in groups of near prompt lengths, longest first: a
-    group's longest prompt at most PREFILL_SPREAD times each member's length plus PREFILL_SPREAD_TOKENS."""
-    groups: list[list[tuple[int, Request]]] = []
-    for pair in sorted(chosen, key=lambda pair: len(pair[1].ids), reverse=True):
-        if groups and len(groups[-1][0][1].ids) <= PREFILL_SPREAD * len(pair[1].ids) + PREFILL_SPREAD_TOKENS:
-            groups[-1].append(pair)
+def near_lengths(seats: list[Seat]) -> list[list[Seat]]:
+    """`seats` in groups of near prefill lengths, longest first: a group's longest at most
+    PREFILL_SPREAD times each member's length plus PREFILL_SPREAD_TOKENS."""
+    groups: list[list[Seat]] = []
+    for seat in sorted(seats, key=lambda seat: seat.length, reverse=True):
+        if groups and groups[-1][0].length <= PREFILL_SPREAD * seat.length + PREFILL_SPREAD_TOKENS:
+            groups[-1].append(seat)
         else:
-            groups.append([pair])
+            groups.append([seat])
     return groups
+
+
+class SlotBook:
+    """Which sequence each free slot's cache still holds (a slot answers, then idles untouched until
+    another request takes it), and the seats of each admission: every pending follow-up whose own
+    slot holds its conversation goes back there, reusing what it shares with it; other prompts as
+    `admitted` takes them, into slots that hold nothing first. No tensor: the policy alone
+    (`docs/scripts/prefill_padding.py` replays it)."""
+
+    def __init__(self, slots: int):
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # the tokens whose keys and values the slot holds
+        self.holding: list[Request | None] = [None] * slots  # the request it answered
+        self.holders: dict[Request, int] = {}  # ... and back
+
+    def hold(self, slot: int, request: Request, tokens: list[int]) -> None:
+        """`slot` answered `request` and holds `tokens` (its prompt and all but the answer's last token)."""
+        self.held[slot], self.holding[slot] = tokens, request
+        self.holders[request] = slot
+
+    def admit(self, pending: deque, free: list[int], chunk: int, budget: int) -> list[Seat]:
+        """Seats in `free` slots for the requests one prefill admits, taken out of `pending`."""
+        own = {request: self.holders[request.after] for request in pending
+               if request.after is not None and request.after in self.holders}
+        for request in own:
+            pending.remove(request)
+        requests = list(own)
+        if pending and len(free) > len(requests):
+            requests += admitted(pending, len(free) - len(requests), chunk, budget)
+        taken = set(own.values())
+        others = iter(sorted((slot for slot in free if slot not in taken), key=lambda slot: self.holding[slot] is not None))
+        seats = []
+        for request in requests:
+            slot = own[request] if request in own else next(others)
+            # all but the prompt's last token may come from the cache: that one runs to give the first new token
+            reused = min(shared_prefix(request.ids, self.held[slot]), len(request.ids) - 1) if request in own else 0
+            if self.holding[slot] is not None:
+                del self.holders[self.holding[slot]]
+                self.held[slot], self.holding[slot] = [], None
+            seats.append(Seat(slot, request, reused))
+        return seats
 
 
 class SlotDecoder:
@@ -304,6 +369,7 @@ class SlotDecoder:
         self.host_temperatures = np.zeros(slots, dtype=np.float32)
         self.answers = np.zeros((slots, max_new_tokens), dtype=np.int64)
         self.counts = np.zeros(slots, dtype=np.int64)
+        self.book = SlotBook(slots)
         self.times = SlotTimes(slots)
 
     def _new_cache(self, slots: int, capacity: int) -> SlotCache:
@@ -323,43 +389,49 @@ class SlotDecoder:
             yield from self.step()
 
     def _admit(self, pending: deque, free: list[int]) -> list[Answer]:
-        """Prefill as many pending prompts into free slots as one prefill's budget takes: the oldest and
-        those nearest its length (`LOOKAHEAD`)."""
-        chosen = list(zip(free, admitted(pending, len(free), self.chunk, self.prefill_tokens)))
-        assert all(len(request.ids) + self.max_new_tokens < self.cache.capacity for _, request in chosen), \
+        """Prefill into free slots every pending follow-up whose slot holds its conversation, and as many
+        other prompts as one prefill's budget takes: the oldest and those nearest its length (`SlotBook`)."""
+        seats = self.book.admit(pending, free, self.chunk, self.prefill_tokens)
+        assert all(len(seat.request.ids) + self.max_new_tokens < self.cache.capacity for seat in seats), \
             "a prompt longer than the slots hold"
         started = time.perf_counter()
-        first = {slot: token for group in near_lengths(chosen) for (slot, _), token in zip(group, self._prefill(group))}
+        first = {seat.slot: token for group in near_lengths(seats) for seat, token in zip(group, self._prefill(group))}
         self.times.prefill_seconds += time.perf_counter() - started
-        for slot, request in chosen:
+        self.times.reused_tokens += sum(seat.reused for seat in seats)
+        for slot, request, _ in seats:
             token = first[slot]
             self.requests[slot] = request
             self.host_tokens[slot], self.host_positions[slot] = token, len(request.ids)
             self.host_temperatures[slot] = request.temperature
             self.answers[slot, 0], self.counts[slot] = token, 1
-        return self._finished(np.array([slot for slot, _ in chosen]))
+        return self._finished(np.array([seat.slot for seat in seats]))
 
     @torch.inference_mode()
-    def _prefill(self, chosen: list[tuple[int, Request]]) -> list[int]:
-        """Run the prompts into their slots, a chunk of positions at a time; each one's first token."""
-        device, lengths = self.target.device, [len(request.ids) for _, request in chosen]
-        first = [0] * len(chosen)
-        for start, rows, width in prefill_chunks(lengths, self.chunk):
+    def _prefill(self, seats: list[Seat]) -> list[int]:
+        """Run the prompts into their slots (each from its first token the slot does not hold), a chunk
+        of positions at a time; each one's first token."""
+        device, lengths = self.target.device, [seat.length for seat in seats]
+        first = [0] * len(seats)
+        for offset, rows, width in prefill_chunks(lengths, self.chunk):
             ids = torch.zeros((len(rows), width), dtype=torch.long)  # padding runs past a prompt's end: never attended
             for row, i in enumerate(rows):
-                part = chosen[i][1].ids[start : start + width]
+                begin = seats[i].reused + offset
+                part = seats[i].request.ids[begin : begin + width]
                 ids[row, : len(part)] = torch.tensor(part)
-            slots = torch.tensor([chosen[i][0] for i in rows], device=device)
-            positions = torch.arange(start, start + width, device=device).expand(len(rows), width)
+            slots = torch.tensor([seats[i].slot for i in rows], device=device)
+            begins = torch.tensor([seats[i].reused + offset for i in rows], device=device)
+            # (a row that starts late may pad past the cache's end: its padding goes to the scratch position)
+            positions = (begins[:, None] + torch.arange(width, device=device)).clamp_(max=self.scratch)
+            span = min(max(seats[i].reused for i in rows) + offset + width, self.cache.capacity)
             final, _ = rows_forward(self.forward, ids.to(device), positions,
-                                    SlotAttention(self.cache, slots, positions, start + width, self.forward.scaling))
+                                    SlotAttention(self.cache, slots, positions, span, self.forward.scaling))
             self.times.prefills += 1
-            self.times.prefill_tokens += sum(min(width, lengths[i] - start) for i in rows)
+            self.times.prefill_tokens += sum(min(width, lengths[i] - offset) for i in rows)
             self.times.prefill_positions += len(rows) * width
-            ending = [(row, i) for row, i in enumerate(rows) if lengths[i] <= start + width]
+            ending = [(row, i) for row, i in enumerate(rows) if lengths[i] <= offset + width]
             if ending:
-                last = final[[row for row, _ in ending], [lengths[i] - 1 - start for _, i in ending]]
-                hot = [chosen[i][1].temperature for _, i in ending]
+                last = final[[row for row, _ in ending], [lengths[i] - 1 - offset for _, i in ending]]
+                hot = [seats[i].request.temperature for _, i in ending]
                 drawn = draw(self.target.lm_head(last), torch.tensor(hot, device=device), self.generator, any(hot))
                 for (_, i), token in zip(ending, drawn.tolist()):
                     first[i] = token
@@ -412,8 +484,9 @@ class SlotDecoder:
         ended = stopped | (counts >= self.max_new_tokens)
         answers = []
         for slot, count, stop in zip(slots[ended].tolist(), counts[ended].tolist(), stopped[ended].tolist()):
-            tokens = self.answers[slot, : count - 1 if stop else count].tolist()
-            answers.append(Answer(self.requests[slot], tokens, "stop" if stop else "length"))
+            request, tokens = self.requests[slot], self.answers[slot, : count - 1 if stop else count].tolist()
+            answers.append(Answer(request, tokens, "stop" if stop else "length"))
+            self.book.hold(slot, request, request.ids + tokens[: count - 1])  # the answer's last token never ran
             self.requests[slot] = None
             self.host_tokens[slot], self.host_positions[slot], self.host_temperatures[slot] = 0, self.scratch, 0.0
         return answers
@@ -424,8 +497,9 @@ class KernelSlots(SlotDecoder):
     layers on a CPU (`specchat.decode.runtime.cpu_decoder`): a step runs each busy slot's token as a
     row of one call (`Decoder.forward_apart`: the rows share the products, each attends to its own
     slot's cache), and each prompt is prefilled alone into its slot (`Decoder.forward`, as a chat's
-    prefill). Every row gets the bits decoding its sequence alone gives it, so a greedy answer is
-    token for token what the chat's plain decoding of that target says. On two AVX-512 Xeon cores,
+    prefill, from the first token the slot does not hold, as a chat reuses its cached prefix). Every
+    row gets the bits decoding its sequence alone gives it, so a greedy answer is token for token what
+    the chat's plain decoding of that target says, turn after turn. On two AVX-512 Xeon cores,
     32 slots of the 0.5B answered 203 tokens a second against 46 for `SlotDecoder` in bf16 (the
     shared training prompts, 2026-11-30): a row costs the kernel its int8 products over 5-bit weights,
     where torch reads every weight as two bytes."""
@@ -434,17 +508,18 @@ class KernelSlots(SlotDecoder):
         return SlotCache(self.forward, slots, capacity, apart=True)
 
     @torch.inference_mode()
-    def _prefill(self, chosen: list[tuple[int, Request]]) -> list[int]:
+    def _prefill(self, seats: list[Seat]) -> list[int]:
         first = []
-        for slot, request in chosen:
+        for slot, request, reused in seats:
             n = len(request.ids)
-            inputs = self.forward.fused_inputs(torch.tensor(request.ids)[None], torch.arange(n)[None])
-            final, _ = self.forward.fused.forward(*inputs, self.cache.keys[slot], self.cache.values[slot], 0, None, [])
+            inputs = self.forward.fused_inputs(torch.tensor(request.ids[reused:])[None], torch.arange(reused, n)[None])
+            keys, values = self.cache.keys[slot], self.cache.values[slot]
+            final, _ = self.forward.fused.forward(*inputs, keys, values, reused, None, [])
             hot = torch.tensor([request.temperature])
             first.append(int(draw(self.target.lm_head(final[-1:]), hot, self.generator, request.temperature > 0)))
             self.times.prefills += 1
-            self.times.prefill_tokens += n
-            self.times.prefill_positions += n
+            self.times.prefill_tokens += n - reused
+            self.times.prefill_positions += n - reused
         return first
 
     def _decode(self, span: int, sampled: bool) -> None:

@@ -8,9 +8,9 @@ the target's own earlier answers (multi-turn where the source is), at every temp
 likely continuations). The turns are answered many at a time by continuous batching
 (`specchat.train.batched.SlotDecoder`; `KernelSlots` for a target of the CPU kernel's quantized
 layers: a finished answer's slot takes the next prompt, a conversation's next turn is asked as soon
-as its answer is in), and every answer goes to a shard of the data folder
-(`specchat.train.datafolder`) as it ends, so a run stopped by its time limit, Ctrl-C or a crash
-resumes where it stopped, on this machine or another.
+as its answer is in, and goes to the slot that still holds the conversation), and every answer goes
+to a shard of the data folder (`specchat.train.datafolder`) as it ends, so a run stopped by its time
+limit, Ctrl-C or a crash resumes where it stopped, on this machine or another.
 """
 
 from __future__ import annotations
@@ -111,11 +111,12 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
     unasked, pending = iter(conversations), deque()
     queued = QUEUED_PER_SLOT * options.batch_size
 
-    def ask(conversation: Conversation, follow_up: bool = False) -> None:
-        """Queue the conversation's next turn; a follow-up goes first, so that conversations finish."""
-        request = _next_turn(conversation, target.tokenizer, options.max_prompt_tokens)
+    def ask(conversation: Conversation, after: Request | None = None) -> None:
+        """Queue the conversation's next turn; a follow-up (of the answer to `after`) goes first, so
+        that conversations finish, and the slot that answered `after` still holds most of its prompt."""
+        request = _next_turn(conversation, target.tokenizer, options.max_prompt_tokens, after)
         if request is not None:
-            (pending.appendleft if follow_up else pending.append)(request)
+            (pending.appendleft if after is not None else pending.append)(request)
 
     def top_up() -> None:
         while len(pending) < queued and (conversation := next(unasked, None)) is not None:
@@ -142,7 +143,7 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
             shard.flush()
             report.answered[temperature_name(conversation.temperature)] += 1
             report.tokens += len(answer.tokens) + (answer.finish == "stop")
-            ask(conversation, follow_up=True)
+            ask(conversation, after=answer.request)
             top_up()
             finished += 1
             if progress:
@@ -196,9 +197,11 @@ def _agreeing(messages: list[dict], prompt: TrainingPrompt) -> tuple[int, list[d
     return answered, messages[:cut]
 
 
-def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int) -> Request | None:
-    """The request of a conversation's next user turn (tagged with it and the messages asked), or
-    None: all its turns are answered, or this one is longer than `max_prompt_tokens` (which ends it)."""
+def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int,
+               after: Request | None = None) -> Request | None:
+    """The request of a conversation's next user turn (tagged with it and the messages asked; `after`:
+    the request its last answer answered), or None: all its turns are answered, or this one is longer
+    than `max_prompt_tokens` (which ends it)."""
     prompt, turn = conversation.prompt, conversation.done
     if turn >= conversation.limit or conversation.too_long:
         return None
@@ -208,7 +211,7 @@ def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int) ->
     if len(ids) > max_prompt_tokens:
         conversation.too_long = True
         return None
-    return Request(ids, conversation.temperature, (conversation, messages))
+    return Request(ids, conversation.temperature, (conversation, messages), after)
 
 
 def _generated(target, pending: deque, options: RegenerateOptions, stop_ids, admit) -> Iterator[Answer]:
