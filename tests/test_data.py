@@ -382,6 +382,13 @@ def test_captured_steps_answer_as_eager_ones(qwen_dir):
     assert graphs.graphs and graphs.failure is None and captured == eager
     sampled, _ = answers(True, 1.0)
     assert all(len(tokens) == 40 for tokens in sampled) and sampled != captured
+    # Follow-ups prefilled on CUDA past what their slots hold, rows of several starts in one prefill
+    decoder = SlotDecoder(gpu, slots=4, max_prompt_tokens=400, max_new_tokens=20, stop_ids=frozenset())
+    followed = conversations_in_slots(decoder, prompts, {0: [1, 2], 2: None, 4: list(range(30, 60))})
+    assert decoder.times.reused_tokens > sum(len(prompts[i]) for i in (0, 2, 4))
+    for tag, (ids, tokens) in followed.items():
+        alone_decoder = SlotDecoder(gpu, slots=1, max_prompt_tokens=400, max_new_tokens=20, stop_ids=frozenset())
+        assert tokens == next(iter(alone_decoder.run(deque([Request(ids, 0.0)])))).tokens, tag
 
 
 # --- regeneration ----------------------------------------------------------------------------------
