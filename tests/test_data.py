@@ -419,6 +419,25 @@ def test_a_run_stopped_by_its_time_limit_goes_on_where_it_stopped(target, tmp_pa
     assert second.answered == {"greedy": 7} and len(folder.scan().answers) == 7
 
 
+def test_a_run_stopped_by_ctrl_c_hands_on_its_closed_shard(target, tmp_path):
+    """Ctrl-C (or SIGTERM) after the third answer: the shard is closed with those three and handed to
+    `closed` (where `--keep` keeps it) before the interrupt goes on; a second run answers the rest."""
+    folder = DataFolder(tmp_path / "data")
+    records = [prompt([f"question number {i}"]) for i in range(7)]
+    handed = []
+
+    def progress(done, total):
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(records, target, folder, RegenerateOptions(temperatures=(0.0,), batch_size=2, max_new_tokens=5),
+                   ChatFormat(target.tokenizer).stop_ids, progress, handed.append)
+    assert len(handed) == 1 and json.loads(handed[0].with_name(handed[0].name + ".sha256").read_text())["records"] == 3
+    assert len(folder.scan().answers) == 3
+    assert answer(target, folder, records, batch_size=2).answered == {"greedy": 4}
+
+
 def test_machines_split_the_prompts_and_their_shards_merge(target, tmp_path):
     records = [prompt([f"question number {i}"]) for i in range(8)]
     here, there = DataFolder(tmp_path / "here"), DataFolder(tmp_path / "there")

@@ -85,8 +85,9 @@ def data_prompts(folder, sources, sharegpt, max_turns):
                    "run again to go on).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the temperature > 0 draws.")
 @click.option("--keep", "kept", type=click.Path(file_okay=False), default=None,
-              help="Also keep this run's answers, their shard gzip-compressed with its checksum, in this folder "
-                   "(the GPU agenda's pack sends every answer kept under docs/answers/ and docs/bench-gpu/*/answers/).")
+              help="Also keep this run's answers, their shard gzip-compressed with its checksum, in this folder, "
+                   "however the run ends (Ctrl-C and SIGTERM too; the GPU agenda's pack sends every answer kept "
+                   "under docs/answers/ and docs/bench-gpu/*/answers/).")
 def data_regenerate(folder, model, gguf_file, dtype, device, profile, quantize, temperatures, batch, max_new_tokens,
                     max_prompt_tokens, max_turns, part, max_minutes, seed, kept):
     """Answer FOLDER/prompts.jsonl with the target, every user turn in order, into FOLDER/shards
@@ -111,14 +112,16 @@ def data_regenerate(folder, model, gguf_file, dtype, device, profile, quantize, 
                                 max_turns=max_turns, part=(int(index) - 1, int(count)),
                                 max_seconds=60 * max_minutes if max_minutes else None, seed=seed)
     records = prompts_mod.read_prompts(prompts_path)
+
+    def keep_shard(shard: Path) -> None:  # also when Ctrl-C or SIGTERM stops the run
+        click.echo(f"specchat data regenerate: kept {keep(shard, Path(kept))}", err=True)
+
     with TrainingProgress() as bars:
         report = regenerate(records, target, DataFolder(folder), options, ChatFormat(target.tokenizer).stop_ids,
-                            bars.stage("answering prompts"))
+                            bars.stage("answering prompts"), keep_shard if kept else None)
     click.echo(f"specchat data regenerate: {report.summary()}", err=True)
     if breakdown := report.breakdown():
         click.echo(f"specchat data regenerate: {breakdown}", err=True)
-    if kept and report.shard is not None:
-        click.echo(f"specchat data regenerate: kept {keep(report.shard, Path(kept))}", err=True)
 
 
 @data.command(name="import")

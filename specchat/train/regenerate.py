@@ -27,7 +27,7 @@ import torch
 from specchat.decode import KVCache, cache_argument
 from specchat.train.batched import Answer, Request, SlotTimes, slot_decoder
 from specchat.train.data import read_conversations
-from specchat.train.datafolder import GREEDY, DataFolder, Scan, temperature_name
+from specchat.train.datafolder import GREEDY, DataFolder, Scan, ShardWriter, temperature_name
 from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, REGENERATE_BATCH, on_device
 from specchat.train.prompts import TrainingPrompt, normalized, prompt_record
 
@@ -95,8 +95,11 @@ class Conversation:
 
 @torch.inference_mode()
 def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, options: RegenerateOptions,
-               stop_ids: frozenset[int], progress: Callable[[int, int], None] | None = None) -> RegenerateReport:
-    """Answer the prompts' user turns into `folder`, resuming from what its shards hold."""
+               stop_ids: frozenset[int], progress: Callable[[int, int], None] | None = None,
+               closed: Callable[[Path], None] | None = None) -> RegenerateReport:
+    """Answer the prompts' user turns into `folder`, resuming from what its shards hold. `closed` is
+    called with this run's shard once it is closed, however the run ends (its time limit, Ctrl-C,
+    SIGTERM, an error), if it holds an answer."""
     started, report = time.monotonic(), RegenerateReport()
     scan = folder.scan()
     conversations = []
@@ -131,23 +134,19 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
         if target.own_forward is not None and conversations else None
     answers = decoder.run(pending, admit) if decoder is not None else _generated(target, pending, options, stop_ids, admit)
     top_up()
-    with folder.writer() as shard:
-        for answer in answers:
-            conversation, messages = answer.request.tag
-            reply = target.tokenizer.decode(answer.tokens, skip_special_tokens=True)
-            conversation.done += 1
-            conversation.history = messages + [{"role": "assistant", "content": reply}]
-            shard.write({"key": conversation.prompt.key, "turn": conversation.done,
-                         "temperature": conversation.temperature, "messages": conversation.history,
-                         "finish": answer.finish, "source": conversation.prompt.source})
-            shard.flush()
-            report.answered[temperature_name(conversation.temperature)] += 1
-            report.tokens += len(answer.tokens) + (answer.finish == "stop")
-            ask(conversation, after=answer.request)
-            top_up()
-            finished += 1
-            if progress:
-                progress(finished, total)
+    shard = folder.writer()
+    try:
+        with shard:
+            for answer in answers:
+                _written(answer, target.tokenizer, shard, report)
+                ask(answer.request.tag[0], after=answer.request)
+                top_up()
+                finished += 1
+                if progress:
+                    progress(finished, total)
+    finally:
+        if closed is not None and shard.closed is not None:
+            closed(shard.closed)
     report.shard = shard.closed
     report.stopped = report.stopped and any(c.done < c.limit and not c.too_long for c in conversations)
     report.too_long = sum(c.too_long for c in conversations)
@@ -158,6 +157,20 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
     report.seconds = time.monotonic() - started
     report.times = decoder.times if decoder is not None else None
     return report
+
+
+def _written(answer: Answer, tokenizer, shard: ShardWriter, report: RegenerateReport) -> None:
+    """An answer into its conversation's history and, as a record, into the shard (flushed: a run cut
+    off keeps it)."""
+    conversation, messages = answer.request.tag
+    conversation.done += 1
+    reply = tokenizer.decode(answer.tokens, skip_special_tokens=True)
+    conversation.history = messages + [{"role": "assistant", "content": reply}]
+    shard.write({"key": conversation.prompt.key, "turn": conversation.done, "temperature": conversation.temperature,
+                 "messages": conversation.history, "finish": answer.finish, "source": conversation.prompt.source})
+    shard.flush()
+    report.answered[temperature_name(conversation.temperature)] += 1
+    report.tokens += len(answer.tokens) + (answer.finish == "stop")
 
 
 def import_answers(folder: DataFolder, paths: list[str], temperature: float = GREEDY) -> int:
