@@ -118,6 +118,35 @@ def test_blockwise_argmax_and_margins_equal_torchs_ties_and_nan_included(vocab):
 @pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
                     reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 1003, 151936])
+def test_the_kernels_draw_is_where_the_uniform_falls_in_softmaxs_cumulative_sums(vocab, dtype):
+    """The kernel's `sample` (regeneration's slots on a CPU): a greedy row (temperature 0) its argmax; a
+    sampled row the token whose interval of softmax(logits / T)'s cumulative sums holds u, checked at
+    each interval's middle (where rounding cannot move it) for tokens across the row, the first and
+    the last included."""
+    woq_kernel.kernel()
+    generator = torch.Generator().manual_seed(vocab)
+    for temperature in (0.6, 1.0, 1.7):
+        logits = (torch.randn(vocab, generator=generator) * 3).to(dtype)
+        cdf = torch.softmax(logits.double() / temperature, -1).cumsum(-1)
+        likeliest = torch.softmax(logits.float(), -1).topk(min(vocab, 20)).indices.tolist()
+        tokens = sorted({0, vocab - 1, *likeliest})
+        lower = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[:-1]])
+        middle = ((lower + cdf) / 2)[tokens]
+        wide = (cdf - lower)[tokens] > 2e-3  # intervals float32 sums over the row cannot blur
+        rows = logits[None].expand(len(tokens), vocab).contiguous()
+        drawn = torch.ops.specchat.sample(rows, torch.full((len(tokens),), temperature), middle.float())
+        assert [d for d, w in zip(drawn.tolist(), wide.tolist()) if w] == [t for t, w in zip(tokens, wide.tolist()) if w]
+        assert wide.sum() >= 2  # (something checked)
+    greedy = torch.randn(3, vocab, generator=generator).to(dtype)
+    greedy[1, vocab // 2] = float("nan")
+    drawn = torch.ops.specchat.sample(greedy, torch.tensor([0.0, 1.0, 0.0]), torch.full((3,), 0.5))
+    assert drawn.tolist() == greedy.float().argmax(-1).tolist()  # (a row holding a NaN: its argmax, the NaN)
+
+
+@pytest.mark.skipif(woq_kernel.unavailable_reason() is not None,
+                    reason="the quantized kernel needs an x86 CPU with AVX2 and a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [7, 256, 1003, 1013, 151936])
 def test_the_kernels_one_pass_choice_and_margin_equal_torchs_ties_nan_and_infinity_included(vocab, dtype):
     woq_kernel.kernel()  # loaded: `choices_and_margins` takes the extension's pass

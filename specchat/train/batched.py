@@ -515,8 +515,7 @@ class KernelSlots(SlotDecoder):
             inputs = self.forward.fused_inputs(torch.tensor(request.ids[reused:])[None], torch.arange(reused, n)[None])
             keys, values = self.cache.keys[slot], self.cache.values[slot]
             final, _ = self.forward.fused.forward(*inputs, keys, values, reused, None, [])
-            hot = torch.tensor([request.temperature])
-            first.append(int(draw(self.target.lm_head(final[-1:]), hot, self.generator, request.temperature > 0)))
+            first.append(int(self._draw(final[-1:], torch.tensor([request.temperature]))))
             self.times.prefills += 1
             self.times.prefill_tokens += n - reused
             self.times.prefill_positions += n - reused
@@ -528,7 +527,15 @@ class KernelSlots(SlotDecoder):
         positions = self.positions[slots]
         inputs = self.forward.fused_inputs(self.tokens[slots][None], positions[None])
         final = self.forward.fused.forward_apart(*inputs, self.cache.keys, self.cache.values, slots, positions)
-        self.drawn[slots] = draw(self.target.lm_head(final), self.temperatures[slots], self.generator, sampled)
+        self.drawn[slots] = self._draw(final, self.temperatures[slots])
+
+    def _draw(self, final: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """The token each row draws at its temperature, as `draw`, in one call to the kernel's `sample`
+        (kernels/layers.cpp): an argmax pass over a greedy row, three over a sampled one, where torch's
+        passes for `draw` (a float32 copy, argmax, division, softmax, cumsum, each over every row) took
+        a fifth of a step of 32 slots (a profile of a `data regenerate` run, 2026-11-30)."""
+        uniforms = torch.rand(len(final), generator=self.generator)
+        return torch.ops.specchat.sample(self.target.lm_head(final).contiguous(), temperatures.float(), uniforms)
 
 
 def slot_decoder(target) -> type[SlotDecoder]:

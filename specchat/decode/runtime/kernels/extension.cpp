@@ -117,6 +117,25 @@ std::tuple<at::Tensor, at::Tensor> choose_op(const at::Tensor& logits) {
   return {choices, margins};
 }
 
+// The token each row of logits [n, V] draws at temperatures [n] with uniforms [n] (layers.cpp's `sample`).
+at::Tensor sample_op(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0 &&
+              (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "logits: contiguous [n, V] float32 or bf16");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  for (const at::Tensor* t : {&temperatures, &uniforms})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "temperatures, uniforms: contiguous float32 [n]");
+  at::Tensor tokens = at::empty({n}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat)
+    sample(logits.data_ptr<float>(), n, V, temperatures.data_ptr<float>(), uniforms.data_ptr<float>(),
+           tokens.data_ptr<int64_t>());
+  else
+    sample(logits.data_ptr<c10::BFloat16>(), n, V, temperatures.data_ptr<float>(), uniforms.data_ptr<float>(),
+           tokens.data_ptr<int64_t>());
+  return tokens;
+}
+
 // The quantized linear layers' packed weights (specchat/decode/runtime/quantized.py's QuantizedLinear).
 struct Linear : torch::CustomClassHolder {
   at::Tensor low, high, scale, offset;
@@ -506,6 +525,8 @@ TORCH_LIBRARY(specchat, m) {
   m.impl("pack", c10::DispatchKey::CPU, &pack_op);
   m.def("choose(Tensor logits) -> (Tensor, Tensor)");
   m.impl("choose", c10::DispatchKey::CPU, &choose_op);
+  m.def("sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
+  m.impl("sample", c10::DispatchKey::CPU, &sample_op);
 
   m.class_<Linear>("Linear").def(
       torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>());

@@ -272,6 +272,70 @@ void choose_row(const T* row, int64_t size, int64_t* choice, float* margin) {
   *margin = best - (ties > 1 ? best : below);  // (as torch's top-2: NaN where the maximum is infinite)
 }
 
+// A draw from softmax(row / temperature) with the uniform u: the first index whose running sum of the
+// weights exp((x - max) / temperature) passes u times their total, as `sample_rows` searches its
+// cumsum (`right=True`). Three passes over the row (the maximum, the total, the search, which sums
+// whole vectors until the one that passes), where torch took a float32 copy, the division, a softmax
+// and a cumsum, each over all of a regeneration step's rows. A row with a NaN draws its argmax.
+template <typename T>
+int64_t sample_row(const T* row, int64_t size, float temperature, float u) {
+  constexpr int lanes = 8;
+  const int64_t whole = size / lanes * lanes;
+  __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+  for (int64_t k = 0; k < whole; k += lanes) {
+    const __m256 v = load8(row + k);
+    top = _mm256_max_ps(top, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float values[lanes], best = -INFINITY;
+  _mm256_storeu_ps(values, top);
+  for (const float value : values) best = std::fmax(best, value);
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  for (int64_t k = whole; k < size; ++k) nan |= std::isnan(f32(row[k])), best = std::fmax(best, f32(row[k]));
+  if (nan || std::isinf(best)) {  // (no finite weights to draw from: the greedy choice)
+    int64_t choice = 0;
+    float margin = 0.0f;
+    choose_row(row, size, &choice, &margin);
+    return choice;
+  }
+  const __m256 shift = _mm256_set1_ps(best), inverse = _mm256_set1_ps(1.0f / temperature);
+  const auto weights = [&](int64_t k) { return exp8(_mm256_mul_ps(_mm256_sub_ps(load8(row + k), shift), inverse)); };
+  const auto weight = [&](int64_t k) { return exp1((f32(row[k]) - best) / temperature); };
+  const auto lane_total = [&](__m256 v) {
+    _mm256_storeu_ps(values, v);
+    float total = 0.0f;
+    for (const float value : values) total += value;
+    return total;
+  };
+  float total = 0.0f;
+  for (int64_t k = 0; k < whole; k += lanes) total += lane_total(weights(k));
+  for (int64_t k = whole; k < size; ++k) total += weight(k);
+  // The same sums in the same order again, so that the search ends inside the row (u < 1). Where
+  // rounding says otherwise (u * total rounded up to the total; a block's lanes added one by one
+  // falling short of its sum), the draw is the last token of positive weight, the one u near 1 draws.
+  const float target = u * total;
+  float running = 0.0f;
+  int64_t last = 0;
+  for (int64_t k = 0; k < whole; k += lanes) {
+    const __m256 w = weights(k);
+    const float block = lane_total(w);  // (leaves the weights in `values`)
+    if (running + block > target) {
+      float inside = running;
+      for (int j = 0; j < lanes; ++j)
+        if ((inside += values[j]) > target) return k + j;
+    }
+    running += block;
+    for (int j = 0; j < lanes; ++j)
+      if (values[j] > 0.0f) last = k + j;
+  }
+  for (int64_t k = whole; k < size; ++k) {
+    const float w = weight(k);
+    if ((running += w) > target) return k;
+    if (w > 0.0f) last = k;
+  }
+  return last;
+}
+
 }  // namespace
 
 // transformers' RMSNorm: x * rsqrt(mean(x^2) + eps) rounded to x's dtype, times the weight.
@@ -427,6 +491,20 @@ void choose(const T* logits, int64_t n, int64_t V, int64_t* choices, float* marg
   });
 }
 
+template <typename T>
+void sample(const T* logits, int64_t n, int64_t V, const float* temperatures, const float* uniforms,
+            int64_t* tokens) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float margin = 0.0f;
+      if (temperatures[r] > 0.0f)
+        tokens[r] = sample_row(logits + r * V, V, temperatures[r], uniforms[r]);
+      else
+        choose_row(logits + r * V, V, tokens + r, &margin);
+    }
+  });
+}
+
 // Each for the two activation dtypes.
 #define SPECCHAT_LAYERS_FOR(T)                                                                                        \
   template void rms_norm(const T*, const T*, T*, int64_t, int64_t, float);                                         \
@@ -437,7 +515,8 @@ void choose(const T* logits, int64_t n, int64_t V, int64_t* choices, float* marg
   template void silu_times(const T*, T*, int64_t, int64_t);                                                         \
   template void eagle3_input(const T*, const T*, const T*, const T*, int64_t, int64_t, float, T*, T*);              \
   template void rotary_angles(const float*, const int64_t*, int64_t, int64_t, T*, T*);                              \
-  template void choose(const T*, int64_t, int64_t, int64_t*, float*);
+  template void choose(const T*, int64_t, int64_t, int64_t*, float*);                                           \
+  template void sample(const T*, int64_t, int64_t, const float*, const float*, int64_t*);
 SPECCHAT_LAYERS_FOR(float)
 SPECCHAT_LAYERS_FOR(c10::BFloat16)
 #undef SPECCHAT_LAYERS_FOR

@@ -75,4 +75,10 @@ void top_k(const float* logits, int64_t r, int64_t V, int64_t k, float* logps, i
 template <typename T>
 void choose(const T* logits, int64_t n, int64_t V, int64_t* choices, float* margins);
 
+// The token each row of logits [n, V] draws at its temperature (0: the argmax, as `choose`; else from
+// softmax(logits / temperature) with the row's uniform in [0, 1)); layers.cpp says how.
+template <typename T>
+void sample(const T* logits, int64_t n, int64_t V, const float* temperatures, const float* uniforms,
+            int64_t* tokens);
+
 }  // namespace specchat
