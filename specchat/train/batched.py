@@ -307,13 +307,13 @@ class SlotBook:
     (`docs/scripts/prefill_padding.py` replays it)."""
 
     def __init__(self, slots: int):
-        self.held: list[list[int]] = [[] for _ in range(slots)]  # the tokens whose keys and values the slot holds
-        self.holding: list[Request | None] = [None] * slots  # the request it answered
-        self.holders: dict[Request, int] = {}  # ... and back
+        self.held: list[tuple[Request, list[int]] | None] = [None] * slots  # the request a slot answered, and
+        # the tokens whose keys and values it holds for it
+        self.holders: dict[Request, int] = {}  # ... and back: the slot that holds a request's sequence
 
     def hold(self, slot: int, request: Request, tokens: list[int]) -> None:
         """`slot` answered `request` and holds `tokens` (its prompt and all but the answer's last token)."""
-        self.held[slot], self.holding[slot] = tokens, request
+        self.held[slot] = request, tokens
         self.holders[request] = slot
 
     def admit(self, pending: deque, free: list[int], chunk: int, budget: int) -> list[Seat]:
@@ -326,15 +326,16 @@ class SlotBook:
         if pending and len(free) > len(requests):
             requests += admitted(pending, len(free) - len(requests), chunk, budget)
         taken = set(own.values())
-        others = iter(sorted((slot for slot in free if slot not in taken), key=lambda slot: self.holding[slot] is not None))
+        others = iter(sorted((slot for slot in free if slot not in taken),
+                             key=lambda slot: self.held[slot] is not None))  # holding nothing first
         seats = []
         for request in requests:
             slot = own[request] if request in own else next(others)
             # all but the prompt's last token may come from the cache: that one runs to give the first new token
-            reused = min(shared_prefix(request.ids, self.held[slot]), len(request.ids) - 1) if request in own else 0
-            if self.holding[slot] is not None:
-                del self.holders[self.holding[slot]]
-                self.held[slot], self.holding[slot] = [], None
+            reused = min(shared_prefix(request.ids, self.held[slot][1]), len(request.ids) - 1) if request in own else 0
+            if self.held[slot] is not None:
+                del self.holders[self.held[slot][0]]
+                self.held[slot] = None
             seats.append(Seat(slot, request, reused))
         return seats
 

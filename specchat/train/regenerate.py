@@ -56,7 +56,6 @@ class RegenerateReport:
     stopped: bool = False  # by the time limit
     scan: Scan | None = None  # the folder afterwards
     times: SlotTimes | None = None  # where the continuous batching's time went (None: transformers' generate)
-    shard: Path | None = None  # the shard this run wrote, closed (None: it answered nothing)
 
     def summary(self) -> str:
         answered = ", ".join(f"{n:,} {name}" for name, n in self.answered.items()) or "nothing"
@@ -147,7 +146,6 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
     finally:
         if closed is not None and shard.closed is not None:
             closed(shard.closed)
-    report.shard = shard.closed
     report.stopped = report.stopped and any(c.done < c.limit and not c.too_long for c in conversations)
     report.too_long = sum(c.too_long for c in conversations)
     report.pending = {temperature_name(t): sum(max(0, c.limit - c.done) for c in conversations
