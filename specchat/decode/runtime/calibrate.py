@@ -23,9 +23,14 @@ stayed inside the bounds above, and every later start planned on it). So each me
 held to the live forwards of its own size: a size they contradict by more than SIZE_AGREES takes
 their median, and so do the larger sizes no live forward has reached yet (measured in the same
 conditions, and otherwise never verified to be corrected: a size the curve makes dear is not chosen).
-As the whole curve's, a size's healing is kept only where it made the size cheaper (`Curve.kept`):
-live forwards at a long context take 1.2-1.4x the curve's at 256 tokens (4 rewrite prompts on a
-Zen 3), which is this session's cost, not the machine's.
+A size's healing is this session's only, never kept: each size is healed at its own moment and
+context, and a cloud VM's speed swings (the same one-token forward took 8.6 ms and 12.3 ms minutes
+apart on a 2-core Zen 4), so sizes kept where each was healed cheapest drifted apart from one
+another and from any moment's costs. Kept that way over one run of the drafts' benches, the Zen 4's
+stored curve said 6.35 ms for one token and 9.51 for two, where one took 8.6-12.7 live and measured
+again 12.65 and 13.24: small trees looked cheap, and general10 decoded at τ 1.83, 1.40x plain, with
+it against τ 2.06, 1.52x, with the curve measured again (one interleaved run each, 2026-12-01).
+Only the whole curve's rescaling, which keeps its shape, is kept (where cheaper: `Curve.kept`).
 
 A size measured too dear by less than that is never corrected at all: at a long context live
 forwards cost as much more, so they agree with it. One stored on the Xeon's AVX2 path took 74 ms
@@ -85,7 +90,9 @@ TOO_CHEAP, TOO_DEAR = 0.6, 1.6
 SIZE_AGREES = (0.75, 1.33)  # a measured size's live median ratio outside these heals it (`Curve.observe`)
 BUMP, RETIMES = 1.1, 3  # a size measured this much above the line between its neighbours is timed again, up to
 # RETIMES more times (`measure`)
-CURVE_METHOD = "retimed"  # in the cache's key: curves measured before sizes were timed again are measured again
+# In the cache's key: curves stored before sizes were timed again ("retimed"), or kept with sizes healed
+# apart (before "as-measured"), are measured again
+CURVE_METHOD = "as-measured"
 KEPT_CURVES = 32  # curves the cache keeps, the most recently measured or healed
 PROBE_EVERY = 8  # cycles between probes of the size above those live forwards have confirmed (`Curve.probe`)
 
@@ -93,7 +100,7 @@ PROBE_EVERY = 8  # cycles between probes of the size above those live forwards h
 @dataclass
 class Curve:
     milliseconds: dict[int, float]
-    # Called with the curve when live forwards showed it too dear and it was rescaled or healed
+    # Called with the curve when live forwards showed it too dear as a whole and it was rescaled
     # (`cached_curve` keeps its `kept`); None: nowhere to keep it.
     on_rescaled: Callable[[Curve], None] | None = field(default=None, repr=False, compare=False)
     live: list[float] = field(default_factory=list, repr=False, compare=False)  # latest live times / the curve's
@@ -101,8 +108,8 @@ class Curve:
     live_by_size: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
     healed: dict[int, float] = field(default_factory=dict, repr=False, compare=False)  # size: its factor (`_heal_size`)
     measured: dict[int, float] = field(init=False, repr=False, compare=False)  # before any size was healed
-    # What the cache should hold: only ever made cheaper by a size's healing (a size healed dearer, at a
-    # long context or on a busy machine, stays so for this session only)
+    # What the cache should hold: the measured curve, only ever made cheaper by the whole curve's rescaling
+    # (a curve rescaled dearer, on a busy machine, and every size's healing stay this session's)
     kept: dict[int, float] = field(init=False, repr=False, compare=False)
     cycles: int = field(default=0, repr=False, compare=False)  # selections seen (`probe`)
     # `cost` by n for the `milliseconds` it was read from: the rate rules ask for a dozen sizes at each
@@ -139,8 +146,7 @@ class Curve:
     def _heal_size(self, n: int, milliseconds: float) -> None:
         """Where the median of size n's latest live forwards is outside SIZE_AGREES of the curve, n
         takes it, and the larger sizes not yet seen live take n's factor over what was measured; no
-        smaller size stays dearer than a larger one. Kept where it made n cheaper (as the whole
-        curve's rescaling)."""
+        smaller size stays dearer than a larger one. For this session only (the module docstring)."""
         recent = self.live_by_size.setdefault(n, [])
         recent.append(milliseconds)
         del recent[:-LIVE_WINDOW]
@@ -161,10 +167,6 @@ class Curve:
             ceiling = healed[size] = round(min(healed[size], ceiling), 2)
         self.milliseconds = dict(sorted(healed.items()))
         recent.clear()
-        if median < 1:
-            self.kept = {size: min(ms, self.milliseconds[size]) for size, ms in self.kept.items()}
-            if self.on_rescaled is not None:
-                self.on_rescaled(self)
 
     def probe(self, expected: dict[int, float], drafting_ms: float, best: int) -> int:
         """The tokens to verify this cycle: `best`, the size the rate rule chose (`expected`: tokens by
