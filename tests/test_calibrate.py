@@ -105,8 +105,8 @@ def test_a_kernel_s_real_step_stays_after_a_few_more_forwards(qwen_dir, monkeypa
 
 def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypatch):
     """A curve measured on a busy machine (monotonic, so it is not measured again at load) is far
-    dearer than what live verify forwards take: the first reply rescales it, and the rescaled one
-    is what the cache keeps."""
+    dearer than what live verify forwards take: the first reply rescales it, and drops it from the
+    cache, so that the next start measures it again."""
     from conftest import random_head
     from specchat.decode.engine.engine import Engine, GenerationSettings
     from specchat.decode.drafting import heads
@@ -125,9 +125,12 @@ def test_a_poisoned_curve_is_replaced_within_the_first_reply(qwen_dir, monkeypat
                                 lookup=LookupSource(), curve=curve)
     steps = list(Engine(target, proposer).generate([258, 10, 20, 30, 40], GenerationSettings(max_new_tokens=24)))
     assert sum(step.draft_tokens > 0 for step in steps) >= calibrate.LIVE_EVIDENCE
-    kept = {int(n): ms for n, ms in json.loads(path.read_text())[calibrate._key(target)].items()}
-    assert kept == curve.kept and kept[1] < 0.1 * poisoned[1]  # tiny-model forwards take milliseconds
-    assert calibrate.cached_curve(target).milliseconds == kept
+    assert curve.milliseconds[1] < 0.1 * poisoned[1]  # tiny-model forwards take milliseconds
+    assert calibrate._key(target) not in json.loads(path.read_text())
+    measured = {1: 2.0, 2: 2.1, 4: 2.4, 8: 3.0, 16: 4.5}
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: Curve(dict(measured)))
+    monkeypatch.setattr(calibrate, "other_processes_share", Load)
+    assert calibrate.cached_curve(load_tiny_target(qwen_dir)).milliseconds == measured  # the next start
 
 
 def test_a_curve_measured_on_a_busy_machine_or_of_no_machine_s_shape_is_not_kept(qwen_dir, monkeypatch):
@@ -151,35 +154,36 @@ def test_a_curve_measured_on_a_busy_machine_or_of_no_machine_s_shape_is_not_kept
     assert calibrate.cached_curve(load_tiny_target(qwen_dir)).milliseconds == {1: 10.0, 4: 12.0, 8: 15.0}
 
 
-def test_live_forwards_rescale_a_curve_they_contradict_and_only_a_too_dear_one_is_kept():
-    kept = []
-    curve = Curve({1: 10.0, 4: 20.0}, on_rescaled=kept.append)
+def test_live_forwards_rescale_a_curve_they_contradict_and_a_stored_one_too_dear_is_dropped():
+    dropped = []
+    curve = Curve({1: 10.0, 4: 20.0}, on_too_dear=lambda: dropped.append(True))
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 21.0)  # agrees: nothing changes
-    assert curve.milliseconds == {1: 10.0, 4: 20.0} and not kept
+    assert curve.milliseconds == {1: 10.0, 4: 20.0} and not dropped
     assert curve.cost(2) == pytest.approx(10 + 10 / 3)
     for _ in range(calibrate.LIVE_EVIDENCE):
-        curve.observe(4, 60.0)  # the machine is busy now: dearer for this session, not kept
-    assert curve.milliseconds == {1: 30.0, 4: 60.0} and not kept
+        curve.observe(4, 60.0)  # the machine is busy now: dearer for this session
+    assert curve.milliseconds == {1: 30.0, 4: 60.0} and not dropped
     assert curve.cost(2) == pytest.approx(40.0)  # the costs read before are not reused
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 6.0)
-    assert curve.milliseconds == {1: 3.0, 4: 6.0} and kept == [curve] and curve.kept == {1: 3.0, 4: 6.0}
+    assert curve.milliseconds == {1: 3.0, 4: 6.0} and dropped == [True]  # 0.3x the stored curve: dropped, once
     assert curve.cost(2) == pytest.approx(4.0) and curve.cost(8) == pytest.approx(10.0)
+    assert curve.stored == {1: 10.0, 4: 20.0}
 
 
-def test_a_curve_made_dearer_by_a_busy_spell_is_never_kept_dearer_than_it_was():
+def test_a_curve_made_dearer_by_a_busy_spell_and_cheaper_again_is_not_dropped():
     """Live forwards three times the curve (the machine busy) make it dearer for the session; once the
     machine is quiet, forwards at half that rescaled curve make it cheaper again, which is still 1.5x
-    what was measured: what the cache keeps stays the measured curve."""
-    kept = []
-    curve = Curve({1: 10.0, 4: 20.0}, on_rescaled=kept.append)
+    what was measured: the stored curve stays."""
+    dropped = []
+    curve = Curve({1: 10.0, 4: 20.0}, on_too_dear=lambda: dropped.append(True))
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 60.0)
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(4, 30.0)
     assert curve.milliseconds == {1: 15.0, 4: 30.0}  # this session's
-    assert curve.kept == {1: 10.0, 4: 20.0}
+    assert not dropped and curve.stored == {1: 10.0, 4: 20.0}
 
 
 def test_a_curve_wrong_in_its_shape_is_healed_size_by_size_and_the_sizes_above_with_it():
@@ -187,9 +191,9 @@ def test_a_curve_wrong_in_its_shape_is_healed_size_by_size_and_the_sizes_above_w
     ~0.55-0.7 of it: the overall median stayed within TOO_CHEAP, so the whole-curve rule never
     corrected it. Each size its live forwards contradict takes their median; sizes no live forward
     reached (here 6 and 8) move with the largest healed size below them; for this session only."""
-    kept = []
+    dropped = []
     stored = {1: 40.56, 2: 47.75, 3: 44.95, 4: 52.48, 6: 74.89, 8: 108.73}
-    curve = Curve(dict(stored), on_rescaled=kept.append)
+    curve = Curve(dict(stored), on_too_dear=lambda: dropped.append(True))
     live = {3: 30.0, 4: 36.0, 1: 22.0}  # ratios 0.67, 0.69, 0.54: their median never below TOO_CHEAP
     for _ in range(calibrate.LIVE_EVIDENCE + 1):
         for n, ms in live.items():
@@ -206,7 +210,7 @@ def test_a_curve_wrong_in_its_shape_is_healed_size_by_size_and_the_sizes_above_w
     for _ in range(calibrate.LIVE_EVIDENCE):
         curve.observe(1, 29.5)  # a long context: one token dearer
     assert curve.milliseconds[1] == 29.5
-    assert not kept and curve.kept == stored  # every size's healing is this session's
+    assert not dropped and curve.stored == stored  # every size's healing is this session's
 
 
 def test_sizes_healed_at_different_moments_leave_the_stored_curve_as_measured(monkeypatch, qwen_dir):
@@ -289,10 +293,13 @@ def test_a_right_curve_costs_a_few_probes_of_the_sizes_just_past_its_best():
 
 def test_the_cache_keeps_the_newest_curves_only(tmp_path, monkeypatch):
     """A changed kernel or thread count keys every model anew: the cache keeps the KEPT_CURVES newest
-    (measured or healed) and drops the oldest, whatever else wrote it."""
+    measured and drops the oldest, whatever else wrote it; a curve dropped goes alone."""
     path = tmp_path / "verify-cost.json"
     monkeypatch.setattr(calibrate, "KEPT_CURVES", 3)
     for n in range(5):
-        calibrate._keep(path, f"model-{n}", Curve({1: float(n + 1)}))
-    calibrate._keep(path, "model-2", Curve({1: 9.0}))  # healed again: the newest now
+        calibrate._keep(path, f"model-{n}", {1: float(n + 1)})
+    calibrate._keep(path, "model-2", {1: 9.0})  # measured again: the newest now
     assert list(json.loads(path.read_text())) == ["model-3", "model-4", "model-2"]
+    calibrate._drop(path, "model-4")
+    calibrate._drop(path, "model-9")  # (none such: nothing changes)
+    assert json.loads(path.read_text()) == {"model-3": {"1": 4.0}, "model-2": {"1": 9.0}}

@@ -13,9 +13,10 @@ and every later start planned trees on it. So a measurement during which other p
 than BUSY_SHARE of the CPU (/proc/stat against this process's own time), or whose shape no machine
 has (`implausible`), is used for this session but not kept; a stored curve of such a shape is
 measured again; and the engine's live verify forwards (`Curve.observe`) correct a curve they
-contradict: live times well below it (it was measured on a busy machine) rescale it and the rescaled
-curve is kept, live times well above it (the machine is busy now, or the context is long) rescale it
-for this session only.
+contradict, for this session: live times well below it or well above it (the machine is busy now,
+or the context is long) rescale it. A stored curve that live times find too dear as a whole (it was
+measured while the machine was busier than the busy check saw) is dropped from the cache, to be
+measured again at the next start: what the cache holds is always a measurement.
 
 A curve can be wrong in its shape while right on average: one stored on a Zen 3 took 40.6 ms for
 one token and 52.5 for four where live forwards took 17 and 32 (0.42x and 0.62x: its median ratio
@@ -23,16 +24,8 @@ stayed inside the bounds above, and every later start planned on it). So each me
 held to the live forwards of its own size: a size they contradict by more than SIZE_AGREES takes
 their median, and so do the larger sizes no live forward has reached yet (measured in the same
 conditions, and otherwise never verified to be corrected: a size the curve makes dear is not chosen).
-A size's healing is this session's only, never kept: each size is healed at its own moment and
-context, and a cloud VM's speed swings (the same one-token forward took 8.6 ms and 12.3 ms minutes
-apart on a 2-core Zen 4), so sizes kept where each was healed cheapest drifted apart from one
-another and from any moment's costs. Kept that way over one run of the drafts' benches, the Zen 4's
-stored curve said 6.35 ms for one token and 9.51 for two, where one took 8.6-12.7 live and measured
-again 12.65 and 13.24: small trees looked cheap, and general10 decoded at τ 1.83, 1.40x plain, with
-it against τ 2.06, 1.52x, with the curve measured again (one interleaved run each, 2026-12-01).
-Only the whole curve's rescaling, which keeps its shape, is kept (where cheaper: `Curve.kept`).
 
-A size measured too dear by less than that is never corrected at all: at a long context live
+A size measured too dear by less than SIZE_AGREES is never corrected at all: at a long context live
 forwards cost as much more, so they agree with it. One stored on the Xeon's AVX2 path took 74 ms
 for 16 tokens between 50.7 for 12 and 91.5 for 24 (measured again: 63.5), and the rate rule cut
 every lookup chain of a rewrite at 11 tokens: rewrite10 decoded at τ 3.97, 2.13x plain, with it
@@ -41,6 +34,17 @@ more than BUMP above the line between its neighbours is timed again (`bumps`): a
 cost is the larger of reading the weights and the rows' arithmetic, a convex curve, and a run can
 only be slowed, so a size above that line was most likely slowed; a kernel's real step (the
 AVX-512 path's 6 tokens cost what 8 do) stays, after RETIMES more forwards.
+
+Nothing live forwards find is kept but that a stored curve is too dear: each size heals at its own
+moment and context, and a cloud VM's speed swings (the same one-token forward took 8.6 ms and 12.3
+ms minutes apart on a 2-core Zen 4). Kept where each size was healed cheapest, and the whole curve
+where rescaled cheaper, a curve drifts from any moment's costs: over one run of the drafts' benches
+the Zen 4's stored curve came to say 6.35 ms for one token and 9.51 for two, where one took 8.6-12.7
+live and a measurement gave 12.65 and 13.24, and small trees looked cheap: general10 decoded at τ
+1.83, 1.40x plain, on it and at τ 2.06, 1.52x, on the curve measured again (one interleaved run
+each, 2026-12-01); with only the sizes' healing unkept, the whole curve's rescaling of a session's
+healed curve stored 5.06 ms for one token and 11.97 for three, four and six (measured: 12.1, 13.5,
+14.4 and 17.0).
 
 A size the curve makes too dear is never chosen, so no live forward would ever correct it: a curve
 measured while another process started (3 tokens 68 ms where 2 took 27, the real cost 31) kept a
@@ -90,40 +94,48 @@ TOO_CHEAP, TOO_DEAR = 0.6, 1.6
 SIZE_AGREES = (0.75, 1.33)  # a measured size's live median ratio outside these heals it (`Curve.observe`)
 BUMP, RETIMES = 1.1, 3  # a size measured this much above the line between its neighbours is timed again, up to
 # RETIMES more times (`measure`)
-# In the cache's key: curves stored before sizes were timed again ("retimed"), or kept with sizes healed
-# apart (before "as-measured"), are measured again
-CURVE_METHOD = "as-measured"
-KEPT_CURVES = 32  # curves the cache keeps, the most recently measured or healed
+# In the cache's key: curves stored before sizes were timed again, or before the cache held measurements
+# only (up to "retimed", live forwards' healing and rescaling were kept), are measured again
+CURVE_METHOD = "measured-only"
+KEPT_CURVES = 32  # curves the cache keeps, the most recently measured
 PROBE_EVERY = 8  # cycles between probes of the size above those live forwards have confirmed (`Curve.probe`)
 
 
 @dataclass
 class Curve:
     milliseconds: dict[int, float]
-    # Called with the curve when live forwards showed it too dear as a whole and it was rescaled
-    # (`cached_curve` keeps its `kept`); None: nowhere to keep it.
-    on_rescaled: Callable[[Curve], None] | None = field(default=None, repr=False, compare=False)
+    # Called once when live forwards show the curve as stored too dear as a whole (`cached_curve` then
+    # drops it from the cache, to be measured again); None: nothing stored.
+    on_too_dear: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     live: list[float] = field(default_factory=list, repr=False, compare=False)  # latest live times / the curve's
+    against_stored: list[float] = field(default_factory=list, repr=False, compare=False)  # ... / the stored curve's
     # per measured size, the latest live forwards of its own size in ms (a size is here once seen live)
     live_by_size: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
     healed: dict[int, float] = field(default_factory=dict, repr=False, compare=False)  # size: its factor (`_heal_size`)
     measured: dict[int, float] = field(init=False, repr=False, compare=False)  # before any size was healed
-    # What the cache should hold: the measured curve, only ever made cheaper by the whole curve's rescaling
-    # (a curve rescaled dearer, on a busy machine, and every size's healing stay this session's)
-    kept: dict[int, float] = field(init=False, repr=False, compare=False)
+    stored: dict[int, float] = field(init=False, repr=False, compare=False)  # as read or measured: never changed
     cycles: int = field(default=0, repr=False, compare=False)  # selections seen (`probe`)
     # `cost` by n for the `milliseconds` it was read from: the rate rules ask for a dozen sizes at each
     # draft level (the dict is replaced when the curve changes, never changed in place)
     _costs: tuple[dict[int, float], dict[int, float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self.measured, self.kept = dict(self.milliseconds), dict(self.milliseconds)
+        self.measured, self.stored = dict(self.milliseconds), dict(self.milliseconds)
         self._costs = (self.milliseconds, {})
 
     def observe(self, n: int, milliseconds: float) -> None:
         """A live forward of n tokens (a verify step) took `milliseconds`; a curve the latest ones
         contradict is rescaled by their median ratio to it, a measured size those of its own size
-        contradict is healed (see the module docstring)."""
+        contradict is healed, for this session; a stored curve they find too dear is dropped (see the
+        module docstring)."""
+        self.against_stored.append(milliseconds / interpolated(self.stored, n))
+        del self.against_stored[:-LIVE_WINDOW]
+        if (self.on_too_dear is not None and len(self.against_stored) >= LIVE_EVIDENCE
+                and (stored := statistics.median(self.against_stored)) < TOO_CHEAP):
+            log.info(f"live verify forwards take {stored:.2f}x the stored verify-cost curve's: it is measured again "
+                     f"at the next start")
+            self.on_too_dear()
+            self.on_too_dear = None
         ratio = milliseconds / self.cost(n)
         self.live.append(ratio)
         del self.live[:-LIVE_WINDOW]
@@ -134,11 +146,6 @@ class Curve:
             self.live.clear()
             for recent in self.live_by_size.values():
                 recent.clear()
-            if overall < TOO_CHEAP:  # (cheaper than the curve of now, which a busy spell may have made dearer:
-                # kept only where cheaper than what is kept)
-                self.kept = {size: min(ms, self.milliseconds[size]) for size, ms in self.kept.items()}
-                if self.on_rescaled is not None:
-                    self.on_rescaled(self)
             return
         if n in self.milliseconds:
             self._heal_size(n, milliseconds)
@@ -202,23 +209,26 @@ class Curve:
         if read_from is not self.milliseconds:
             read_from, costs = self._costs = (self.milliseconds, {})
         if n not in costs:
-            costs[n] = self._interpolated(n)
+            costs[n] = interpolated(self.milliseconds, n)
         return costs[n]
-
-    def _interpolated(self, n: int) -> float:
-        sizes = sorted(self.milliseconds)
-        if n <= sizes[0]:
-            return self.milliseconds[sizes[0]]
-        for low, high in zip(sizes, sizes[1:]):
-            if n <= high:
-                share = (n - low) / (high - low)
-                return self.milliseconds[low] + share * (self.milliseconds[high] - self.milliseconds[low])
-        low, high = sizes[-2], sizes[-1]
-        slope = (self.milliseconds[high] - self.milliseconds[low]) / (high - low)
-        return self.milliseconds[high] + slope * (n - high)
 
     def best_total_tokens(self, trust: float = 1.0) -> int:
         return max(self.milliseconds, key=lambda n: (self.expected_rate(n, trust), -n))
+
+
+def interpolated(milliseconds: dict[int, float], n: int) -> float:
+    """A forward of n tokens under measured `milliseconds` by size: between the sizes either side, or
+    extended linearly past the largest."""
+    sizes = sorted(milliseconds)
+    if n <= sizes[0]:
+        return milliseconds[sizes[0]]
+    for low, high in zip(sizes, sizes[1:]):
+        if n <= high:
+            share = (n - low) / (high - low)
+            return milliseconds[low] + share * (milliseconds[high] - milliseconds[low])
+    low, high = sizes[-2], sizes[-1]
+    slope = (milliseconds[high] - milliseconds[low]) / (high - low)
+    return milliseconds[high] + slope * (n - high)
 
 
 def _key(target) -> str:
@@ -302,23 +312,23 @@ def cached_curve(target) -> Curve:
     key = _key(target)
     stored = _read(path).get(key)
     if stored is not None and not implausible({int(n): ms for n, ms in stored.items()}):
-        return Curve({int(n): ms for n, ms in stored.items()}, on_rescaled=lambda curve: _keep(path, key, curve))
+        return Curve({int(n): ms for n, ms in stored.items()}, on_too_dear=lambda: _drop(path, key))
     log.info("measuring what verifying n tokens costs on this machine once (seconds)...")
     with other_processes_share() as busy:
         curve = measure(target)
     reason = implausible(curve.milliseconds) or (
         f"other processes used {busy.share:.0%} of the CPU meanwhile" if busy.share > BUSY_SHARE else None)
     if reason is None:
-        _keep(path, key, curve)
+        _keep(path, key, curve.milliseconds)
+        curve.on_too_dear = lambda: _drop(path, key)
     else:
         log.warning(f"the verify-cost curve is used for now but not kept ({reason}): it is measured again at the next "
                     f"start, and live verify forwards correct it meanwhile")
         # A curve made monotonic, so that an outlier does not make a size look free.
         running = 0.0
         curve.milliseconds = {n: (running := max(running, ms)) for n, ms in sorted(curve.milliseconds.items())}
-        curve.measured, curve.kept = dict(curve.milliseconds), dict(curve.milliseconds)
+        curve.measured, curve.stored = dict(curve.milliseconds), dict(curve.milliseconds)
         _unkept_this_start[target] = curve
-    curve.on_rescaled = lambda rescaled: _keep(path, key, rescaled)
     return curve
 
 
@@ -329,12 +339,19 @@ def _read(path) -> dict:
         return {}
 
 
-def _keep(path, key: str, curve: Curve) -> None:
-    """Store `curve` (what it keeps: `Curve.kept`) under `key` (read again first: another process may
-    have stored other keys), the newest last; the oldest beyond KEPT_CURVES go (a changed kernel or
-    thread count keys every model anew, and a model folder that is gone leaves its key behind)."""
+def _keep(path, key: str, milliseconds: dict[int, float]) -> None:
+    """Store a measured curve under `key` (read again first: another process may have stored other
+    keys), the newest last; the oldest beyond KEPT_CURVES go (a changed kernel or thread count keys
+    every model anew, and a model folder that is gone leaves its key behind)."""
     known = _read(path)
     known.pop(key, None)
-    known[key] = curve.kept
+    known[key] = milliseconds
     kept = dict(list(known.items())[-KEPT_CURVES:])
     replace_atomically(path, lambda partial: partial.write_text(json.dumps(kept, indent=1)))
+
+
+def _drop(path, key: str) -> None:
+    """The curve under `key` goes (read again first, as in `_keep`): the next start measures it again."""
+    known = _read(path)
+    if known.pop(key, None) is not None:
+        replace_atomically(path, lambda partial: partial.write_text(json.dumps(known, indent=1)))
