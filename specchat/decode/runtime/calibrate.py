@@ -12,18 +12,18 @@ cores made one 5-40x too dear and non-monotonic (an AVX2 host's: 4 tokens 198 ms
 and every later start planned trees on it. So a measurement during which other processes used more
 than BUSY_SHARE of the CPU (/proc/stat against this process's own time), or whose shape no machine
 has (`implausible`), is used for this session but not kept; a stored curve of such a shape is
-measured again; and the engine's live verify forwards (`Curve.observe`) correct a curve they
-contradict, for this session: live times well below it or well above it (the machine is busy now,
-or the context is long) rescale it. A stored curve that live times find too dear as a whole (it was
-measured while the machine was busier than the busy check saw) is dropped from the cache, to be
-measured again at the next start: what the cache holds is always a measurement.
+measured again; and the engine's live verify forwards (`Curve.observe`) set the curve's level for
+this session: the median of the latest ones' ratios to it (the machine's speed of the moment, the
+context's length), one factor for every size. A stored curve that live times find too dear as a
+whole (it was measured while the machine was busier than the busy check saw) is dropped from the
+cache, to be measured again at the next start: what the cache holds is always a measurement.
 
 A curve can be wrong in its shape while right on average: one stored on a Zen 3 took 40.6 ms for
 one token and 52.5 for four where live forwards took 17 and 32 (0.42x and 0.62x: its median ratio
-stayed inside the bounds above, and every later start planned on it). So each measured size is also
-held to the live forwards of its own size: a size they contradict by more than SIZE_AGREES takes
-their median, and so do the larger sizes no live forward has reached yet (measured in the same
-conditions, and otherwise never verified to be corrected: a size the curve makes dear is not chosen).
+stayed inside the bounds of the whole-curve rescaling then, and every later start planned on it).
+So each measured size is also held to the live forwards of its own size, each against the curve at
+the level of its moment: a size they contradict by more than SIZE_AGREES takes their median, the
+sizes either side kept monotonic around it (a size the curve makes too dear is probed, below).
 
 A size measured too dear by less than SIZE_AGREES is never corrected at all: at a long context live
 forwards cost as much more, so they agree with it. One stored on the Xeon's AVX2 path took 74 ms
@@ -44,7 +44,9 @@ live and a measurement gave 12.65 and 13.24, and small trees looked cheap: gener
 1.83, 1.40x plain, on it and at τ 2.06, 1.52x, on the curve measured again (one interleaved run
 each, 2026-12-01); with only the sizes' healing unkept, the whole curve's rescaling of a session's
 healed curve stored 5.06 ms for one token and 11.97 for three, four and six (measured: 12.1, 13.5,
-14.4 and 17.0).
+14.4 and 17.0). Within a session alike: sizes healed each against its own moment's absolute costs
+bent a bench's curve apart (11.7 ms for one to three tokens, 21.9 for four, 23.4 for six and eight),
+hence the level, which a moment's speed moves for every size at once.
 
 A size the curve makes too dear is never chosen, so no live forward would ever correct it: a curve
 measured while another process started (3 tokens 68 ms where 2 took 27, the real cost 31) kept a
@@ -87,10 +89,11 @@ REPEATS = 3
 TAU_PER_DOUBLING = 0.22
 DRAFT_SHARE = 1 / 3
 BUSY_SHARE = 0.15  # other processes' share of the CPU while measuring above which the curve is not kept
-# Live verify forwards (the median ratio to the curve of the latest LIVE_WINDOW, once LIVE_EVIDENCE are
-# in) below TOO_CHEAP or above TOO_DEAR times the curve rescale it.
+# Live verify forwards: the median ratio of the latest LIVE_WINDOW to the curve, once LIVE_EVIDENCE are in,
+# sets its level (`Curve.observe`); a size's own, against the curve of their moment, heal it (`SIZE_AGREES`)
 LIVE_WINDOW, LIVE_EVIDENCE = 5, 3
-TOO_CHEAP, TOO_DEAR = 0.6, 1.6
+LEVEL_MOVES = 1.1  # the curve's level follows the live median once it moves by more than this factor
+TOO_CHEAP = 0.6  # a stored curve live forwards take less than this share of is dropped (measured again)
 SIZE_AGREES = (0.75, 1.33)  # a measured size's live median ratio outside these heals it (`Curve.observe`)
 BUMP, RETIMES = 1.1, 3  # a size measured this much above the line between its neighbours is timed again, up to
 # RETIMES more times (`measure`)
@@ -103,30 +106,31 @@ PROBE_EVERY = 8  # cycles between probes of the size above those live forwards h
 
 @dataclass
 class Curve:
-    milliseconds: dict[int, float]
+    milliseconds: dict[int, float]  # this session's costs: `shape` at `level`, made monotonic
     # Called once when live forwards show the curve as stored too dear as a whole (`cached_curve` then
     # drops it from the cache, to be measured again); None: nothing stored.
     on_too_dear: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    live: list[float] = field(default_factory=list, repr=False, compare=False)  # latest live times / the curve's
-    against_stored: list[float] = field(default_factory=list, repr=False, compare=False)  # ... / the stored curve's
-    # per measured size, the latest live forwards of its own size in ms (a size is here once seen live)
-    live_by_size: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
-    healed: dict[int, float] = field(default_factory=dict, repr=False, compare=False)  # size: its factor (`_heal_size`)
-    measured: dict[int, float] = field(init=False, repr=False, compare=False)  # before any size was healed
     stored: dict[int, float] = field(init=False, repr=False, compare=False)  # as read or measured: never changed
+    # The stored curve with the sizes healed (`_heal_size`): the costs' shape, at the stored curve's speed
+    shape: dict[int, float] = field(init=False, repr=False, compare=False)
+    level: float = field(default=1.0, repr=False, compare=False)  # this session's speed against `shape`
+    live: list[float] = field(default_factory=list, repr=False, compare=False)  # latest live times / shape's
+    against_stored: list[float] = field(default_factory=list, repr=False, compare=False)  # ... / the stored curve's
+    # per measured size, its latest live forwards against the curve of their moment (a size is here once seen live)
+    live_by_size: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
     cycles: int = field(default=0, repr=False, compare=False)  # selections seen (`probe`)
     # `cost` by n for the `milliseconds` it was read from: the rate rules ask for a dozen sizes at each
     # draft level (the dict is replaced when the curve changes, never changed in place)
     _costs: tuple[dict[int, float], dict[int, float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self.measured, self.stored = dict(self.milliseconds), dict(self.milliseconds)
+        self.stored, self.shape = dict(self.milliseconds), dict(self.milliseconds)
         self._costs = (self.milliseconds, {})
 
     def observe(self, n: int, milliseconds: float) -> None:
-        """A live forward of n tokens (a verify step) took `milliseconds`; a curve the latest ones
-        contradict is rescaled by their median ratio to it, a measured size those of its own size
-        contradict is healed, for this session; a stored curve they find too dear is dropped (see the
+        """A live forward of n tokens (a verify step) took `milliseconds`. The curve's level follows the
+        median of the latest ones' ratios to its shape; a measured size whose own forwards contradict
+        the curve of their moment is healed; a stored curve they find too dear is dropped (see the
         module docstring)."""
         self.against_stored.append(milliseconds / interpolated(self.stored, n))
         del self.against_stored[:-LIVE_WINDOW]
@@ -136,44 +140,42 @@ class Curve:
                      f"at the next start")
             self.on_too_dear()
             self.on_too_dear = None
-        ratio = milliseconds / self.cost(n)
-        self.live.append(ratio)
+        at_shape = milliseconds / interpolated(self.shape, n)
+        self.live.append(at_shape)
         del self.live[:-LIVE_WINDOW]
-        if len(self.live) >= LIVE_EVIDENCE and not TOO_CHEAP <= (overall := statistics.median(self.live)) <= TOO_DEAR:
-            log.debug(f"live verify forwards take {overall:.2f}x the cost curve's: rescaled")
-            self.milliseconds = {size: round(ms * overall, 2) for size, ms in self.milliseconds.items()}
-            self.measured = {size: ms * overall for size, ms in self.measured.items()}
-            self.live.clear()
-            for recent in self.live_by_size.values():
+        level = statistics.median(self.live)
+        if len(self.live) >= LIVE_EVIDENCE and not 1 / LEVEL_MOVES <= level / self.level <= LEVEL_MOVES:
+            log.debug(f"live verify forwards take {level:.2f}x the cost curve's shape: its level now")
+            self.level = level
+            for recent in self.live_by_size.values():  # (each against a level gone)
                 recent.clear()
-            return
-        if n in self.milliseconds:
-            self._heal_size(n, milliseconds)
+            self._rebuild()
+        elif n in self.shape:
+            self._heal_size(n, at_shape / self.level)
 
-    def _heal_size(self, n: int, milliseconds: float) -> None:
-        """Where the median of size n's latest live forwards is outside SIZE_AGREES of the curve, n
-        takes it, and the larger sizes not yet seen live take n's factor over what was measured; no
-        smaller size stays dearer than a larger one. For this session only (the module docstring)."""
+    def _heal_size(self, n: int, ratio: float) -> None:
+        """Size n's forward took `ratio` times the curve's cost: where the median of its latest ones is
+        outside SIZE_AGREES, its shape takes them, and the sizes either side of it keep the curve
+        monotonic around it. For this session only (the module docstring)."""
         recent = self.live_by_size.setdefault(n, [])
-        recent.append(milliseconds)
+        recent.append(ratio)
         del recent[:-LIVE_WINDOW]
-        median = statistics.median(recent) / self.milliseconds[n]
+        median = statistics.median(recent)
         if len(recent) < LIVE_EVIDENCE or SIZE_AGREES[0] <= median <= SIZE_AGREES[1]:
             return
         log.debug(f"live verify forwards of {n} tokens take {median:.2f}x the cost curve's: healed")
-        self.healed[n] = self.milliseconds[n] * median / self.measured[n]
-        factor, healed = 1.0, {}
-        for size in sorted(self.measured):  # a size's own factor; seen live unhealed, as live forwards found it; else
-            if size in self.healed:  # (unseen) that of the largest healed below it
-                factor = self.healed[size]
-                healed[size] = self.measured[size] * factor
-            else:
-                healed[size] = self.milliseconds[size] if size in self.live_by_size else self.measured[size] * factor
-        ceiling = math.inf
-        for size in sorted(healed, reverse=True):
-            ceiling = healed[size] = round(min(healed[size], ceiling), 2)
-        self.milliseconds = dict(sorted(healed.items()))
+        healed = self.shape[n] * median
+        self.shape = {size: min(ms, healed) if size < n else healed if size == n else max(ms, healed)
+                      for size, ms in self.shape.items()}
         recent.clear()
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """`milliseconds`: the shape at this level, no smaller size dearer than a larger one."""
+        ceiling, costs = math.inf, {}
+        for size in sorted(self.shape, reverse=True):
+            ceiling = costs[size] = round(min(self.shape[size] * self.level, ceiling), 2)
+        self.milliseconds = dict(sorted(costs.items()))
 
     def probe(self, expected: dict[int, float], drafting_ms: float, best: int) -> int:
         """The tokens to verify this cycle: `best`, the size the rate rule chose (`expected`: tokens by
@@ -327,7 +329,7 @@ def cached_curve(target) -> Curve:
         # A curve made monotonic, so that an outlier does not make a size look free.
         running = 0.0
         curve.milliseconds = {n: (running := max(running, ms)) for n, ms in sorted(curve.milliseconds.items())}
-        curve.measured, curve.stored = dict(curve.milliseconds), dict(curve.milliseconds)
+        curve.stored, curve.shape = dict(curve.milliseconds), dict(curve.milliseconds)
         _unkept_this_start[target] = curve
     return curve
 
