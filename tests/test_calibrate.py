@@ -218,7 +218,7 @@ def test_a_curve_wrong_in_its_shape_takes_the_live_level_and_a_size_still_off_he
 def test_sizes_seen_at_different_moments_move_the_level_and_keep_the_shape(monkeypatch, qwen_dir):
     """A VM whose speed swings 1.4x (the same one-token forward 8.6 and 12.3 ms minutes apart, a 2-core
     Zen 4), each size verified at its own moment: the session's curve keeps the measured shape at the
-    latest level, where each size's healing at its moment bent it apart (12.2 ms for 1 to 3 tokens,
+    latest level, where each size's healing at its moment bent it apart (11.7 ms for 1 to 3 tokens,
     21.9 for 4, in a bench on the Zen 4); and the stored curve, as measured, is what the next start reads."""
     measured = {1: 12.65, 2: 13.24, 4: 15.19, 8: 20.88}
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: Curve(dict(measured)))

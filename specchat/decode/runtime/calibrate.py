@@ -132,14 +132,15 @@ class Curve:
         median of the latest ones' ratios to its shape; a measured size whose own forwards contradict
         the curve of their moment is healed; a stored curve they find too dear is dropped (see the
         module docstring)."""
-        self.against_stored.append(milliseconds / interpolated(self.stored, n))
-        del self.against_stored[:-LIVE_WINDOW]
-        if (self.on_too_dear is not None and len(self.against_stored) >= LIVE_EVIDENCE
-                and (stored := statistics.median(self.against_stored)) < TOO_CHEAP):
-            log.info(f"live verify forwards take {stored:.2f}x the stored verify-cost curve's: it is measured again "
-                     f"at the next start")
-            self.on_too_dear()
-            self.on_too_dear = None
+        if self.on_too_dear is not None:  # (nothing to drop: a curve not stored, or dropped already)
+            self.against_stored.append(milliseconds / interpolated(self.stored, n))
+            del self.against_stored[:-LIVE_WINDOW]
+            stored = statistics.median(self.against_stored)
+            if len(self.against_stored) >= LIVE_EVIDENCE and stored < TOO_CHEAP:
+                log.info(f"live verify forwards take {stored:.2f}x the stored verify-cost curve's: it is measured "
+                         f"again at the next start")
+                self.on_too_dear()
+                self.on_too_dear = None
         at_shape = milliseconds / interpolated(self.shape, n)
         self.live.append(at_shape)
         del self.live[:-LIVE_WINDOW]
@@ -348,12 +349,15 @@ def _keep(path, key: str, milliseconds: dict[int, float]) -> None:
     known = _read(path)
     known.pop(key, None)
     known[key] = milliseconds
-    kept = dict(list(known.items())[-KEPT_CURVES:])
-    replace_atomically(path, lambda partial: partial.write_text(json.dumps(kept, indent=1)))
+    _write(path, dict(list(known.items())[-KEPT_CURVES:]))
 
 
 def _drop(path, key: str) -> None:
     """The curve under `key` goes (read again first, as in `_keep`): the next start measures it again."""
     known = _read(path)
     if known.pop(key, None) is not None:
-        replace_atomically(path, lambda partial: partial.write_text(json.dumps(known, indent=1)))
+        _write(path, known)
+
+
+def _write(path, curves: dict) -> None:
+    replace_atomically(path, lambda partial: partial.write_text(json.dumps(curves, indent=1)))
