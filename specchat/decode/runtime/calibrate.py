@@ -46,7 +46,12 @@ each, 2026-12-01); with only the sizes' healing unkept, the whole curve's rescal
 healed curve stored 5.06 ms for one token and 11.97 for three, four and six (measured: 12.1, 13.5,
 14.4 and 17.0). Within a session alike: sizes healed each against its own moment's absolute costs
 bent a bench's curve apart (11.7 ms for one to three tokens, 21.9 for four, 23.4 for six and eight),
-hence the level, which a moment's speed moves for every size at once.
+hence the level, which a moment's speed moves for every size at once. A live forward counts for its
+size's healing once SETTLES_AFTER more have come without moving the level (after a swing the level
+moves at the third forward of the new speed: the two before it were judged against the level gone,
+and are dropped), and the settled ones stay across the level's moves: cleared at every move, on the
+Zen 4 VM (128 moves over 1,586 live forwards of a humaneval20 bench) a size only probes verify never
+gathered the evidence that heals it, and most probes re-checked sizes already seen.
 
 A size the curve makes too dear is never chosen, so no live forward would ever correct it: a curve
 measured while another process started (3 tokens 68 ms where 2 took 27, the real cost 31) kept a
@@ -58,6 +63,7 @@ and a right curve costs a few probes of the sizes just past its best, once a cha
 
 from __future__ import annotations
 
+import collections
 import logging
 import json
 import math
@@ -93,6 +99,10 @@ BUSY_SHARE = 0.15  # other processes' share of the CPU while measuring above whi
 # sets its level (`Curve.observe`); a size's own, against the curve of their moment, heal it (`SIZE_AGREES`)
 LIVE_WINDOW, LIVE_EVIDENCE = 5, 3
 LEVEL_MOVES = 1.1  # the curve's level follows the live median once it moves by more than this factor
+# A live forward heals its size once this many more have come without moving the level: after a swing of the
+# machine's speed the median of LIVE_WINDOW moves at the third forward of the new speed, so the two before it,
+# judged against the level gone, are dropped instead (`Curve.observe`)
+SETTLES_AFTER = 3
 TOO_CHEAP = 0.6  # a stored curve live forwards take less than this share of is dropped (measured again)
 SIZE_AGREES = (0.75, 1.33)  # a measured size's live median ratio outside these heals it (`Curve.observe`)
 BUMP, RETIMES = 1.1, 3  # a size measured this much above the line between its neighbours is timed again, up to
@@ -116,8 +126,11 @@ class Curve:
     level: float = field(default=1.0, repr=False, compare=False)  # this session's speed against `shape`
     live: list[float] = field(default_factory=list, repr=False, compare=False)  # latest live times / shape's
     against_stored: list[float] = field(default_factory=list, repr=False, compare=False)  # ... / the stored curve's
-    # per measured size, its latest live forwards against the curve of their moment (a size is here once seen live)
+    # per measured size, its latest settled live forwards against the curve of their moment (a size is here once
+    # one has settled: SETTLES_AFTER)
     live_by_size: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
+    # the latest live forwards not yet settled, oldest first: (n, milliseconds), all at this level (a move drops them)
+    unsettled: list[tuple[int, float]] = field(default_factory=list, repr=False, compare=False)
     cycles: int = field(default=0, repr=False, compare=False)  # selections seen (`probe`)
     # `cost` by n for the `milliseconds` it was read from: the rate rules ask for a dozen sizes at each
     # draft level (the dict is replaced when the curve changes, never changed in place)
@@ -148,16 +161,22 @@ class Curve:
         if len(self.live) >= LIVE_EVIDENCE and not 1 / LEVEL_MOVES <= level / self.level <= LEVEL_MOVES:
             log.debug(f"live verify forwards take {level:.2f}x the cost curve's shape: its level now")
             self.level = level
-            for recent in self.live_by_size.values():  # (each against a level gone)
-                recent.clear()
+            # The level lags the machine's speed by a few forwards: the unsettled ones may have been judged
+            # against the level gone. The settled ones stay, each judged against the level of its moment
+            # (cleared at every move, a VM's sizes lost their evidence every ~12 forwards, and a size verified
+            # only by probes, one every PROBE_EVERY cycles, never gathered the LIVE_EVIDENCE that heals it).
+            self.unsettled.clear()
             self._rebuild()
         elif n in self.shape:
-            self._heal_size(n, at_shape / self.level)
+            self.unsettled.append((n, milliseconds))
+            if len(self.unsettled) > SETTLES_AFTER:  # judged against the shape as healed since
+                settled, settled_ms = self.unsettled.pop(0)
+                self._heal_size(settled, settled_ms / self.shape[settled] / self.level)
 
     def _heal_size(self, n: int, ratio: float) -> None:
-        """Size n's forward took `ratio` times the curve's cost: where the median of its latest ones is
-        outside SIZE_AGREES, its shape takes them, and the sizes either side of it keep the curve
-        monotonic around it. For this session only (the module docstring)."""
+        """Size n's forward took `ratio` times the curve's cost (settled: `observe`): where the median of
+        its latest ones is outside SIZE_AGREES, its shape takes them, and the sizes either side of it keep
+        the curve monotonic around it. For this session only (the module docstring)."""
         recent = self.live_by_size.setdefault(n, [])
         recent.append(ratio)
         del recent[:-LIVE_WINDOW]
@@ -188,7 +207,9 @@ class Curve:
         self.cycles += 1
         if self.cycles % PROBE_EVERY:
             return best
-        confirmed = max((n for n, recent in self.live_by_size.items() if len(recent) >= LIVE_EVIDENCE), default=1)
+        seen = collections.Counter({n: len(recent) for n, recent in self.live_by_size.items()})
+        seen.update(n for n, _ in self.unsettled)  # each size's live forwards, settled or not
+        confirmed = max((n for n, count in seen.items() if count >= LIVE_EVIDENCE), default=1)
         size = min((n for n in self.milliseconds if n > confirmed), default=None)
         if size is None or size <= best or size not in expected:
             return best
