@@ -14,7 +14,7 @@ from drafters import DraftHead
 from drafters.cache import HeadCache
 from specchat.decode.runtime.cache import causal_mask
 from specchat.decode.drafting.heads.proposer import LEVEL_DECAY, LEVEL_MS, HeadProposer
-from specchat.decode.drafting.selection import Candidates
+from specchat.decode.drafting.selection import GROWING_LOOKUP_TOKENS, Candidates
 from specchat.decode.drafting.growth import CandidateTable, Growth, HostTable
 from specchat.decode.drafting.shapes import DynamicTree, StaticTree, tree_budget
 from specchat.decode.drafting.tree import DraftTree
@@ -29,7 +29,7 @@ class GrowingHead(HeadProposer):
     paced = True  # given a curve, a cycle may take a plain step or lookup alone (`Pace`)
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
-        super().__init__(head, target, shape, **options)
+        super().__init__(head, target, shape, **{"lookup_tokens": GROWING_LOOKUP_TOKENS} | options)
         self.cache = HeadCache()
         self.consumed = 0  # cache entries of committed context pairs
         self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on
