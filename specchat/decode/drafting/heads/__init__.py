@@ -22,6 +22,6 @@ __all__ = ["HeadProposer", "GrowingHead", "FixedHead", "for_target"]
 
 
 def for_target(head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options) -> HeadProposer:
-    """The head's proposer on `target`'s layout (`options`: lookup, curve, lookup_tokens, pace, lookup_paths,
+    """The head's proposer on `target`'s layout (`options`: lookup, curve, pace, lookup_paths,
     fused)."""
     return (GrowingHead if target.envelope is None else FixedHead)(head, target, shape, **options)

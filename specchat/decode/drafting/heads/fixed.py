@@ -14,7 +14,7 @@ import torch
 from drafters import DraftHead
 from drafters.cache import FixedHeadCache
 from specchat.decode.drafting.heads.proposer import PROMPT_CHUNK, HeadProposer
-from specchat.decode.drafting.selection import LOOKUP_BRANCHES, merge_lookup, select_fixed
+from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, merge_lookup, select_fixed
 from specchat.decode.drafting.growth import CandidateTable, Growth
 from specchat.decode.drafting.shapes import DynamicTree, StaticTree, tree_budget
 from specchat.decode.drafting.tree import DraftTree
@@ -29,6 +29,7 @@ class FixedHead(HeadProposer):
 
     described = ", fixed-shape steps"
     lookup_tree = False  # LOOKUP_BRANCHES chains with distinct first tokens: the draft step merges them
+    longest_lookup = LOOKUP_TOKENS  # each chain's rows in the bucket
     paced = False  # it verifies a whole bucket every step
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):

@@ -27,9 +27,10 @@ class GrowingHead(HeadProposer):
     lookup_tree = True  # the host selection merges the paths
     reads_votes = True  # it stops drafting as soon as DEAGLE votes
     paced = True  # given a curve, a cycle may take a plain step or lookup alone (`Pace`)
+    longest_lookup = GROWING_LOOKUP_TOKENS  # the rate rule verifies of a chain what pays
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree, **options):
-        super().__init__(head, target, shape, **{"lookup_tokens": GROWING_LOOKUP_TOKENS} | options)
+        super().__init__(head, target, shape, **options)
         self.cache = HeadCache()
         self.consumed = 0  # cache entries of committed context pairs
         self.pending_features: list[torch.Tensor] = []  # target features from position `consumed` on

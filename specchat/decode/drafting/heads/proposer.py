@@ -23,7 +23,7 @@ from specchat.decode.runtime.calibrate import Curve
 from specchat.decode.drafting.deagle import DepthTrace
 from specchat.decode.drafting.lookup import DEFAULT_LOOKUP_PATHS, LookupSource, Match
 from specchat.decode.drafting.pace import Arm, Found, LookupAndPace, Pace
-from specchat.decode.drafting.selection import LOOKUP_BRANCHES, LOOKUP_TOKENS, Candidates
+from specchat.decode.drafting.selection import LOOKUP_BRANCHES, Candidates
 from specchat.decode.drafting.growth import CandidateTable, HeadSteps
 from specchat.decode.drafting.shapes import DynamicTree, StaticTree
 from specchat.decode.drafting.tree import Cycle, DraftTree, Offer
@@ -48,9 +48,10 @@ class HeadProposer(LookupAndPace, HeadSteps):
     described = ""
     lookup_tree: bool  # a cycle's lookup continuations are a tree's paths, else distinct chains (`LookupSource.matches`)
     paced: bool  # whether a cycle may take plain steps or lookup alone where measured faster (`Pace`)
+    longest_lookup: int  # the longest lookup chain a cycle weighs (the rate rule or the bucket takes what it verifies)
 
     def __init__(self, head: DraftHead, target: Target, shape: StaticTree | DynamicTree,
-                 lookup: LookupSource | None = None, curve: Curve | None = None, lookup_tokens: int = LOOKUP_TOKENS,
+                 lookup: LookupSource | None = None, curve: Curve | None = None,
                  pace: bool = False, lookup_paths: int = DEFAULT_LOOKUP_PATHS,
                  fused: FusedEagle3Step | None = None):
         """
@@ -59,7 +60,6 @@ class HeadProposer(LookupAndPace, HeadSteps):
             curve: the verify-cost curve (the growing layout on a CPU): each cycle drafts and verifies
                 the nodes that maximize expected tokens per second (`GrowingHead.narrow`, `select`;
                 without it, the shape's budget).
-            lookup_tokens: the longest lookup chain.
             lookup_paths: the lookup tree's paths a cycle weighs (the growing layout's; the fixed one
                 merges LOOKUP_BRANCHES chains in its draft step).
             pace: each cycle takes plain steps, lookup continuations alone or the head's tree, whichever
@@ -71,7 +71,7 @@ class HeadProposer(LookupAndPace, HeadSteps):
         shape.check(head)
         super().__init__(head)
         self.shape, self.lookup, self.curve = shape, lookup, curve
-        self.lookup_tokens = lookup_tokens if lookup is not None else 0
+        self.lookup_tokens = self.longest_lookup if lookup is not None else 0
         self.lookup_paths = lookup_paths
         self.rates, self.trust, self.contradicted = LookupRates(), HeadTrust(), ContradictedLookups()
         arms = (Arm.PLAIN, Arm.LOOKUP, Arm.HEAD) if lookup is not None else (Arm.PLAIN, Arm.HEAD)
