@@ -27,8 +27,11 @@ def test_top_k_and_top_p_without_sorting_the_vocabulary_keep_what_the_sort_keeps
     """On a CPU the likeliest tokens are found by a pass and only they are sorted (a device sorts the
     vocabulary): the same k-th largest logit; the nucleus that float64 sums give, but for tokens whose
     mass before them is within float32 rounding of top_p (on a flat 152k-token row the sort's float32
-    cumulative sums miss by 2e-5, the candidates' by 1e-5), and the same probabilities within rounding.
-    The first guesses are wrong often enough here to be lowered (flat rows, rows of a few values)."""
+    cumulative sums miss by 2e-5 on an AVX-512 Xeon and 5e-5 on a Zen 3's AVX2, the candidates' by 1e-5 and
+    2e-5), and the same probabilities within rounding. The tokens either rule gets wrong run between the
+    two cuts, so together they hold at most twice the rounding and the last one's own mass: one token of
+    1e-4 at a cut is wrong on some CPUs' rounding and right on others'. The first guesses are wrong
+    often enough here to be lowered (flat rows, rows of a few values)."""
     generator = torch.Generator().manual_seed(vocab)
     rounding = 1e-4  # of the mass: far below what a wrong rule would change
     for trial in range(30):
@@ -49,7 +52,8 @@ def test_top_k_and_top_p_without_sorting_the_vocabulary_keep_what_the_sort_keeps
         for kept in (on_host > 0, sorted_rule > 0):
             wrong = kept != (mass_before < top_p)
             assert bool(((mass_before - top_p).abs() <= rounding)[wrong].all())
-            assert float((exact * wrong).sum(-1).max()) <= rounding
+            wrong_mass = exact * wrong
+            assert bool((wrong_mass.sum(-1) <= 2 * rounding + wrong_mass.amax(-1)).all())
         same = (on_host > 0) == (sorted_rule > 0)
         torch.testing.assert_close(on_host[same.all(-1)], sorted_rule[same.all(-1)], rtol=1e-5, atol=1e-7)
 
