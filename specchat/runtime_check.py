@@ -20,7 +20,9 @@ depth 6, top-10), to time the drafting the oracle leaves out.
 CPU), `growing` (the growing cache, eager; `host` is its former name), `both` each in turn.
 `--slots 256 512` times the decoding step of `specchat data regenerate` instead (continuous
 batching, `specchat.train.batched.SlotDecoder`: every slot answering, captured on CUDA) at those
-many slots over `--spans` positions, greedy and with half the slots sampling; `--runtime none`
+many slots, the deepest at `--spans` positions and the others spread down to an eighth of it, greedy
+and with half the slots sampling, each slot reading the common span and (where flash attention runs)
+its own positions alone; `--runtime none`
 leaves the layouts out. `--trace DIR` writes a torch profiler trace of a few cycles (or slot steps) and its summary. Its options take
 lists as argparse does (`--nodes 7 15 63`), so it parses them itself (`specchat.cli` hands it the
 arguments); man/specchat-runtime-check.1 documents them.
@@ -29,6 +31,7 @@ arguments); man/specchat-runtime-check.1 documents them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -47,7 +50,7 @@ from specchat.decode.runtime.machine import hardware
 from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import UsageError
 from specchat.tracing import write_trace
-from specchat.train.batched import SlotDecoder, SlotTimes
+from specchat.train.batched import SlotDecoder, SlotTimes, flash_reads_own_spans
 
 # The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct, whose
 # embedded GGUF files carry the same, and of meta-llama/Llama-3.1-8B-Instruct: the seeds' scale,
@@ -254,29 +257,35 @@ def measure(args, runtime: str) -> dict:
 
 
 def slot_steps(args) -> list[dict]:
-    """`specchat data regenerate`'s decoding step at each slot count and span: every slot busy, all
-    greedy or half of them sampling, host bookkeeping included (the step's inputs written, its
-    tokens read: as regeneration runs it). A target loaded as regeneration loads it (no graphs of
-    its own: the slot decoder captures its steps)."""
+    """`specchat data regenerate`'s decoding step at each slot count and span: every slot busy, the
+    deepest at the span and the others spread evenly down to an eighth of it (as answers at every
+    depth share a step), all greedy or half of them sampling, each slot attending over the common
+    span and, where flash attention runs, over its own positions alone (`attention`: span, own); host
+    bookkeeping included (the step's inputs written, its tokens read: as regeneration runs it). A
+    target loaded as regeneration loads it (no graphs of its own: the slot decoder captures its steps)."""
     target = build_target(args.shape, args.layers, args.device, getattr(torch, args.dtype), "growing")
     timed_steps, results = SLOT_STEPS * args.repeats, []
     extra = timed_steps + 3 + 3 + 2  # tokens per slot: the timed steps, warm-up and capture, a trace's, a margin
-    for slots in args.slots:
-        for span in args.spans:
-            for hot in (0, round(slots / 2)):  # slots sampling
-                decoder = SlotDecoder(target, slots, max_prompt_tokens=span, max_new_tokens=extra, stop_ids=frozenset())
-                decoder.fill(max(1, span - extra), [1.0] * hot + [0.0] * (slots - hot))
-                for _ in range(3):
-                    decoder.step()
-                decoder.times = times = SlotTimes(slots)  # the timed steps' alone
-                for _ in range(timed_steps):
-                    decoder.step()
-                step_ms = 1000 * times.step_seconds / times.steps
-                results.append({"slots": slots, "span": times.span_positions // times.steps, "sampling": hot,
-                                "step_ms": round(step_ms, 3), "tok_s": round(1000 * slots / step_ms, 1)})
-                if args.trace and slots == max(args.slots) and span == max(args.spans) and hot:
-                    write_trace(args.trace, "slots-steps.json", "slots-summary.txt", target.device,
-                                lambda: [decoder.step() for _ in range(3)])
+    attentions = ("span", "own") if flash_reads_own_spans(target.device, target.dtype) else ("span",)
+    for slots, span, hot, attention in itertools.product(args.slots, args.spans, (0, 1), attentions):
+        hot = hot * round(slots / 2)  # slots sampling
+        decoder = SlotDecoder(target, slots, max_prompt_tokens=span, max_new_tokens=extra, stop_ids=frozenset(),
+                              own_spans=attention == "own")
+        deepest = max(1, span - extra)
+        decoder.fill([max(1, round(deepest * (1 + 7 * i / max(1, slots - 1)) / 8)) for i in range(slots)],
+                     [1.0] * hot + [0.0] * (slots - hot))
+        for _ in range(3):
+            decoder.step()
+        decoder.times = times = SlotTimes(slots)  # the timed steps' alone
+        for _ in range(timed_steps):
+            decoder.step()
+        step_ms = 1000 * times.step_seconds / times.steps
+        results.append({"slots": slots, "span": times.span_positions // times.steps,
+                        "own": round(times.own_positions / times.steps), "sampling": hot, "attention": attention,
+                        "step_ms": round(step_ms, 3), "tok_s": round(1000 * slots / step_ms, 1)})
+        if args.trace and slots == max(args.slots) and span == max(args.spans) and hot and attention == attentions[-1]:
+            write_trace(args.trace, "slots-steps.json", "slots-summary.txt", target.device,
+                        lambda: [decoder.step() for _ in range(3)])
     return results
 
 
@@ -327,9 +336,10 @@ def table(results: dict) -> str:
                          f"{head['verify_ms']} ms = cycle {head['cycle_ms']} ms")
     if results.get("slots"):
         lines.append("regeneration steps (continuous batching, every slot busy):")
-        lines.append("  slots   span  sampling  step_ms      tok/s")
+        lines.append("  slots   span   own  sampling  attention  step_ms      tok/s")
         for row in results["slots"]:
-            lines.append(f"  {row['slots']:5d}  {row['span']:5d}  {row['sampling']:8d}  {row['step_ms']:7.3f}  {row['tok_s']:9.1f}")
+            lines.append(f"  {row['slots']:5d}  {row['span']:5d}  {row['own']:4d}  {row['sampling']:8d}  "
+                         f"{row['attention']:>9}  {row['step_ms']:7.3f}  {row['tok_s']:9.1f}")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -179,9 +180,14 @@ def test_every_stage_is_a_command_the_cli_takes(tmp_path, monkeypatch):
     train = specchat_commands[-1]
     assert train[train.index("--max-steps") + 1] == str(int(6 * 60 * plan.PLANNED_TRAIN_RATE / plan.TRAIN_BATCH_TOKENS))
     pytest_command = next(c for c in commands if "pytest" in c)
+    selected = pytest_command[pytest_command.index("-k") + 1]
     for test in (arg for arg in pytest_command if arg.startswith("tests/")):
         path, _, name = test.partition("::")
         assert (root / path).is_file() and (not name or f"def {name}(" in (root / path).read_text())
+        # what the file or the test named holds that -k selects (the slot decoder's CUDA test, named
+        # otherwise, was deselected in every block until 2026-12-01)
+        tests = re.findall(r"^def (test_\w+)\(", (root / path).read_text(), re.MULTILINE)
+        assert any(selected in t for t in tests if not name or t == name), test
 
 
 def test_detached_stages_outlive_the_call_wait_for_the_model_and_come_back(tmp_path, there, monkeypatch):

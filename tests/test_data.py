@@ -19,7 +19,9 @@ from specchat.train.data import read_conversations
 from drafters.attention import grouped
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.runtime import woq_kernel
-from specchat.train.batched import KernelSlots, Request, SlotDecoder, slot_decoder, stacked_attention, stacked_bias
+from specchat.train import batched
+from specchat.train.batched import (KernelSlots, OwnSpanAttention, Request, SlotAttention, SlotCache, SlotDecoder,
+                                     slot_decoder, stacked_attention, stacked_bias)
 from specchat.train.datafolder import DataFolder, keep, kept_shards
 from specchat.train.prompts import collect, prompt_record, read_prompts, record_key, write_prompts
 from specchat.train.regenerate import RegenerateOptions, import_answers, regenerate
@@ -259,6 +261,62 @@ def test_the_gpus_stacked_attention_computes_what_the_cpus_grouped_one_does():
         assert torch.allclose(stacked, grouped(q, k, v, mask, 0.25), atol=1e-5)
 
 
+def flash_on_the_cpu(q, k, v, query_starts, key_starts, max_queries, max_keys, scale, used):
+    """`batched.flash_varlen` as flash attention's kernel defines its arguments, a sequence at a time,
+    on a CPU (where that kernel does not run)."""
+    assert q.shape[1] == k.shape[1] == v.shape[1] == 1 and k.shape == v.shape
+    assert query_starts.dtype == key_starts.dtype == used.dtype == torch.int32
+    assert len(query_starts) == len(key_starts) == len(used) + 1
+    out = torch.full_like(q, float("nan"))
+    for i in range(len(used)):
+        first, last, start, n = int(query_starts[i]), int(query_starts[i + 1]), int(key_starts[i]), int(used[i])
+        assert last - first <= max_queries and 1 <= n <= max_keys and start + n <= int(key_starts[i + 1]) <= len(k)
+        weights = torch.softmax(q[first:last, 0].double() @ k[start : start + n, 0].double().T * scale, -1)
+        out[first:last, 0] = (weights @ v[start : start + n, 0].double()).to(q.dtype)
+    return out
+
+
+def test_own_spans_read_each_slots_own_positions_as_the_common_span_does(target, monkeypatch):
+    """A decoding step's attention over each slot's own positions (`OwnSpanAttention`: each slot and
+    KV head one of flash attention's sequences, the keys where the cache holds them) against the
+    common span's (`SlotAttention`), flash's kernel emulated on the CPU: the same cache writes, the
+    same outputs for the busy slots; an idle one (at the scratch position) reads a single position."""
+    monkeypatch.setattr(batched, "flash_varlen", flash_on_the_cpu)
+    forward = target.own_forward
+    generator = torch.Generator().manual_seed(0)
+    slots, capacity, span = 4, 40, 32
+    heads, kv_heads, dim = forward.heads, forward.kv_heads, forward.head_dim
+    assert heads > kv_heads > 1  # grouped query heads: which query head reads which KV head is checked
+    caches = [SlotCache(forward, slots, capacity) for _ in range(2)]
+    for cache in caches:
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+    caches[1].keys.copy_(caches[0].keys), caches[1].values.copy_(caches[0].values)
+    positions = torch.tensor([[3], [capacity - 1], [31], [0]])  # slot 1 idle, at the scratch position
+    q = torch.randn(slots, heads, 1, dim, generator=generator)
+    k, v = (torch.randn(slots, kv_heads, 1, dim, generator=generator) for _ in range(2))
+    common = SlotAttention(caches[0], None, positions, span, 0.125)(1, q, k, v)
+    own = OwnSpanAttention(caches[1], positions, capacity - 1, span, 0.125)(1, q, k, v)
+    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
+    busy = [0, 2, 3]
+    assert torch.allclose(own[busy], common[busy], atol=1e-5) and not own.isnan().any()
+    # the idle slot read its position 0 alone: its values there
+    assert torch.allclose(own[1], caches[1].values[1, 1, :, :1].repeat_interleave(heads // kv_heads, 0), atol=1e-6)
+
+
+def test_greedy_answers_decoded_over_own_spans_are_the_prompts_own(target, monkeypatch):
+    """The slot decoder with each slot attending over its own positions (flash's kernel emulated on the
+    CPU): each greedy answer still equals decoding its prompt alone, slots refilled as answers end."""
+    monkeypatch.setattr(batched, "flash_varlen", flash_on_the_cpu)
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 60, 17, 1, 90)]
+    decoder = SlotDecoder(target, slots=3, max_prompt_tokens=100, max_new_tokens=8, stop_ids=set(), own_spans=True)
+    requests = deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts))
+    answers = {a.request.tag: a.tokens for a in decoder.run(requests)}
+    assert [answers[i] for i in range(len(prompts))] == [alone(target, ids, 8) for ids in prompts]
+    assert decoder.times.own_positions < decoder.times.span_positions
+
+
 SAMPLED_PROMPT = [5, 80, 81, 82, 256]
 
 
@@ -360,9 +418,10 @@ def test_the_kernels_sampled_answers_follow_the_quantized_targets_distribution(q
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_steps_answer_as_eager_ones(qwen_dir):
+def test_on_cuda_captured_steps_answer_as_eager_ones(qwen_dir):
     """On CUDA the decoding step is captured as a CUDA graph per span: the same greedy answers as
-    the eager steps (float32), and sampled ones are drawn through the graph's random stream."""
+    the eager steps (float32), and sampled ones are drawn through the graph's random stream. (Its
+    name says cuda: the GPU agenda's CUDA tests are those `-k cuda` selects.)"""
     from specchat.decode.runtime.target import ModelSpec
     from specchat.sources import load_target
 
@@ -389,6 +448,48 @@ def test_captured_steps_answer_as_eager_ones(qwen_dir):
     for tag, (ids, tokens) in followed.items():
         alone_decoder = SlotDecoder(gpu, slots=1, max_prompt_tokens=400, max_new_tokens=20, stop_ids=frozenset())
         assert tokens == next(iter(alone_decoder.run(deque([Request(ids, 0.0)])))).tokens, tag
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="needs a CUDA device that runs flash attention")
+def test_on_cuda_own_spans_attend_as_the_common_span_and_capture(qwen_dir):
+    """In bf16 on CUDA a step's attention over each slot's own positions (flash attention's kernel)
+    gives what the common span's SDPA gives, up to bf16's rounding, and its captured steps answer as
+    its eager ones."""
+    from specchat.decode.runtime.target import ModelSpec
+    from specchat.sources import load_target
+
+    gpu = load_target(ModelSpec(model=str(qwen_dir), dtype="bfloat16", device="cuda", compile="off", cuda_graphs="off"))
+    forward = gpu.own_forward
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    slots, capacity, span = 64, 600, 512
+    caches = [SlotCache(forward, slots, capacity) for _ in range(2)]
+    for cache in caches:
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator, device="cuda"))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=generator, device="cuda"))
+    caches[1].keys.copy_(caches[0].keys), caches[1].values.copy_(caches[0].values)
+    positions = torch.randint(0, span, (slots, 1), generator=generator, device="cuda")
+    q = torch.randn(slots, forward.heads, 1, forward.head_dim, generator=generator, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(slots, forward.kv_heads, 1, forward.head_dim, generator=generator, device="cuda",
+                        dtype=torch.bfloat16) for _ in range(2))
+    common = SlotAttention(caches[0], None, positions, span, 0.125)(0, q, k, v).float()
+    own = OwnSpanAttention(caches[1], positions, capacity - 1, span, 0.125)(0, q, k, v).float()
+    assert torch.equal(caches[0].keys, caches[1].keys)
+    assert (own - common).abs().max() < 0.02, (own - common).abs().max()
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 17, 140, 5, 300, 9)]
+
+    def answers(capture: bool):
+        decoder = SlotDecoder(gpu, slots=4, max_prompt_tokens=400, max_new_tokens=40, stop_ids=frozenset(),
+                              capture=capture)
+        assert decoder.own_spans
+        done = {a.request.tag: a.tokens for a in decoder.run(deque(Request(ids, 0.0, i)
+                                                                    for i, ids in enumerate(prompts)))}
+        return [done[i] for i in range(len(prompts))], decoder.graphs
+
+    eager, _ = answers(False)
+    captured, graphs = answers(True)
+    assert graphs.graphs and graphs.failure is None and captured == eager
 
 
 # --- regeneration ----------------------------------------------------------------------------------

@@ -141,6 +141,16 @@ class SlotCache:
         self.values = torch.zeros_like(self.keys)
         self.capacity = capacity
 
+    def write(self, layer: int, slots: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys and values k, v [R, kv_heads, n, d] of rows that extend `slots` (all in
+        order when None) at `positions` [R, n]; the layer's keys and values."""
+        keys, values = self.keys[layer], self.values[layer]
+        rows = slots if slots is not None else torch.arange(keys.shape[0], device=keys.device)
+        keys[rows[:, None], :, positions] = k.transpose(1, 2)  # [R, n, kv_heads, d]
+        values[rows[:, None], :, positions] = v.transpose(1, 2)
+        return keys, values
+
 
 class SlotAttention(MaskedAttention):
     """Rows that extend slots of a `SlotCache`: row r's new entries go to slot `slots[r]` (all slots
@@ -153,14 +163,60 @@ class SlotAttention(MaskedAttention):
         self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        rows = self.slots if self.slots is not None else torch.arange(keys.shape[0], device=keys.device)
-        keys[rows[:, None], :, self.positions] = k.transpose(1, 2)  # [R, n, kv_heads, d]
-        values[rows[:, None], :, self.positions] = v.transpose(1, 2)
+        keys, values = self.cache.write(layer, self.slots, self.positions, k, v)
         keys, values = keys[:, :, : self.span], values[:, :, : self.span]
         if self.slots is not None:
             keys, values = keys.index_select(0, self.slots), values.index_select(0, self.slots)
         return self.attend(q, keys, values)
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_starts: torch.Tensor,
+                 key_starts: torch.Tensor, max_queries: int, max_keys: int, scale: float,
+                 used: torch.Tensor) -> torch.Tensor:
+    """Flash attention's kernel over variable-length sequences packed in q [Tq, 1, d] and k, v [Tk, 1, d]:
+    sequence i's queries are q[query_starts[i] : query_starts[i + 1]], and each of them attends to every
+    one of the first used[i] keys from key_starts[i] (no causal mask). CUDA, fp16 or bf16 only: torch's
+    own op, whose `seqused_k` the public `torch.nn.attention.varlen.varlen_attn` lacks in some of the
+    versions that have it."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, query_starts, key_starts, max_queries, max_keys, 0.0,
+                                                   False, False, scale=scale, seqused_k=used)[0]
+
+
+def flash_reads_own_spans(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a decoding step there can attend over each slot's own positions (`OwnSpanAttention`):
+    flash attention's kernels run on CUDA GPUs from Ampere on, in fp16 and bf16."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+class OwnSpanAttention:
+    """A decoding step's rows, one a slot at its `positions[s, 0]`, each attending to its own slot's
+    positions up to its own, where `SlotAttention` reads every slot up to the step's common span: with
+    hundreds of slots some answer is always deep (the fourth block's 512-slot steps averaged a span of
+    1,499 positions), and attention over it was 44-45% of a step on an H100 and on an H200 (their
+    blocks' `trace-slots-summary.txt`). Each (slot, KV head) is one of `flash_varlen`'s sequences,
+    whose queries are that KV head's query heads and whose keys stay where the cache holds them (a
+    layer's [slots, kv_heads, capacity, d] lies as [slots x kv_heads x capacity, 1, d]); an idle slot
+    (at `idle`, the scratch position) reads one position. `span` bounds every slot's positions."""
+
+    def __init__(self, cache: SlotCache, positions: torch.Tensor, idle: int, span: int, scale: float):
+        slots, kv_heads = cache.keys.shape[1:3]
+        used = torch.where(positions[:, 0] == idle, 1, positions[:, 0] + 1).to(torch.int32)
+        self.used = used[:, None].expand(slots, kv_heads).reshape(-1)  # sequence s * kv_heads + h: slot s, KV head h
+        self.sequences = torch.arange(slots * kv_heads + 1, dtype=torch.int32, device=positions.device)
+        self.starts: tuple[torch.Tensor, torch.Tensor] | None = None  # the sequences' queries' and keys' (a forward's)
+        self.cache, self.positions, self.span, self.scale = cache, positions, span, scale
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        keys, values = self.cache.write(layer, None, self.positions, k, v)
+        slots, kv_heads, capacity, dim = keys.shape
+        heads = q.shape[1]
+        group = heads // kv_heads  # query head j reads KV head j // group, as `grouped` has it
+        if self.starts is None:
+            self.starts = self.sequences * group, self.sequences * capacity
+        out = flash_varlen(q.reshape(slots * heads, 1, dim), keys.view(-1, 1, dim), values.view(-1, 1, dim),
+                           *self.starts, group, self.span, self.scale, self.used)
+        return out.reshape(slots, heads, 1, dim)
 
 
 class PackedAttention(MaskedAttention):
@@ -236,7 +292,8 @@ class SlotTimes:
     steps: int = 0  # decoding steps (one token for every busy slot)
     step_seconds: float = 0.0
     busy_rows: int = 0  # summed over the steps: the slots that were answering
-    span_positions: int = 0  # summed over the steps: the positions each slot attended over
+    span_positions: int = 0  # summed over the steps: the positions every slot attended over (the longest's)
+    own_positions: float = 0.0  # summed over the steps: the positions a busy slot holds, on average
     prefills: int = 0  # prefill forwards (each a chunk of several prompts)
     prefill_tokens: int = 0  # prompt tokens run, padding left out
     reused_tokens: int = 0  # prompt tokens not run: their slot held them from the conversation's earlier turn
@@ -254,7 +311,8 @@ class SlotTimes:
             return "no decoding step"
         rest = seconds - self.step_seconds - self.prefill_seconds - self.capture_seconds
         return (f"decoding {self.step_seconds:.0f} s ({self.steps:,} steps of {1000 * self.step_seconds / self.steps:.1f} ms, "
-                f"{self.busy_rows / self.steps:.0f} of {self.slots} slots busy, span {self.span_positions / self.steps:,.0f}), "
+                f"{self.busy_rows / self.steps:.0f} of {self.slots} slots busy, "
+                f"span {self.span_positions / self.steps:,.0f}, a slot's own {self.own_positions / self.steps:,.0f}), "
                 f"prefill {self.prefill_seconds:.0f} s ({self.prefills:,} forwards, {self.prefill_tokens:,} prompt tokens "
                 f"and {self.reused_tokens:,} reused from their slots, {self.padding():.0%} of their positions padding), "
                 f"capturing {self.capture_seconds:.0f} s, the rest (tokenizing, writing) {rest:.0f} s")
@@ -345,8 +403,10 @@ class SlotDecoder:
     tokens, a stop token ending it; prompts of up to `max_prompt_tokens`."""
 
     def __init__(self, target, slots: int, max_prompt_tokens: int, max_new_tokens: int, stop_ids, seed: int = 0,
-                 capture: bool = True):
-        """`capture`: the decoding step as CUDA graphs (on CUDA; a CPU runs it eagerly)."""
+                 capture: bool = True, own_spans: bool | None = None):
+        """`capture`: the decoding step as CUDA graphs (on CUDA; a CPU runs it eagerly). `own_spans`: each
+        slot's decoding attends over its own positions alone (`OwnSpanAttention`); None: where
+        `flash_reads_own_spans`."""
         self.target, self.forward = target, target.own_forward
         device, kind = target.device, target.device.type if target.device.type in PREFILL_TOKENS else "cpu"
         self.max_new_tokens, self.stops = max_new_tokens, np.array(sorted(stop_ids), dtype=np.int64)
@@ -355,6 +415,7 @@ class SlotDecoder:
         self.scratch = self.cache.capacity - 1
         self.graphs = StepGraphs(device, capture)
         self.spans = powers_of_two(min(SMALLEST_SPAN, self.cache.capacity), self.cache.capacity)
+        self.own_spans = flash_reads_own_spans(device, self.forward.dtype) if own_spans is None else own_spans
         self.chunk, self.prefill_tokens = PREFILL_CHUNK[kind], PREFILL_TOKENS[kind]
         self.refill_at = max(1, int(slots * REFILL_SHARE[kind]))
         self.generator = make_generator(seed, device)
@@ -440,15 +501,16 @@ class SlotDecoder:
 
     def _decode(self, span: int, sampled: bool) -> None:
         """One token for every slot (idle ones write to the scratch position): the captured step."""
-        positions = self.positions[:, None]
-        final, _ = rows_forward(self.forward, self.tokens[:, None], positions,
-                                SlotAttention(self.cache, None, positions, span, self.forward.scaling))
+        positions, scale = self.positions[:, None], self.forward.scaling
+        attention = (OwnSpanAttention(self.cache, positions, self.scratch, span, scale) if self.own_spans
+                     else SlotAttention(self.cache, None, positions, span, scale))
+        final, _ = rows_forward(self.forward, self.tokens[:, None], positions, attention)
         self.drawn.copy_(draw(self.target.lm_head(final[:, 0]), self.temperatures, self.generator, sampled))
 
-    def fill(self, length: int, temperatures: list[float]) -> None:
-        """Every slot busy at once, each as if `length` tokens were in (no prompt is run: the cache
-        holds what it holds), at its temperature: where `specchat runtime-check --slots` times steps."""
-        for slot, temperature in enumerate(temperatures):
+    def fill(self, lengths: list[int], temperatures: list[float]) -> None:
+        """Every slot busy at once, each as if its `lengths[slot]` tokens were in (no prompt is run: the
+        cache holds what it holds), at its temperature: where `specchat runtime-check --slots` times steps."""
+        for slot, (length, temperature) in enumerate(zip(lengths, temperatures, strict=True)):
             self.requests[slot] = Request([0] * length, temperature)
             self.host_positions[slot], self.host_temperatures[slot], self.counts[slot] = length, temperature, 1
 
@@ -472,6 +534,7 @@ class SlotDecoder:
         self.times.steps += 1
         self.times.busy_rows += len(slots)
         self.times.span_positions += span
+        self.times.own_positions += float(self.host_positions[slots].mean()) + 1
         self.answers[slots, self.counts[slots]] = drawn[slots]
         self.counts[slots] += 1
         self.host_tokens[slots] = drawn[slots]
