@@ -33,7 +33,9 @@ PLANNED_TRAIN_RATE = 45_000
 # What a training stage spends besides its minutes: loading the target, counting the draft
 # vocabulary, the last evaluation, writing the head (95 s on that H200, 365 s for 4.5 minutes).
 TRAIN_OVERHEAD_SECONDS = 110
-SLOT_COUNTS = ("256", "512", "1024")  # the regeneration steps the check times
+# The regeneration steps the check times: 512 and 1,024 slots (256 ran in the fourth block), each slot reading
+# the common span and its own positions (twice the steps of one attention).
+SLOT_COUNTS = ("512", "1024")
 # Slots answering at once (`data regenerate --batch`). The fourth block's check (H200, docs/bench-gpu/
 # h200-block4/runtime-slots.json) timed a step of 1,024 slots at 1.2-1.4x the tokens a second of 512
 # (spans 256 and 1,024), and its regeneration spent ~4-5 ms a step beyond the check's (14.6 ms at 512
