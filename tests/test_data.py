@@ -315,6 +315,9 @@ def test_greedy_answers_decoded_over_own_spans_are_the_prompts_own(target, monke
     answers = {a.request.tag: a.tokens for a in decoder.run(requests)}
     assert [answers[i] for i in range(len(prompts))] == [alone(target, ids, 8) for ids in prompts]
     assert decoder.times.own_positions < decoder.times.span_positions
+    # by itself a CPU decoder reads the common span: flash attention's kernel is CUDA's
+    assert not SlotDecoder(target, slots=1, max_prompt_tokens=8, max_new_tokens=2, stop_ids=set()).own_spans
+    assert "CUDA" in batched.own_spans_failure(torch.device("cpu"), torch.bfloat16)
 
 
 SAMPLED_PROMPT = [5, 80, 81, 82, 256]

@@ -25,6 +25,7 @@ drawn from the target's distribution at its slot's temperature, as plain decodin
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -36,7 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from drafters.attention import grouped
-from specchat.decode import DecoderForward, StepGraphs, make_generator, powers_of_two, rotate, sample_rows
+from specchat.decode import (DecoderForward, StepGraphs, capture_failure, make_generator, powers_of_two, rotate,
+                             sample_rows)
+from specchat.errors import first_line
+
+log = logging.getLogger(__name__)
 
 SMALLEST_SPAN = 128  # captured steps attend over powers of two from here to the capacity
 # Prompt tokens per prefill forward (rows x chunk): a CPU's attention scores are float32
@@ -182,11 +187,30 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_starts
                                                    False, False, scale=scale, seqused_k=used)[0]
 
 
+def own_spans_failure(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a decoding step there cannot attend over each slot's own positions (`OwnSpanAttention`), or
+    None: flash attention's kernels run on CUDA GPUs from Ampere on, in fp16 and bf16, and a captured
+    step runs them in its graph; a tiny call is tried, eagerly and captured (no GPU ran this path
+    before the block that first answers with it)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "flash attention runs on CUDA in fp16 or bf16"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "flash attention runs on CUDA GPUs from Ampere on"
+    q = torch.zeros(4, 1, 64, dtype=dtype, device=device)
+    starts, used = (torch.tensor(values, dtype=torch.int32, device=device) for values in ([0, 2, 4], [1, 2]))
+    try:
+        return capture_failure(lambda: flash_varlen(q, q, q, starts, starts, 2, 2, 1.0, used))
+    except RuntimeError as error:
+        return first_line(error)
+
+
 def flash_reads_own_spans(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a decoding step there can attend over each slot's own positions (`OwnSpanAttention`):
-    flash attention's kernels run on CUDA GPUs from Ampere on, in fp16 and bf16."""
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and torch.cuda.get_device_capability(device) >= (8, 0))
+    """Whether a decoding step there attends over each slot's own positions: where nothing stops it
+    (`own_spans_failure`), and on CUDA what stops it is said once."""
+    failure = own_spans_failure(device, dtype)
+    if failure is not None and device.type == "cuda":
+        log.warning("each slot reads the step's common span (%s)", failure)
+    return failure is None
 
 
 class OwnSpanAttention:
