@@ -50,7 +50,7 @@ from specchat.decode.runtime.machine import hardware
 from specchat.decode.runtime.target import ModelSpec, Target
 from specchat.errors import UsageError
 from specchat.tracing import write_trace
-from specchat.train.batched import SlotDecoder, SlotTimes, flash_reads_own_spans
+from specchat.train.batched import SlotDecoder, SlotTimes, flash_varlen_failure
 
 # The published configs (config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct, whose
 # embedded GGUF files carry the same, and of meta-llama/Llama-3.1-8B-Instruct: the seeds' scale,
@@ -266,7 +266,7 @@ def slot_steps(args) -> list[dict]:
     target = build_target(args.shape, args.layers, args.device, getattr(torch, args.dtype), "growing")
     timed_steps, results = SLOT_STEPS * args.repeats, []
     extra = timed_steps + 3 + 3 + 2  # tokens per slot: the timed steps, warm-up and capture, a trace's, a margin
-    attentions = ("span", "own") if flash_reads_own_spans(target.device, target.dtype) else ("span",)
+    attentions = ("span", "own") if flash_varlen_failure(target.device, target.dtype) is None else ("span",)
     for slots, span, hot, attention in itertools.product(args.slots, args.spans, (0, 1), attentions):
         hot = hot * round(slots / 2)  # slots sampling
         decoder = SlotDecoder(target, slots, max_prompt_tokens=span, max_new_tokens=extra, stop_ids=frozenset(),

@@ -23,6 +23,7 @@ from specchat.train import batched
 from specchat.train.batched import (KernelSlots, OwnSpanAttention, Request, SlotAttention, SlotCache, SlotDecoder,
                                      slot_decoder, stacked_attention, stacked_bias)
 from specchat.train.datafolder import DataFolder, keep, kept_shards
+from specchat.train.features import packed_features
 from specchat.train.prompts import collect, prompt_record, read_prompts, record_key, write_prompts
 from specchat.train.regenerate import RegenerateOptions, import_answers, regenerate
 
@@ -261,19 +262,47 @@ def test_the_gpus_stacked_attention_computes_what_the_cpus_grouped_one_does():
         assert torch.allclose(stacked, grouped(q, k, v, mask, 0.25), atol=1e-5)
 
 
-def flash_on_the_cpu(q, k, v, query_starts, key_starts, max_queries, max_keys, scale, used):
+def flash_on_the_cpu(q, k, v, query_starts, key_starts, max_queries, max_keys, scale, used=None, causal=False):
     """`batched.flash_varlen` as flash attention's kernel defines its arguments, a sequence at a time,
     on a CPU (where that kernel does not run)."""
-    assert q.shape[1] == k.shape[1] == v.shape[1] == 1 and k.shape == v.shape
-    assert query_starts.dtype == key_starts.dtype == used.dtype == torch.int32
-    assert len(query_starts) == len(key_starts) == len(used) + 1
+    heads, kv_heads = q.shape[1], k.shape[1]
+    assert k.shape == v.shape and heads % kv_heads == 0
+    assert all(t.dtype == torch.int32 for t in (query_starts, key_starts) + ((used,) if used is not None else ()))
+    assert len(query_starts) == len(key_starts) and (used is None or len(used) == len(query_starts) - 1)
     out = torch.full_like(q, float("nan"))
-    for i in range(len(used)):
-        first, last, start, n = int(query_starts[i]), int(query_starts[i + 1]), int(key_starts[i]), int(used[i])
+    for i in range(len(query_starts) - 1):
+        first, last, start = int(query_starts[i]), int(query_starts[i + 1]), int(key_starts[i])
+        n = int(used[i]) if used is not None else int(key_starts[i + 1]) - start
         assert last - first <= max_queries and 1 <= n <= max_keys and start + n <= int(key_starts[i + 1]) <= len(k)
-        weights = torch.softmax(q[first:last, 0].double() @ k[start : start + n, 0].double().T * scale, -1)
-        out[first:last, 0] = (weights @ v[start : start + n, 0].double()).to(q.dtype)
+        keys, values = (t[start : start + n].double().repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[first:last].double(), keys) * scale
+        if causal:
+            assert last - first == n
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return out
+
+
+def test_packed_rows_through_flash_attention_attend_as_their_mask_says(target, monkeypatch):
+    """The target's packed rows through flash attention's variable-length kernel (emulated on the CPU):
+    each document a causal sequence, padding at a row's end one too, a row's first document apart from
+    the last row's even when both are numbered 0; the masked attention's outputs everywhere, and the
+    features of a packed forward the masked one's."""
+    monkeypatch.setattr(batched, "flash_varlen", flash_on_the_cpu)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, -1]])
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, heads, 8, 16, generator=generator) for heads in (6, 2, 2))
+    flash = batched.PackedFlashAttention(documents, 0.25)
+    assert flash.starts.tolist() == [0, 3, 5, 6, 8, 16, 18, 23, 24] and flash.longest == 8
+    masked = batched.PackedAttention(documents, 0.25)
+    assert torch.allclose(flash(0, q, k, v), masked(0, q, k, v), atol=1e-5)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0], list(range(8)), [0, 1, 0, 1, 2, 3, 4, 0]])
+    ids = torch.randint(0, 256, (3, 8), generator=generator)
+    masked_features, masked_argmax = packed_features(target, ids, positions, documents, (1, 2))
+    monkeypatch.setattr(batched, "flash_varlen_failure", lambda device, dtype: None)
+    assert isinstance(batched.packed_attention(documents, 0.25, torch.float32), batched.PackedFlashAttention)
+    features, argmax = packed_features(target, ids, positions, documents, (1, 2))
+    assert torch.allclose(features, masked_features, atol=1e-5) and torch.equal(argmax, masked_argmax)
 
 
 def test_own_spans_read_each_slots_own_positions_as_the_common_span_does(target, monkeypatch):
@@ -317,7 +346,7 @@ def test_greedy_answers_decoded_over_own_spans_are_the_prompts_own(target, monke
     assert decoder.times.own_positions < decoder.times.span_positions
     # by itself a CPU decoder reads the common span: flash attention's kernel is CUDA's
     assert not SlotDecoder(target, slots=1, max_prompt_tokens=8, max_new_tokens=2, stop_ids=set()).own_spans
-    assert "CUDA" in batched.own_spans_failure(torch.device("cpu"), torch.bfloat16)
+    assert "CUDA" in batched.flash_varlen_failure(torch.device("cpu"), torch.bfloat16)
 
 
 SAMPLED_PROMPT = [5, 80, 81, 82, 256]
@@ -455,10 +484,10 @@ def test_on_cuda_captured_steps_answer_as_eager_ones(qwen_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="needs a CUDA device that runs flash attention")
-def test_on_cuda_own_spans_attend_as_the_common_span_and_capture(qwen_dir):
-    """In bf16 on CUDA a step's attention over each slot's own positions (flash attention's kernel)
-    gives what the common span's SDPA gives, up to bf16's rounding, and its captured steps answer as
-    its eager ones."""
+def test_on_cuda_flash_attention_attends_as_the_masked_one_and_captures(qwen_dir):
+    """In bf16 on CUDA flash attention's variable-length kernel gives what the masked SDPA gives, up to
+    bf16's rounding: packed rows' documents, and a step's attention over each slot's own positions;
+    and the own spans' captured steps answer as their eager ones."""
     from specchat.decode.runtime.target import ModelSpec
     from specchat.sources import load_target
 
@@ -479,6 +508,13 @@ def test_on_cuda_own_spans_attend_as_the_common_span_and_capture(qwen_dir):
     own = OwnSpanAttention(caches[1], positions, capacity - 1, span, 0.125)(0, q, k, v).float()
     assert torch.equal(caches[0].keys, caches[1].keys)
     assert (own - common).abs().max() < 0.02, (own - common).abs().max()
+    documents = torch.tensor([[0] * 300 + [1] * 500 + [-1] * 24, [0] * 824, [0] * 100 + [1] * 724], device="cuda")
+    q, k, v = (torch.randn(3, heads, 824, forward.head_dim, generator=generator, device="cuda", dtype=torch.bfloat16)
+               for heads in (forward.heads, forward.kv_heads, forward.kv_heads))
+    flash = batched.packed_attention(documents, 0.125, torch.bfloat16)
+    assert isinstance(flash, batched.PackedFlashAttention)
+    masked = batched.PackedAttention(documents, 0.125)(0, q, k, v).float()
+    assert (flash(0, q, k, v).float() - masked).abs().max() < 0.02
     torch.manual_seed(0)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 17, 140, 5, 300, 9)]
 

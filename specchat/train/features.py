@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from specchat.inputs import write_atomically
-from specchat.train.batched import PackedAttention, rows_forward
+from specchat.train.batched import packed_attention, rows_forward
 from specchat.train.options import EXTRACT_TOKENS, on_device
 
 LOGIT_CHUNK = 256  # positions per LM-head call on a CPU when taking the target's argmax (bounds memory)
@@ -161,9 +161,10 @@ def chunked_argmax(target, states: torch.Tensor) -> torch.Tensor:
 def packed_features(target, input_ids: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor,
                     layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's features (the `layers` hidden states, concatenated; the last one the final
-    normed state) [R, n, F] and argmax [R, n] of packed rows (`specchat.train.batched.PackedAttention`)."""
+    normed state) [R, n, F] and argmax [R, n] of packed rows (`specchat.train.batched.packed_attention`)."""
     forward = target.own_forward
-    final, parts = rows_forward(forward, input_ids, positions, PackedAttention(documents, forward.scaling), layers)
+    attention = packed_attention(documents, forward.scaling, forward.dtype)
+    final, parts = rows_forward(forward, input_ids, positions, attention, layers)
     features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return features, chunked_argmax(target, final.flatten(0, 1)).view(input_ids.shape)
 
