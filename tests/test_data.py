@@ -183,6 +183,22 @@ def test_each_greedy_answer_is_the_prompts_own(target):
     assert f"{times.steps:,} steps" in times.summary(60.0)
 
 
+def test_the_next_step_is_under_way_while_the_answers_that_ended_are_handed_on(target):
+    """A step launches the next one for the slots still busy before it hands on the answers that ended
+    (on CUDA the device decodes while the host writes them); a freed slot sits that step out, and a
+    prompt admitted meanwhile joins the step after."""
+    decoder = SlotDecoder(target, slots=3, max_prompt_tokens=16, max_new_tokens=5, stop_ids=set())
+    decoder.fill([4, 4, 4], [0.0, 0.0, 0.0])
+    decoder.counts[0] = 4  # slot 0's answer ends at the next token
+    ended = decoder.step()
+    assert [answer.finish for answer in ended] == ["length"] and decoder.requests[0] is None
+    slots, _ = decoder.launched
+    assert slots.tolist() == [1, 2]
+    decoder._admit(deque([Request([7, 8, 9], 0.0, "new")]), [0])
+    decoder.step()
+    assert decoder.launched[0].tolist() == [0, 1, 2] and decoder.counts.tolist() == [1, 3, 3]
+
+
 def test_a_prefill_takes_the_oldest_prompt_and_those_nearest_its_length(target):
     """A prefill's rows run to its longest prompt: the oldest pending prompt goes first, with those of
     the nearest lengths among the next few, so that few of the forward's positions are padding."""
