@@ -550,11 +550,16 @@ def test_on_cuda_flash_attention_attends_as_the_masked_one_and_captures(qwen_dir
 # --- regeneration ----------------------------------------------------------------------------------
 
 
-def test_every_turn_is_answered_in_order_at_every_temperature_and_resumes(target, tmp_path):
+def test_every_turn_is_answered_in_order_at_every_temperature_and_resumes(target, tmp_path, monkeypatch):
     folder = DataFolder(tmp_path)
     records = [prompt(["first question", "second question"]), prompt(["a single question"])]
+    rendered = []
+    render = target.tokenizer.apply_chat_template
+    monkeypatch.setattr(target.tokenizer, "apply_chat_template", lambda messages, **options: (
+        rendered.append(messages), render(messages, **options))[1])
     report = answer(target, folder, records, temperatures=(0.0, 1.0))
     assert report.answered == {"greedy": 3, "t1": 3} and report.pending == {"greedy": 0, "t1": 0}
+    assert len(rendered) == 4  # a prompt's first turn rendered once for both temperatures, the second once each
     scan = folder.scan()
     two = scan.answers[(records[0].key, 0.0)]
     assert two["turn"] == 2 and [m["role"] for m in two["messages"]] == ["user", "assistant", "user", "assistant"]

@@ -113,10 +113,12 @@ def regenerate(prompts: list[TrainingPrompt], target, folder: DataFolder, option
     unasked, pending = iter(conversations), deque()
     queued = QUEUED_PER_SLOT * options.batch_size
 
+    first_turn: dict[str, list[int]] = {}  # the last prompt's first turn, which every temperature asks
+
     def ask(conversation: Conversation, after: Request | None = None) -> None:
         """Queue the conversation's next turn; a follow-up (of the answer to `after`) goes first, so
         that conversations finish, and the slot that answered `after` still holds most of its prompt."""
-        request = _next_turn(conversation, target.tokenizer, options.max_prompt_tokens, after)
+        request = _next_turn(conversation, target.tokenizer, options.max_prompt_tokens, after, first_turn)
         if request is not None:
             (pending.appendleft if after is not None else pending.append)(request)
 
@@ -208,17 +210,25 @@ def _agreeing(messages: list[dict], prompt: TrainingPrompt) -> tuple[int, list[d
     return answered, messages[:cut]
 
 
-def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int,
-               after: Request | None = None) -> Request | None:
+def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int, after: Request | None = None,
+               first_turn: dict[str, list[int]] | None = None) -> Request | None:
     """The request of a conversation's next user turn (tagged with it and the messages asked; `after`:
     the request its last answer answered), or None: all its turns are answered, or this one is longer
-    than `max_prompt_tokens` (which ends it)."""
+    than `max_prompt_tokens` (which ends it). `first_turn` keeps the last prompt's first turn, rendered
+    once for the temperatures that ask it one after the other (a render is ~1 ms of the host's time)."""
     prompt, turn = conversation.prompt, conversation.done
     if turn >= conversation.limit or conversation.too_long:
         return None
     earlier = conversation.history or ([{"role": "system", "content": prompt.system}] if prompt.system else [])
     messages = earlier + [{"role": "user", "content": prompt.turns[turn]}]
-    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    if conversation.history or first_turn is None or prompt.key not in first_turn:
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        if not conversation.history and first_turn is not None:
+            first_turn.clear()
+            first_turn[prompt.key] = ids
+    else:
+        ids = list(first_turn[prompt.key])
     if len(ids) > max_prompt_tokens:
         conversation.too_long = True
         return None
