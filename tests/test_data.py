@@ -4,8 +4,10 @@ split across machines and merge, and read back by `train --data`."""
 
 from __future__ import annotations
 
-import json
+import functools
 import gzip
+import json
+import os
 import shutil
 import sys
 from collections import deque
@@ -19,7 +21,7 @@ from specchat.train.data import read_conversations
 from drafters.attention import grouped
 from specchat.decode.engine.engine import Engine, GenerationSettings
 from specchat.decode.runtime import woq_kernel
-from specchat.train import batched
+from specchat.train import batched, fused_draw
 from specchat.train.batched import (KernelSlots, OwnSpanAttention, Request, SlotAttention, SlotCache, SlotDecoder,
                                      slot_decoder, stacked_attention, stacked_bias)
 from specchat.train.datafolder import DataFolder, keep, kept_shards
@@ -365,6 +367,61 @@ def test_greedy_answers_decoded_over_own_spans_are_the_prompts_own(target, monke
     assert "CUDA" in batched.flash_varlen_failure(torch.device("cpu"), torch.bfloat16)
 
 
+# The one-pass draw is a Triton kernel: it runs on a CUDA GPU, or on a CPU under Triton's interpreter
+# (pip install triton; TRITON_INTERPRET=1 before Python starts). CPU installs have no Triton: skipped.
+ONE_PASS_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_one_pass_draw = pytest.mark.skipif(
+    fused_draw.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton: a CUDA GPU, or its interpreter (TRITON_INTERPRET=1)")
+
+
+@needs_one_pass_draw
+def test_on_cuda_or_triton_interpreter_the_one_pass_draw_takes_argmax_or_draws_from_softmax(monkeypatch):
+    """A greedy row takes its argmax, the first at a tie (as torch.argmax), across the kernel's blocks
+    and lanes; a row at temperature T draws from softmax(logits / T) (the Gumbel-max race), its noise
+    fresh for each row and each seed."""
+    monkeypatch.setattr(fused_draw, "BLOCK", 64)  # three blocks of a 150-token vocabulary
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 150, generator=generator)
+    logits[0, [5, 70, 140]] = 9.0  # a tie across blocks: 5 wins
+    logits[1, [66, 67]] = 9.0  # a tie in one block, two lanes: 66 wins
+    logits = logits.to(torch.bfloat16).to(ONE_PASS_DEVICE)
+    out = torch.zeros(6, dtype=torch.long, device=ONE_PASS_DEVICE)
+    seed = torch.zeros(1, dtype=torch.long, device=ONE_PASS_DEVICE)
+    fused_draw.draw(logits, torch.zeros(6, device=ONE_PASS_DEVICE), seed, out)
+    assert out.tolist()[:2] == [5, 66] and torch.equal(out, logits.float().argmax(-1))
+    row = torch.full((150,), float("-inf"))
+    row[:12] = torch.linspace(-2.0, 2.0, 12)
+    probs = torch.softmax(row.double() / 0.7, -1)
+
+    rows = 1500
+    same = row.expand(rows, 150).contiguous().to(ONE_PASS_DEVICE)
+    drawn = torch.zeros(rows, dtype=torch.long, device=ONE_PASS_DEVICE)
+
+    def sample(attempt: int) -> dict[int, int]:
+        seed.fill_(attempt)
+        fused_draw.draw(same, torch.full((rows,), 0.7, device=ONE_PASS_DEVICE), seed, drawn)
+        return {int(token): int(count) for token, count in zip(*drawn.unique(return_counts=True))}
+
+    assert len(sample(1)) > 6 and sample(1) == sample(1) != sample(2)  # fresh noise a row and a seed
+    assert_follows(sample, {i: float(probs[i]) for i in range(12)}, seed=5)
+
+
+@needs_one_pass_draw
+def test_on_cuda_or_triton_interpreter_slots_drawing_in_one_pass_answer_as_torch_draws(target):
+    """The slot decoder drawing its steps' tokens in one pass (the kernel on the CPU's tensors under the
+    interpreter): each greedy answer its prompt's own; sampled ones follow the target's distribution."""
+    if ONE_PASS_DEVICE == "cuda":
+        pytest.skip("on CUDA test_on_cuda_captured_steps_answer_as_eager_ones runs the decoder's one-pass draw")
+    prompts = [[5, 6, 7], list(range(30, 70)), [9]]
+    decoder = SlotDecoder(target, slots=2, max_prompt_tokens=64, max_new_tokens=6, stop_ids=set(), one_pass_draw=True)
+    requests = deque(Request(ids, 0.0, i) for i, ids in enumerate(prompts))
+    answers = {a.request.tag: a.tokens for a in decoder.run(requests)}
+    assert [answers[i] for i in range(3)] == [alone(target, ids, 6) for ids in prompts]
+    assert int(decoder.draw_seed) == decoder.times.steps  # a seed a step
+    test_sampled_answers_follow_the_targets_distribution(target, functools.partial(SlotDecoder, one_pass_draw=True))
+
+
 SAMPLED_PROMPT = [5, 80, 81, 82, 256]
 
 
@@ -387,12 +444,12 @@ def first_two_sampled(decoder_class, target, seed: int, runs: int = 300) -> dict
     return counts
 
 
-def test_sampled_answers_follow_the_targets_distribution(target):
+def test_sampled_answers_follow_the_targets_distribution(target, decoder_class=SlotDecoder):
     """The first two tokens at temperature 1 (`first_two_sampled`) against the target's distribution."""
     prompt = SAMPLED_PROMPT
 
     def sample(seed):
-        return first_two_sampled(SlotDecoder, target, seed)
+        return first_two_sampled(decoder_class, target, seed)
 
     with torch.no_grad():  # p(x1) p(x2 | x1), every x1 in one forward
         p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1].double(), -1)

@@ -43,6 +43,7 @@ from drafters.attention import grouped
 from specchat.decode import (DecoderForward, StepGraphs, capture_failure, make_generator, powers_of_two, rotate,
                              sample_rows)
 from specchat.errors import first_line
+from specchat.train import fused_draw
 
 log = logging.getLogger(__name__)
 
@@ -459,10 +460,11 @@ class SlotDecoder:
     tokens, a stop token ending it; prompts of up to `max_prompt_tokens`."""
 
     def __init__(self, target, slots: int, max_prompt_tokens: int, max_new_tokens: int, stop_ids, seed: int = 0,
-                 capture: bool = True, own_spans: bool | None = None):
+                 capture: bool = True, own_spans: bool | None = None, one_pass_draw: bool | None = None):
         """`capture`: the decoding step as CUDA graphs (on CUDA; a CPU runs it eagerly). `own_spans`: each
-        slot's decoding attends over its own positions alone (`OwnSpanAttention`); None: where
-        `flash_varlen` runs."""
+        slot's decoding attends over its own positions alone (`OwnSpanAttention`); `one_pass_draw`: the
+        step draws its tokens in one pass over the logits (`specchat.train.fused_draw`); None: each
+        where its kernel runs."""
         self.target, self.forward = target, target.own_forward
         device, kind = target.device, target.device.type if target.device.type in PREFILL_TOKENS else "cpu"
         self.max_new_tokens, self.stops = max_new_tokens, np.array(sorted(stop_ids), dtype=np.int64)
@@ -472,6 +474,9 @@ class SlotDecoder:
         self.graphs = StepGraphs(device, capture)
         self.spans = powers_of_two(min(SMALLEST_SPAN, self.cache.capacity), self.cache.capacity)
         self.own_spans = flash_varlen_failure(device, self.forward.dtype) is None if own_spans is None else own_spans
+        self.one_pass_draw = fused_draw.unavailable(device) is None if one_pass_draw is None else one_pass_draw
+        # the one-pass draw's noise key, which each step advances
+        self.draw_seed = torch.full((1,), seed, dtype=torch.int64, device=device)
         self.chunk, self.prefill_tokens = PREFILL_CHUNK[kind], PREFILL_TOKENS[kind]
         self.refill_at = max(1, int(slots * REFILL_SHARE[kind]))
         self.generator = make_generator(seed, device)
@@ -562,7 +567,12 @@ class SlotDecoder:
         attention = (OwnSpanAttention(self.cache, positions, self.scratch, span, scale) if self.own_spans
                      else SlotAttention(self.cache, None, positions, span, scale))
         final, _ = rows_forward(self.forward, self.tokens[:, None], positions, attention)
-        self.drawn.copy_(draw(self.target.lm_head(final[:, 0]), self.temperatures, self.generator, sampled))
+        logits = self.target.lm_head(final[:, 0])
+        if self.one_pass_draw:
+            self.draw_seed.add_(1)  # in the captured step: every replay draws afresh
+            fused_draw.draw(logits, self.temperatures, self.draw_seed, self.drawn)
+        else:
+            self.drawn.copy_(draw(logits, self.temperatures, self.generator, sampled))
 
     def fill(self, lengths: list[int], temperatures: list[float]) -> None:
         """Every slot busy at once, each as if its `lengths[slot]` tokens were in (no prompt is run: the
