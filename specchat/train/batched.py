@@ -14,10 +14,12 @@ Two users, one forward (`rows_forward`, which calls the loaded model's modules a
   (`specchat.decode.runtime.graphs.StepGraphs`); the host writes the step's inputs and reads the
   drawn tokens, one read per step, and launches the next step before it hands on the answers that
   ended, so that the device decodes while the host writes them and asks the next turns (host work
-  the GPU waited for: 20 s of the fourth block's 158 s of answering).
+  the GPU waited for: 20 s of the fourth block's 158 s of answering). Where flash attention and
+  Triton run (CUDA), a step's attention reads each slot's own positions (`OwnSpanAttention`) and
+  its draw is one pass over the logits (`specchat.train.fused_draw`).
 - training (`specchat.train.features.packed_features`): several conversations packed into each
-  row, each attending only to itself (`PackedAttention`), give the target's features for a batch
-  on the device, with no feature files.
+  row, each attending only to itself (`PackedAttention`; `PackedFlashAttention` where flash
+  attention runs), give the target's features for a batch on the device, with no feature files.
 
 Greedy answers equal decoding each prompt alone token for token in float32 (on a CPU: masked
 positions get exactly zero weight, and each slot reads only its own keys); a sampled token is
