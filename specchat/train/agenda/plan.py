@@ -42,7 +42,9 @@ SLOT_COUNTS = ("512", "1024")
 # slots), which twice the slots split if it is the host's fixed part: 1,024 (19 GB of cache at 1,537
 # positions).
 REGENERATE_SLOTS = 1024
-CUDA_TESTS = ("timeout", "150", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
+# The CUDA tests, beside answering and training (waited for after training): 11 took 75 s in the fourth
+# block; the slot decoder's (flash attention, the one-pass draw, captured steps) run too since 2026-12-01.
+CUDA_TESTS = ("timeout", "240", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
               "tests/test_layouts.py", "tests/test_compile.py", "tests/test_data.py",
               "tests/test_train.py::test_training_on_cuda")
 CHAIN_STAGES = ("check", "bench", "answer", "train")  # what --wait can wait for, in the order they run
