@@ -12,7 +12,10 @@ CALL_BYTES = 64 * 2**20  # what one call carries, the working tree included
 SPARE_BYTES = 2**20
 BACK_FILES, BACK_BYTES, BACK_PIECE = 8, 64 * 2**20, 15 * 2**20  # what one call brings back
 WHEELS = ("gguf==0.19.0", "prompt_toolkit==3.0.53", "wcwidth==0.9.4")  # what the image lacks
-HEADS = ("qwen2.5-coder-0.5b-eagle3", "qwen2.5-coder-0.5b-eagle", "qwen2.5-coder-0.5b-jakiro")  # the bench's
+# The heads a block needs: the bench's default (deagle) and training's --init read the EAGLE-3 head; the
+# EAGLE and Jakiro heads (34 MB) benched in the first blocks only, and with them the staging took a tenth
+# call once the kept answers and the tree had grown (561 MiB in pieces of 60.9, 2026-12-01).
+HEADS = ("qwen2.5-coder-0.5b-eagle3",)
 MODEL_PACKAGES = EMBEDDED_MODELS[DEFAULT_MODEL].packages  # the embedded 0.5B's GGUF chunks
 PIECES = Path(".gpu/pieces")
 # The answers each block brought back, kept compressed in its record folder (`collect --keep`), and
