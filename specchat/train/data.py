@@ -189,22 +189,25 @@ def read_conversations(paths: list[str]) -> tuple[list[TrainingConversation], Re
     return conversations, report
 
 
+def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """The token ids of `messages` through the chat template (`generation_prompt`: asking for the
+    assistant's next answer)."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                              return_dict=False))
+
+
 def encode(messages: list[dict], tokenizer, max_tokens: int) -> tuple[list[int], list[int]] | None:
     """Token ids through the chat template, and a 0/1 mask that is 1 on assistant tokens.
 
     Each assistant turn is located by rendering the conversation up to it with and without the
     turn; templates for which that is not a prefix (rare) are skipped (None).
     """
-    def render(upto: list[dict], generation_prompt: bool) -> list[int]:
-        return list(tokenizer.apply_chat_template(upto, add_generation_prompt=generation_prompt,
-                                                  tokenize=True, return_dict=False))
-
-    ids = render(messages, False)
+    ids = render(tokenizer, messages, False)
     mask = [0] * len(ids)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = render(messages[:index], True), render(messages[: index + 1], False)
+        before, through = render(tokenizer, messages[:index], True), render(tokenizer, messages[: index + 1], False)
         if through[: len(before)] != before or ids[: len(through)] != through:
             return None
         for position in range(len(before), len(through)):

@@ -26,7 +26,7 @@ import torch
 
 from specchat.decode import KVCache, cache_argument
 from specchat.train.batched import Answer, Request, SlotTimes, slot_decoder
-from specchat.train.data import read_conversations
+from specchat.train.data import read_conversations, render
 from specchat.train.datafolder import GREEDY, DataFolder, Scan, ShardWriter, temperature_name
 from specchat.train.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, REGENERATE_BATCH, on_device
 from specchat.train.prompts import TrainingPrompt, normalized, prompt_record
@@ -210,8 +210,8 @@ def _agreeing(messages: list[dict], prompt: TrainingPrompt) -> tuple[int, list[d
     return answered, messages[:cut]
 
 
-def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int, after: Request | None = None,
-               first_turn: dict[str, list[int]] | None = None) -> Request | None:
+def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int, after: Request | None,
+               first_turn: dict[str, list[int]]) -> Request | None:
     """The request of a conversation's next user turn (tagged with it and the messages asked; `after`:
     the request its last answer answered), or None: all its turns are answered, or this one is longer
     than `max_prompt_tokens` (which ends it). `first_turn` keeps the last prompt's first turn, rendered
@@ -221,13 +221,12 @@ def _next_turn(conversation: Conversation, tokenizer, max_prompt_tokens: int, af
         return None
     earlier = conversation.history or ([{"role": "system", "content": prompt.system}] if prompt.system else [])
     messages = earlier + [{"role": "user", "content": prompt.turns[turn]}]
-    if conversation.history or first_turn is None or prompt.key not in first_turn:
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
-        if not conversation.history and first_turn is not None:
-            first_turn.clear()
-            first_turn[prompt.key] = ids
+    if conversation.history:
+        ids = render(tokenizer, messages, True)
     else:
+        if prompt.key not in first_turn:
+            first_turn.clear()
+            first_turn[prompt.key] = render(tokenizer, messages, True)
         ids = list(first_turn[prompt.key])
     if len(ids) > max_prompt_tokens:
         conversation.too_long = True
