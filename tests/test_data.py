@@ -343,7 +343,7 @@ def test_own_spans_read_each_slots_own_positions_as_the_common_span_does(target,
     q = torch.randn(slots, heads, 1, dim, generator=generator)
     k, v = (torch.randn(slots, kv_heads, 1, dim, generator=generator) for _ in range(2))
     common = SlotAttention(caches[0], None, positions, span, 0.125)(1, q, k, v)
-    own = OwnSpanAttention(caches[1], positions, capacity - 1, span, 0.125)(1, q, k, v)
+    own = OwnSpanAttention(caches[1], positions, capacity - 1, span, 0.125, heads // kv_heads)(1, q, k, v)
     assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
     busy = [0, 2, 3]
     assert torch.allclose(own[busy], common[busy], atol=1e-5) and not own.isnan().any()
@@ -578,7 +578,8 @@ def test_on_cuda_flash_attention_attends_as_the_masked_one_and_captures(qwen_dir
     k, v = (torch.randn(slots, forward.kv_heads, 1, forward.head_dim, generator=generator, device="cuda",
                         dtype=torch.bfloat16) for _ in range(2))
     common = SlotAttention(caches[0], None, positions, span, 0.125)(0, q, k, v).float()
-    own = OwnSpanAttention(caches[1], positions, capacity - 1, span, 0.125)(0, q, k, v).float()
+    own = OwnSpanAttention(caches[1], positions, capacity - 1, span, 0.125,
+                           forward.heads // forward.kv_heads)(0, q, k, v).float()
     assert torch.equal(caches[0].keys, caches[1].keys)
     assert (own - common).abs().max() < 0.02, (own - common).abs().max()
     documents = torch.tensor([[0] * 300 + [1] * 500 + [-1] * 24, [0] * 824, [0] * 100 + [1] * 724], device="cuda")

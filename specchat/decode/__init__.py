@@ -80,7 +80,7 @@ EXPORTS = {
     "drafting.lookup": ("EarlierAnswers", "ANSWER_TOKENS", "prompt_key", "DEFAULT_LOOKUP_PATHS"),
     # the target's own forward and cache, which training runs in batches (`specchat.train`)
     "runtime.forward": ("DecoderForward", "rotate", "unsupported_reason"),
-    "runtime.graphs": ("StepGraphs", "capture_failure"),
+    "runtime.graphs": ("StepGraphs", "kernel_failure"),
     "runtime.envelope": ("powers_of_two",),
     "runtime.transformers_cache": ("KVCache", "cache_argument"),
 }

@@ -42,9 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from drafters.attention import grouped
-from specchat.decode import (DecoderForward, StepGraphs, capture_failure, make_generator, powers_of_two, rotate,
+from specchat.decode import (DecoderForward, StepGraphs, kernel_failure, make_generator, powers_of_two, rotate,
                              sample_rows)
-from specchat.errors import first_line
 from specchat.train import fused_draw
 
 log = logging.getLogger(__name__)
@@ -209,10 +208,7 @@ def flash_varlen_failure(device: torch.device, dtype: torch.dtype) -> str | None
     else:
         q = torch.zeros(4, 1, 64, dtype=dtype, device=device)
         starts, used = (torch.tensor(values, dtype=torch.int32, device=device) for values in ([0, 2, 4], [1, 2]))
-        try:
-            failure = capture_failure(lambda: flash_varlen(q, q, q, starts, starts, 2, 2, 1.0, used))
-        except RuntimeError as error:
-            failure = first_line(error)
+        failure = kernel_failure(lambda: flash_varlen(q, q, q, starts, starts, 2, 2, 1.0, used))
     if failure is not None:
         log.warning("attention without flash attention's variable-length kernel (%s)", failure)
     return failure
@@ -228,23 +224,20 @@ class OwnSpanAttention:
     layer's [slots, kv_heads, capacity, d] lies as [slots x kv_heads x capacity, 1, d]); an idle slot
     (at `idle`, the scratch position) reads one position. `span` bounds every slot's positions."""
 
-    def __init__(self, cache: SlotCache, positions: torch.Tensor, idle: int, span: int, scale: float):
-        slots, kv_heads = cache.keys.shape[1:3]
+    def __init__(self, cache: SlotCache, positions: torch.Tensor, idle: int, span: int, scale: float, group: int):
+        """`group`: the query heads that share a KV head (head j reads KV head j // group, as `grouped`)."""
+        slots, kv_heads, capacity = cache.keys.shape[1], cache.keys.shape[2], cache.capacity
         used = torch.where(positions[:, 0] == idle, 1, positions[:, 0] + 1).to(torch.int32)
         self.used = used[:, None].expand(slots, kv_heads).reshape(-1)  # sequence s * kv_heads + h: slot s, KV head h
-        self.sequences = torch.arange(slots * kv_heads + 1, dtype=torch.int32, device=positions.device)
-        self.starts: tuple[torch.Tensor, torch.Tensor] | None = None  # the sequences' queries' and keys' (a forward's)
-        self.cache, self.positions, self.span, self.scale = cache, positions, span, scale
+        sequences = torch.arange(slots * kv_heads + 1, dtype=torch.int32, device=positions.device)
+        self.query_starts, self.key_starts = sequences * group, sequences * capacity
+        self.cache, self.positions, self.span, self.scale, self.group = cache, positions, span, scale, group
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
         keys, values = self.cache.write(layer, None, self.positions, k, v)
-        slots, kv_heads, capacity, dim = keys.shape
-        heads = q.shape[1]
-        group = heads // kv_heads  # query head j reads KV head j // group, as `grouped` has it
-        if self.starts is None:
-            self.starts = self.sequences * group, self.sequences * capacity
+        slots, heads, _, dim = q.shape
         out = flash_varlen(q.reshape(slots * heads, 1, dim), keys.view(-1, 1, dim), values.view(-1, 1, dim),
-                           *self.starts, group, self.span, self.scale, self.used)
+                           self.query_starts, self.key_starts, self.group, self.span, self.scale, self.used)
         return out.reshape(slots, heads, 1, dim)
 
 
@@ -566,7 +559,8 @@ class SlotDecoder:
     def _decode(self, span: int, sampled: bool) -> None:
         """One token for every slot (idle ones write to the scratch position): the captured step."""
         positions, scale = self.positions[:, None], self.forward.scaling
-        attention = (OwnSpanAttention(self.cache, positions, self.scratch, span, scale) if self.own_spans
+        group = self.forward.heads // self.forward.kv_heads
+        attention = (OwnSpanAttention(self.cache, positions, self.scratch, span, scale, group) if self.own_spans
                      else SlotAttention(self.cache, None, positions, span, scale))
         final, _ = rows_forward(self.forward, self.tokens[:, None], positions, attention)
         logits = self.target.lm_head(final[:, 0])

@@ -10,7 +10,7 @@ takes the argmax, divides, runs softmax and a cumulative sum, each a pass over [
 
 The noise comes from Philox (`tl.rand`) keyed by a seed the step reads from the device, which the
 captured step itself advances, so a CUDA graph's replays draw afresh; the stream is the kernel's,
-not a torch.Generator's. Without Triton (CPU installs) `available` says why, and torch's draw runs.
+not a torch.Generator's. Without Triton (CPU installs) `unavailable` says why, and torch's draw runs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import logging
 
 import torch
 
-from specchat.decode import capture_failure
-from specchat.errors import first_line
+from specchat.decode import kernel_failure
 
 try:
     import triton
@@ -50,8 +49,7 @@ if triton is not None:
             score = tl.load(logits_ptr + row * row_stride + index, mask=inside, other=float("-inf")).to(tl.float32)
             if hot:
                 uniform = tl.rand(seed, row * vocab + index)
-                score = score * inverse - tl.log(-tl.log(uniform))
-                score = tl.where(inside, score, float("-inf"))
+                score = score * inverse - tl.log(-tl.log(uniform))  # a lane past the end stays -inf
             better = score > best  # strictly: a lane keeps its first index at a tie
             best = tl.where(better, score, best)
             best_index = tl.where(better, index, best_index)
@@ -79,10 +77,7 @@ def unavailable(device: torch.device) -> str | None:
     logits = torch.zeros(2, 8, device=device)
     temperatures, seed = torch.tensor([0.0, 1.0], device=device), torch.zeros(1, dtype=torch.int64, device=device)
     out = torch.zeros(2, dtype=torch.int64, device=device)
-    try:
-        failure = capture_failure(lambda: draw(logits, temperatures, seed, out))
-    except Exception as error:  # noqa: BLE001 - Triton's own errors (CompilationError, OutOfResources), torch's
-        failure = first_line(error)
+    failure = kernel_failure(lambda: draw(logits, temperatures, seed, out))
     if failure is not None:
         log.warning("regeneration draws with torch's passes (%s)", failure)
     return failure

@@ -42,6 +42,16 @@ def capture_failure(step: Callable[[], None]) -> str | None:
     return None
 
 
+def kernel_failure(step: Callable[[], None]) -> str | None:
+    """Why `step`, a call to a kernel that may not build or run on this device (flash attention's, a
+    Triton one), cannot run eagerly and then in a captured step, or None: `capture_failure`, with the
+    eager run's error said too rather than raised."""
+    try:
+        return capture_failure(step)
+    except Exception as error:  # noqa: BLE001 - a kernel's own errors (Triton's CompilationError, ...) and torch's
+        return first_line(error)
+
+
 class StepGraphs:
     """The captured steps of one engine, sharing one memory pool."""
 
