@@ -323,6 +323,14 @@ def test_packed_rows_through_flash_attention_attend_as_their_mask_says(target, m
     assert torch.allclose(features, masked_features, atol=1e-5) and torch.equal(argmax, masked_argmax)
 
 
+def twin_caches(forward, slots: int, capacity: int, generator: torch.Generator) -> tuple[SlotCache, SlotCache]:
+    """Two slot caches holding the same random keys and values: one for each attention compared."""
+    first, second = SlotCache(forward, slots, capacity), SlotCache(forward, slots, capacity)
+    for mine, its in ((first.keys, second.keys), (first.values, second.values)):
+        its.copy_(mine.copy_(torch.randn(mine.shape, generator=generator, device=mine.device)))
+    return first, second
+
+
 def test_own_spans_read_each_slots_own_positions_as_the_common_span_does(target, monkeypatch):
     """A decoding step's attention over each slot's own positions (`OwnSpanAttention`: each slot and
     KV head one of flash attention's sequences, the keys where the cache holds them) against the
@@ -334,11 +342,7 @@ def test_own_spans_read_each_slots_own_positions_as_the_common_span_does(target,
     slots, capacity, span = 4, 40, 32
     heads, kv_heads, dim = forward.heads, forward.kv_heads, forward.head_dim
     assert heads > kv_heads > 1  # grouped query heads: which query head reads which KV head is checked
-    caches = [SlotCache(forward, slots, capacity) for _ in range(2)]
-    for cache in caches:
-        cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
-        cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
-    caches[1].keys.copy_(caches[0].keys), caches[1].values.copy_(caches[0].values)
+    caches = twin_caches(forward, slots, capacity, generator)
     positions = torch.tensor([[3], [capacity - 1], [31], [0]])  # slot 1 idle, at the scratch position
     q = torch.randn(slots, heads, 1, dim, generator=generator)
     k, v = (torch.randn(slots, kv_heads, 1, dim, generator=generator) for _ in range(2))
@@ -568,11 +572,7 @@ def test_on_cuda_flash_attention_attends_as_the_masked_one_and_captures(qwen_dir
     forward = gpu.own_forward
     generator = torch.Generator(device="cuda").manual_seed(0)
     slots, capacity, span = 64, 600, 512
-    caches = [SlotCache(forward, slots, capacity) for _ in range(2)]
-    for cache in caches:
-        cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator, device="cuda"))
-        cache.values.copy_(torch.randn(cache.values.shape, generator=generator, device="cuda"))
-    caches[1].keys.copy_(caches[0].keys), caches[1].values.copy_(caches[0].values)
+    caches = twin_caches(forward, slots, capacity, generator)
     positions = torch.randint(0, span, (slots, 1), generator=generator, device="cuda")
     q = torch.randn(slots, forward.heads, 1, forward.head_dim, generator=generator, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(slots, forward.kv_heads, 1, forward.head_dim, generator=generator, device="cuda",
